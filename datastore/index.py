@@ -109,7 +109,11 @@ class Datastore:
         manifest = fmt.read_manifest(path)
         if not manifest.shards:
             raise fmt.IndexFormatError(f"index {path} has no shards")
-        shards = [_Shard(*fmt.open_shard(path, entry, manifest, full_check=verify)) for entry in manifest.shards]
+        shards = [
+            # plain ndarray views of the memory maps: np.memmap's subclass hooks cost more than the search
+            _Shard(*(np.asarray(a) for a in fmt.open_shard(path, entry, manifest, full_check=verify)))
+            for entry in manifest.shards
+        ]
         log.info("opened %s: %d tokens in %d shards", path, manifest.num_tokens, len(shards))
         return cls(path, manifest, shards, max_candidates)
 

@@ -32,8 +32,8 @@ class DraftConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first field that is out of range."""
-        if not 0 <= self.budget <= MAX_BUDGET:
-            raise ValueError(f"budget must be in [0, {MAX_BUDGET}], got {self.budget}")
+        if not 1 <= self.budget <= MAX_BUDGET:
+            raise ValueError(f"budget must be in [1, {MAX_BUDGET}], got {self.budget}")
         if not 1 <= self.max_depth <= MAX_DEPTH:
             raise ValueError(f"max_depth must be in [1, {MAX_DEPTH}], got {self.max_depth}")
         if not 1 <= self.n_min <= MAX_SUFFIX:
@@ -78,9 +78,14 @@ class DraftTree:
             raise ValueError("tokens, parents and counts must be 1-D arrays of one length")
         if n and (np.any(parents >= np.arange(n)) or np.any(parents < -1)):
             raise ValueError("every parent must be -1 or an earlier node (BFS order)")
-        depths = np.zeros(n, dtype=np.int32)
-        for i in range(n):  # parents precede children, so one pass fills every depth
-            depths[i] = 1 if parents[i] < 0 else depths[parents[i]] + 1
+        # depth = 1 + depth(parent); iterating to the fixed point takes max-depth vectorized rounds
+        depths = np.ones(n, dtype=np.int32)
+        has_parent = parents >= 0
+        while n:
+            updated = np.where(has_parent, depths[parents] + 1, 1).astype(np.int32)
+            if np.array_equal(updated, depths):
+                break
+            depths = updated
         depths.setflags(write=False)
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)

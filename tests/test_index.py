@@ -43,7 +43,7 @@ def test_draft_equals_brute_force_on_random_corpora(tmp_path, docs, data, shard_
     write_index(tmp_path / "idx", docs, vocab_size=6, shard_tokens=shard_tokens)
     # documents longer than a shard are split by the writer; the oracle sees the same pieces
     pieces = [d[i : i + shard_tokens] for d in docs for i in range(0, len(d), shard_tokens)]
-    config = DraftConfig(budget=data.draw(st.integers(0, 30)), max_depth=data.draw(st.integers(1, 6)),
+    config = DraftConfig(budget=data.draw(st.integers(1, 30)), max_depth=data.draw(st.integers(1, 6)),
                          n_max=data.draw(st.integers(2, 6)), n_min=data.draw(st.integers(1, 2)))
     with Datastore.open(tmp_path / "idx") as store:
         for _ in range(5):

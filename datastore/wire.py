@@ -1,0 +1,148 @@
+"""The only conversions between gRPC messages (``rest_proto.v1``) and the datastore's types.
+
+The server and the client both go through these functions, so a tree survives the round trip
+unchanged and a bad request fails the same way everywhere: ``ValueError`` naming the field. The
+functions are plain and tested without a network.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from datastore.types import MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo
+from rest_proto.v1 import datastore_pb2 as pb
+
+DEFAULT_CONFIG = DraftConfig()
+# A server accepts at least this many context tokens, so a client sending its last n_max tokens
+# is always within the limit.
+MIN_CONTEXT_LIMIT = MAX_SUFFIX
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+
+def params_to_message(config: DraftConfig) -> pb.DraftParams:
+    """Every field explicit (on the wire 0 means "server default"; ``DraftConfig`` never holds 0)."""
+    return pb.DraftParams(budget=config.budget, max_depth=config.max_depth, n_max=config.n_max, n_min=config.n_min)
+
+
+def config_from_message(params: pb.DraftParams) -> DraftConfig:
+    """A validated ``DraftConfig``; 0 (unset) fields take the defaults. Raises ``ValueError``
+    naming the first field out of range."""
+    return DraftConfig(
+        budget=params.budget or DEFAULT_CONFIG.budget,
+        max_depth=params.max_depth or DEFAULT_CONFIG.max_depth,
+        n_max=params.n_max or DEFAULT_CONFIG.n_max,
+        n_min=params.n_min or DEFAULT_CONFIG.n_min,
+    )
+
+
+def context_to_message(context: Sequence[int] | np.ndarray, n_max: int) -> pb.Context:
+    """The last ``n_max`` tokens of ``context``: the server never looks further back."""
+    tokens = np.asarray(context)
+    if tokens.ndim != 1:
+        raise ValueError(f"context must be a 1-D sequence of token ids, got shape {tokens.shape}")
+    tail = tokens[-n_max:]
+    if tail.size and not np.issubdtype(tail.dtype, np.integer):
+        raise ValueError(f"context must hold integer token ids, got {tail.dtype}")
+    if tail.size and tail.min() < 0:
+        raise ValueError(f"context token id {int(tail.min())} is negative")
+    return pb.Context(tokens=tail.tolist())
+
+
+def context_from_message(message: pb.Context, vocab_size: int, max_tokens: int, field: str = "context") -> np.ndarray:
+    """uint32 [n] token ids, checked: non-empty, at most ``max_tokens``, every id < ``vocab_size``."""
+    tokens = np.array(message.tokens, dtype=np.uint32)
+    if tokens.size == 0:
+        raise ValueError(f"{field} is empty: send at least one token id")
+    if tokens.size > max_tokens:
+        raise ValueError(f"{field} has {tokens.size} tokens, more than this server's limit of {max_tokens}")
+    bad = np.flatnonzero(tokens >= vocab_size)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{field}[{i}] = {int(tokens[i])} is outside the vocabulary [0, {vocab_size})")
+    return tokens
+
+
+def draft_request(context: Sequence[int] | np.ndarray, config: DraftConfig) -> pb.DraftRequest:
+    return pb.DraftRequest(context=context_to_message(context, config.n_max), params=params_to_message(config))
+
+
+def draft_batch_request(contexts: Sequence[Sequence[int]], config: DraftConfig) -> pb.DraftBatchRequest:
+    return pb.DraftBatchRequest(
+        contexts=[context_to_message(c, config.n_max) for c in contexts], params=params_to_message(config)
+    )
+
+
+def parse_draft_request(request: pb.DraftRequest, vocab_size: int, max_tokens: int) -> tuple[np.ndarray, DraftConfig]:
+    """(context, config) of a request, validated (``ValueError`` naming the field)."""
+    config = config_from_message(request.params)
+    return context_from_message(request.context, vocab_size, max_tokens), config
+
+
+def parse_draft_batch_request(
+    request: pb.DraftBatchRequest, vocab_size: int, max_tokens: int
+) -> tuple[list[np.ndarray], DraftConfig]:
+    """(contexts, config) of a batch request; a bad context is named ``contexts[i]``."""
+    config = config_from_message(request.params)
+    contexts = [
+        context_from_message(c, vocab_size, max_tokens, field=f"contexts[{i}]") for i, c in enumerate(request.contexts)
+    ]
+    return contexts, config
+
+
+# ---- trees ----------------------------------------------------------------------------------
+
+
+def tree_to_message(tree: DraftTree) -> pb.DraftTree:
+    return pb.DraftTree(
+        tokens=tree.tokens.tolist(),
+        parents=tree.parents.tolist(),
+        counts=tree.counts.tolist(),
+        scores=tree.scores.tolist(),
+        match_len=tree.match_len,
+        num_matches=tree.num_matches,
+        num_sampled=tree.num_sampled,
+    )
+
+
+def tree_from_message(message: pb.DraftTree) -> DraftTree:
+    """The tree a message carries (``scores`` is derived from counts, so it is not read back).
+    Raises ``ValueError`` when the arrays do not form a BFS-ordered tree."""
+    return DraftTree(
+        np.array(message.tokens, dtype=np.int32),
+        np.array(message.parents, dtype=np.int32),
+        np.array(message.counts, dtype=np.int64),
+        message.match_len,
+        message.num_matches,
+        message.num_sampled,
+    )
+
+
+# ---- info -----------------------------------------------------------------------------------
+
+
+def info_to_message(info: IndexInfo) -> pb.InfoReply:
+    return pb.InfoReply(
+        format_version=info.format_version,
+        tokenizer_name=info.tokenizer_name,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        vocab_size=info.vocab_size,
+        num_tokens=info.num_tokens,
+        num_documents=info.num_documents,
+        shards=[pb.Shard(name=s.name, num_tokens=s.num_tokens, num_documents=s.num_documents) for s in info.shards],
+    )
+
+
+def info_from_message(message: pb.InfoReply) -> IndexInfo:
+    return IndexInfo(
+        format_version=message.format_version,
+        tokenizer_name=message.tokenizer_name,
+        tokenizer_fingerprint=message.tokenizer_fingerprint,
+        vocab_size=message.vocab_size,
+        num_tokens=message.num_tokens,
+        num_documents=message.num_documents,
+        shards=tuple(ShardInfo(s.name, s.num_tokens, s.num_documents) for s in message.shards),
+    )

@@ -1,0 +1,141 @@
+"""The wire contract without a network: committed generated code is current, and every conversion in
+``datastore.wire`` round-trips or refuses a bad request with a message naming the field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datastore import wire
+from datastore.types import MAX_BUDGET, MAX_DEPTH, MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo
+from rest_proto import generate
+from rest_proto.v1 import datastore_pb2 as pb
+
+
+def test_committed_generated_code_is_what_the_generator_writes(tmp_path):
+    written = generate.generate(tmp_path)
+    assert len(written) == 3
+    for path in written:
+        committed = generate.PROTO_ROOT / path.relative_to(tmp_path)
+        assert path.read_bytes() == committed.read_bytes(), f"{committed} is stale: run python -m rest_proto.generate"
+
+
+def test_generated_imports_use_the_rest_proto_name():
+    grpc_module = (generate.PROTO_ROOT / "rest_proto/v1/datastore_pb2_grpc.py").read_text()
+    assert "from rest_proto.v1 import datastore_pb2" in grpc_module
+
+
+@st.composite
+def trees(draw):
+    n = draw(st.integers(0, 40))
+    parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+    tokens = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+    counts = draw(st.lists(st.integers(0, 2**63 - 1), min_size=n, max_size=n))
+    return DraftTree(
+        np.array(tokens, np.int32),
+        np.array(parents, np.int32),
+        np.array(counts, np.int64),
+        match_len=draw(st.integers(0, MAX_SUFFIX)),
+        num_matches=draw(st.integers(0, 2**63 - 1)),
+        num_sampled=draw(st.integers(0, 2**63 - 1)),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(tree=trees())
+def test_tree_round_trips_through_serialized_message(tree):
+    data = wire.tree_to_message(tree).SerializeToString()
+    message = pb.DraftTree.FromString(data)
+    assert wire.tree_from_message(message) == tree
+    np.testing.assert_array_equal(np.array(message.scores, np.float32), tree.scores.astype(np.float32))
+
+
+def test_empty_tree_is_the_default_message():
+    """"Not found" costs no bytes, and a reply without a tree decodes to the empty tree."""
+    assert wire.tree_to_message(DraftTree.empty()).SerializeToString() == b""
+    assert wire.tree_from_message(pb.DraftReply().tree) == DraftTree.empty()
+
+
+def test_malformed_tree_message_is_refused():
+    with pytest.raises(ValueError, match="parent"):
+        wire.tree_from_message(pb.DraftTree(tokens=[1, 2], parents=[1, -1], counts=[1, 1]))
+
+
+@given(
+    budget=st.integers(1, MAX_BUDGET),
+    max_depth=st.integers(1, MAX_DEPTH),
+    n=st.tuples(st.integers(1, MAX_SUFFIX), st.integers(1, MAX_SUFFIX)).map(sorted),
+)
+def test_config_round_trips(budget, max_depth, n):
+    config = DraftConfig(budget=budget, max_depth=max_depth, n_min=n[0], n_max=n[1])
+    message = pb.DraftParams.FromString(wire.params_to_message(config).SerializeToString())
+    assert wire.config_from_message(message) == config
+
+
+def test_unset_params_are_the_documented_defaults():
+    assert wire.config_from_message(pb.DraftParams()) == DraftConfig(budget=64, max_depth=10, n_max=16, n_min=2)
+    assert wire.config_from_message(pb.DraftParams(budget=5)) == DraftConfig(budget=5)
+
+
+def test_budget_zero_is_not_a_config():
+    # 0 is the wire's "server default", so no DraftConfig may carry it
+    with pytest.raises(ValueError, match="budget"):
+        DraftConfig(budget=0)
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (pb.DraftParams(budget=MAX_BUDGET + 1), "budget"),
+        (pb.DraftParams(max_depth=MAX_DEPTH + 1), "max_depth"),
+        (pb.DraftParams(n_max=MAX_SUFFIX + 1), "n_max"),
+        (pb.DraftParams(n_min=MAX_SUFFIX + 1), "n_min"),
+        (pb.DraftParams(n_min=12, n_max=8), "n_max"),
+    ],
+)
+def test_params_out_of_range_name_the_field(params, field):
+    with pytest.raises(ValueError, match=f"^{field} "):
+        wire.config_from_message(params)
+
+
+@pytest.mark.parametrize(
+    "tokens, message",
+    [
+        ([], "context is empty"),
+        (list(range(65)), "context has 65 tokens, more than this server's limit of 64"),
+        ([1, 2, 100], r"context\[2\] = 100 is outside the vocabulary \[0, 100\)"),
+    ],
+)
+def test_bad_context_names_the_field(tokens, message):
+    with pytest.raises(ValueError, match=message):
+        wire.context_from_message(pb.Context(tokens=tokens), vocab_size=100, max_tokens=64)
+
+
+def test_batch_request_names_the_bad_context():
+    request = pb.DraftBatchRequest(contexts=[pb.Context(tokens=[1]), pb.Context()])
+    with pytest.raises(ValueError, match=r"contexts\[1\] is empty"):
+        wire.parse_draft_batch_request(request, vocab_size=100, max_tokens=64)
+
+
+def test_request_round_trip_sends_only_the_last_n_max_tokens():
+    config = DraftConfig(n_max=4, n_min=2)
+    request = pb.DraftRequest.FromString(wire.draft_request(np.arange(10), config).SerializeToString())
+    context, parsed = wire.parse_draft_request(request, vocab_size=10, max_tokens=64)
+    assert context.tolist() == [6, 7, 8, 9] and parsed == config
+    batch = wire.draft_batch_request([[1, 2, 3, 4, 5], [7]], config)
+    contexts, _ = wire.parse_draft_batch_request(batch, vocab_size=10, max_tokens=64)
+    assert [c.tolist() for c in contexts] == [[2, 3, 4, 5], [7]]
+
+
+@pytest.mark.parametrize("context", [[[1, 2]], [1, -3], [0.5, 1.5]], ids=["2-D", "negative", "float"])
+def test_client_refuses_contexts_the_wire_cannot_carry(context):
+    with pytest.raises(ValueError, match="context"):
+        wire.context_to_message(context, n_max=16)
+
+
+def test_info_round_trips():
+    shards = (ShardInfo("shard-00000", 10**12 - 5, 4), ShardInfo("shard-00001", 5, 3))
+    info = IndexInfo(1, "SmolLM2", "sha256:ab", 49152, 10**12, 7, shards)
+    assert wire.info_from_message(pb.InfoReply.FromString(wire.info_to_message(info).SerializeToString())) == info
