@@ -1,0 +1,257 @@
+"""``rest-generate``: greedy generation with REST draft trees from a local index or a server.
+
+A thin layer over ``drafter.generate.generate``: parse arguments, read prompts, open the datastore,
+load tokenizer and model, print results. Library errors become one line on stderr and exit code 2.
+Heavy imports (torch, transformers) happen after argument parsing so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from drafter.base import Drafter
+    from drafter.generate import GenerationResult
+
+log = logging.getLogger("drafter.cli")
+
+# HOST:PORT, with HOST a name, an IPv4 address or a bracketed IPv6 address.
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):\d{1,5}$")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+class CliError(Exception):
+    """A user-facing problem: printed as one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: raw ``text`` or chat ``messages`` (rendered with the tokenizer's template)."""
+
+    text: str | None = None
+    messages: tuple[dict, ...] | None = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rest-generate",
+        description="Greedy generation with retrieval-based speculative decoding (REST). Output is "
+        "token-identical to plain greedy decoding; the datastore only changes the speed.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--datastore",
+        metavar="DIR|HOST:PORT",
+        help="an index directory (opened in-process) or the address of a rest-datastore server",
+    )
+    source.add_argument(
+        "--no-draft", action="store_true", help="plain greedy decoding through the same loop (baseline)"
+    )
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", metavar="TEXT", help="one raw-text prompt")
+    prompts.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        type=Path,
+        help='one prompt per line: {"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} '
+        "(rendered with the tokenizer's chat template and a generation prompt)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="SPEC",
+        help="Hugging Face id, model directory or .gguf file (default: the packaged SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: %(default)s"
+    )
+    parser.add_argument(
+        "--budget", type=int, default=64, metavar="C", help="draft tree size in nodes (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-depth",
+        type=_positive_int,
+        default=10,
+        metavar="M",
+        help="draft tree depth in tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt on stdout instead of text"
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr"
+    )
+    return parser
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    """Parse a prompts JSONL file (blank lines skipped); a bad line raises ``CliError`` naming it."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise CliError(f"cannot read prompts file {path}: {exc.strerror or exc}") from exc
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            prompts.append(_parse_prompt_line(line, f"{path}:{number}"))
+    if not prompts:
+        raise CliError(f"{path}: no prompts")
+    return prompts
+
+
+def _parse_prompt_line(line: str, where: str) -> Prompt:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{where}: invalid JSON ({exc.msg})") from exc
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return Prompt(text=record["prompt"])
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if isinstance(messages, list) and messages and all(map(_is_message, messages)):
+        return Prompt(messages=tuple(messages))
+    raise CliError(
+        f'{where}: expected {{"prompt": "text"}} or {{"messages": [{{"role": ..., "content": ...}}, ...]}}'
+    )
+
+
+def _is_message(message: object) -> bool:
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+    )
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt; chat messages go through the chat template with a generation prompt."""
+    if prompt.messages is None:
+        return tokenizer(prompt.text).input_ids
+    text = tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def open_drafter(spec: str) -> Drafter:
+    """A ``LocalDrafter`` for an index directory, a ``RemoteDrafter`` for HOST:PORT.
+
+    The drafter is asked for its ``info()`` here, so an unreachable server or a broken index fails
+    now with a ``CliError`` rather than at the first draft.
+    """
+    if Path(spec).is_dir():
+        from drafter.local import LocalDrafter
+
+        opener, kind = (lambda: LocalDrafter.open(spec)), "index"
+    elif _ADDRESS.match(spec):
+        from drafter.remote import RemoteDrafter
+
+        opener, kind = (lambda: RemoteDrafter(spec)), "server"
+    else:
+        raise CliError(f"--datastore {spec}: no such index directory, and not a HOST:PORT address")
+    drafter = None
+    try:
+        drafter = opener()
+        drafter.info()
+    # Index format errors are ValueErrors; unreachable servers ConnectionErrors (OSError); other
+    # server-side failures RuntimeErrors.
+    except (OSError, ValueError, RuntimeError) as exc:
+        if drafter is not None:
+            drafter.close()
+        log.debug("opening %s failed", spec, exc_info=True)
+        raise CliError(f"cannot use datastore {kind} {spec}: {_first_line(exc)}") from exc
+    return drafter
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def result_record(result: GenerationResult, text: str) -> dict:
+    """The ``--json`` object for one prompt."""
+    return {
+        "output_ids": result.output_ids,
+        "text": text,
+        "new_tokens": len(result.output_ids),
+        "steps": result.steps,
+        "mean_accepted": round(result.mean_accepted, 4),
+        "seconds": round(result.seconds, 4),
+        "tokens_per_second": round(result.tokens_per_second, 2),
+        "draft_seconds": round(result.draft_seconds, 4),
+        "verify_seconds": round(result.verify_seconds, 4),
+    }
+
+
+def run(args: argparse.Namespace) -> None:
+    """Everything after argument parsing; raises on errors."""
+    from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from datastore.types import DraftConfig
+    from drafter.base import check_tokenizer
+    from drafter.generate import generate
+    from drafter.model import load_model
+
+    config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
+    prompts = [Prompt(text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
+
+    drafter = None if args.no_draft else open_drafter(args.datastore)
+    try:
+        started = time.perf_counter()
+        tokenizer = load_tokenizer(args.model)
+        if drafter is not None:
+            check_tokenizer(drafter, tokenizer_fingerprint(tokenizer))
+        model = load_model(args.model, device=args.device)
+        elapsed = time.perf_counter() - started
+        log.info("loaded %s on %s in %.1f s", type(model).__name__, model.device, elapsed)
+        for number, prompt in enumerate(prompts, start=1):
+            result = generate(
+                model,
+                encode_prompt(tokenizer, prompt),
+                drafter,
+                max_new_tokens=args.max_new_tokens,
+                config=config,
+            )
+            text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            if args.json:
+                print(json.dumps(result_record(result, text), ensure_ascii=False), flush=True)
+            else:
+                print(text, flush=True)
+                print(
+                    f"[{number}/{len(prompts)}] {len(result.output_ids)} tokens in {result.seconds:.2f} s "
+                    f"({result.tokens_per_second:.1f} tok/s), {result.steps} steps, mean accepted "
+                    f"{result.mean_accepted:.2f}, draft {result.draft_seconds:.3f} s, verify "
+                    f"{result.verify_seconds:.2f} s",
+                    file=sys.stderr,
+                )
+    finally:
+        if drafter is not None:
+            drafter.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for name in ("drafter", "datastore"):  # this project's loggers only, not every library's
+        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    try:
+        run(args)
+    except (CliError, OSError, ValueError) as exc:  # TokenizerMismatchError is a ValueError
+        log.debug("failed", exc_info=True)
+        print(f"rest-generate: error: {_first_line(exc)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
