@@ -50,22 +50,18 @@ class IndexWriter:
         tokenizer_fingerprint: str,
         vocab_size: int,
         shard_tokens: int = DEFAULT_SHARD_TOKENS,
-        corpus: dict | None = None,
-        build_args: dict | None = None,
         overwrite: bool = False,
     ) -> None:
         if shard_tokens < 1:
             raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
         self.out_dir = Path(out_dir)
         self.overwrite = overwrite
-        self._check_target()
+        self.check_target(self.out_dir, overwrite)
         self.shard_tokens = shard_tokens
         self.dtype = fmt.token_dtype(vocab_size)
         self.sep = fmt.separator(self.dtype)
         self.vocab_size = vocab_size
         self._tokenizer = fmt.TokenizerEntry(tokenizer_name, tokenizer_fingerprint, vocab_size)
-        self._corpus = corpus or {}
-        self._build_args = build_args or {}
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}"
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -76,9 +72,11 @@ class IndexWriter:
         self._sa_seconds = 0.0
         self._closed = False
 
-    def _check_target(self) -> None:
-        if self.out_dir.exists() and not self.overwrite:
-            raise FileExistsError(f"{self.out_dir} already exists; pass --overwrite to replace it")
+    @staticmethod
+    def check_target(out_dir: Path, overwrite: bool) -> None:
+        """Refuse an existing target unless ``overwrite`` (callers check before hours of work)."""
+        if Path(out_dir).exists() and not overwrite:
+            raise FileExistsError(f"{out_dir} already exists; pass --overwrite to replace it")
 
     def __enter__(self) -> "IndexWriter":
         return self
@@ -125,8 +123,11 @@ class IndexWriter:
         log.info("wrote %s: %d documents, %d tokens", entry.name, entry.num_documents, entry.num_tokens)
         self._pending, self._pending_tokens = [], 0
 
-    def finish(self) -> BuildSummary:
-        """Write the last shard and the manifest, then move the index into place atomically."""
+    def finish(self, corpus: dict | None = None, build: dict | None = None) -> BuildSummary:
+        """Write the last shard and the manifest, then move the index into place atomically.
+
+        ``corpus`` (provenance) and ``build`` (arguments, timings) go into the manifest as given;
+        the writer adds its own ``suffix_array_seconds`` to ``build``."""
         self._flush()
         if not self._shards:
             raise ValueError("no documents to index: every document was empty or none was given")
@@ -135,8 +136,8 @@ class IndexWriter:
             token_dtype=self.dtype.str,
             separator=self.sep,
             shards=tuple(self._shards),
-            corpus=self._corpus,
-            build=self._build_args,
+            corpus=dict(corpus or {}),
+            build={**(build or {}), "suffix_array_seconds": round(self._sa_seconds, 3)},
         )
         fmt.write_manifest(self._tmp, manifest)
         self._publish()
@@ -146,7 +147,7 @@ class IndexWriter:
         )
 
     def _publish(self) -> None:
-        self._check_target()
+        self.check_target(self.out_dir, self.overwrite)
         old = self.out_dir.parent / f".{self.out_dir.name}.old-{os.getpid()}"
         if self.out_dir.exists():
             os.replace(self.out_dir, old)

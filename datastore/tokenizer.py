@@ -46,6 +46,8 @@ def load_tokenizer(spec: str | Path | None = None):
     from transformers import AutoTokenizer
 
     name, kwargs = split_model_spec(spec)
+    if not kwargs and not Path(name).exists() and (name.startswith((".", "/", "~")) or name.count("/") > 1):
+        raise FileNotFoundError(f"tokenizer path not found: {name}")  # not a Hub id ("org/name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
     except OSError as exc:

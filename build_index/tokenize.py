@@ -1,0 +1,147 @@
+"""Batch tokenization with the fast (Rust) tokenizer, in parallel over worker processes.
+
+The tokenizer is loaded once, by the caller; workers rebuild it from its JSON serialization
+(``backend_tokenizer.to_str()``), which is quick and needs neither ``transformers`` nor the model
+files. Documents are encoded without special tokens (the index separates documents itself) and
+come back in input order as ``uint32`` arrays, whatever the number of workers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from itertools import chain, islice
+from typing import Iterable, Iterator
+
+import numpy as np
+from tokenizers import Tokenizer
+
+DEFAULT_BATCH_SIZE = 64
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    workers: int = 1  # 1 = encode in this process
+    batch_size: int = DEFAULT_BATCH_SIZE  # documents per batch sent to a worker
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.batch_size < 1:
+            raise ValueError(f"workers and batch_size must be positive, got {self.workers} and {self.batch_size}")
+
+
+def backend_json(tokenizer) -> str:
+    """The Rust tokenizer's JSON, from a ``transformers`` fast tokenizer or a ``tokenizers.Tokenizer``."""
+    return getattr(tokenizer, "backend_tokenizer", tokenizer).to_str()
+
+
+def _rebuild(tokenizer_json: str) -> Tokenizer:
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    # A serialized tokenizer may carry the padding/truncation a caller last used; documents are
+    # encoded whole and unpadded.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
+def _encode(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """One batch -> (all ids concatenated, uint32; per-document lengths, int64): two arrays
+    pickle far faster than one list per document."""
+    ids = [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum()))
+    return flat, lengths
+
+
+# Set by the pool initializer in each worker process only; the parent never reads it.
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    global _worker_tokenizer
+    # The pool gives each process one core; Rust threads on top would only contend for it.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C is the parent's to handle: it stops the pool and removes the partial index.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker_tokenizer = _rebuild(tokenizer_json)
+
+
+def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    return _encode(_worker_tokenizer, texts)
+
+
+def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    it = iter(texts)
+    while batch := list(islice(it, size)):
+        yield batch
+
+
+class BatchTokenizer:
+    """Encodes a stream of documents in batches, over ``config.workers`` processes.
+
+    Use as a context manager (it owns the worker pool). Workers are spawned, so a script that
+    uses more than one needs the usual ``if __name__ == "__main__":`` guard::
+
+        with BatchTokenizer(tokenizer, TokenizeConfig(workers=4)) as encoder:
+            for ids in encoder.encode(texts):   # uint32 [len(text's tokens)], in input order
+                ...
+    """
+
+    def __init__(self, tokenizer, config: TokenizeConfig = TokenizeConfig()) -> None:
+        self.config = config
+        self._json = backend_json(tokenizer)
+        self._pool: ProcessPoolExecutor | None = None
+        self._local: Tokenizer | None = None
+
+    def __enter__(self) -> "BatchTokenizer":
+        if self.config.workers == 1:
+            self._local = _rebuild(self._json)
+        else:
+            # spawn, not fork: the parent may hold threads (progress bar, dataset streaming) and
+            # Rust thread pools, which a fork would copy in an undefined state. An executor, not
+            # multiprocessing.Pool: a worker that dies raises BrokenProcessPool instead of hanging.
+            self._pool = ProcessPoolExecutor(
+                self.config.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(self._json,),
+            )
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
+            self._pool = None
+
+    def encode(self, texts: Iterable[str]) -> Iterator[np.ndarray]:
+        """Token ids of each text, in order."""
+        batches = _batches(texts, self.config.batch_size)
+        if self._pool is None and self._local is None:
+            raise RuntimeError("BatchTokenizer.encode() outside its `with` block")
+        results = map(lambda b: _encode(self._local, b), batches) if self._pool is None else self._ordered(batches)
+        for flat, lengths in results:
+            yield from np.split(flat, np.cumsum(lengths[:-1]))
+
+    def _ordered(self, batches: Iterator[list[str]]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Worker results in submission order with at most ``2 * workers`` batches in flight.
+
+        Unlike ``Pool.imap`` or ``Executor.map``, which take the whole input at once, this reads
+        the corpus only as fast as the workers encode it, so memory stays bounded on large streams."""
+        pending = deque()
+        for batch in batches:
+            pending.append(self._pool.submit(_encode_in_worker, batch))
+            if len(pending) >= 2 * self.config.workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()

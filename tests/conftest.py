@@ -1,0 +1,30 @@
+"""Fixtures shared across test modules: the real SmolLM2 model and a real python-stdlib index,
+each built once per session (they take tens of seconds)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer): the packaged SmolLM2-135M-Instruct, fp32 on CPU, eval mode."""
+    from datastore.tokenizer import load_tokenizer
+    from drafter.model import load_model
+
+    model = load_model(None)
+    return model, load_tokenizer(None)
+
+
+@pytest.fixture(scope="session")
+def stdlib_index(tmp_path_factory):
+    """An index of this Python's standard library built by the real `build_index` CLI."""
+    out = tmp_path_factory.mktemp("indexes") / "python-stdlib"
+    subprocess.run(
+        [sys.executable, "-m", "build_index", "--corpus", "python-stdlib", "--out", str(out), "--workers", "2", "--quiet"],
+        check=True,
+    )
+    return out

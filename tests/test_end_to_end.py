@@ -1,0 +1,109 @@
+"""The whole path on real parts: `build_index` -> index -> `rest-datastore serve` on a loopback port ->
+the real SmolLM2 model drafting from it, local and remote, identical to `model.generate`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks.data import humaneval_prompts
+from datastore.tokenizer import tokenizer_fingerprint
+from datastore.types import DraftConfig
+from drafter.base import check_tokenizer
+from drafter.generate import generate
+from drafter.local import LocalDrafter
+from drafter.remote import RemoteDrafter
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def server_address(stdlib_index):
+    """A real `rest-datastore serve` process on a free loopback port."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "datastore", "serve", "--index", str(stdlib_index), "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    line = proc.stdout.readline()
+    match = re.search(r"(127\.0\.0\.1:\d+)", line)
+    assert match, f"server did not print its address: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+    yield match.group(1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """`model.generate` greedy outputs for the first three HumanEval prompts."""
+    model, tokenizer = smollm2
+    out = {}
+    for prompt in humaneval_prompts(3):
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            full = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
+        out[prompt] = (ids[0].tolist(), full[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_greedy_output_identical_to_generate(smollm2, stdlib_index, server_address, reference, where):
+    model, tokenizer = smollm2
+    drafter = LocalDrafter.open(stdlib_index) if where == "local" else RemoteDrafter(server_address)
+    with drafter:
+        check_tokenizer(drafter, tokenizer_fingerprint(tokenizer))
+        steps = tokens = 0
+        for prompt_ids, expected in reference.values():
+            result = generate(model, prompt_ids, drafter, max_new_tokens=NEW_TOKENS, config=DraftConfig(budget=64))
+            assert result.output_ids == expected
+            steps, tokens = steps + result.steps, tokens + len(result.output_ids)
+    assert tokens / steps > 1.2  # drafts from the stdlib index are accepted on HumanEval code
+
+
+def test_local_and_remote_drafters_return_identical_trees(stdlib_index, server_address, reference):
+    config = DraftConfig(budget=64)
+    with LocalDrafter.open(stdlib_index) as local, RemoteDrafter(server_address) as remote:
+        contexts = [ids + out[:k] for ids, out in reference.values() for k in range(0, NEW_TOKENS, 7)]
+        local_trees = [local.draft(c, config) for c in contexts]
+        assert local_trees == [remote.draft(c, config) for c in contexts]
+        assert local_trees == remote.draft_batch(contexts, config)
+        assert sum(len(t) > 0 for t in local_trees) > len(contexts) // 2
+
+
+def test_empty_index_answers_change_nothing(smollm2, tmp_path, reference):
+    """An index that never matches (a corpus of one unrelated document) leaves decoding plain."""
+    model, tokenizer = smollm2
+    doc = tmp_path / "doc.txt"
+    doc.write_text("zebra quokka")
+    out = tmp_path / "tiny"
+    subprocess.run([sys.executable, "-m", "build_index", "--corpus", str(doc), "--out", str(out), "--quiet"], check=True)
+    prompt_ids, expected = next(iter(reference.values()))
+    with LocalDrafter.open(out) as drafter:
+        result = generate(model, prompt_ids, drafter, max_new_tokens=NEW_TOKENS)
+    assert result.output_ids == expected and result.steps == len(expected)
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_rest_generate_cli_json(stdlib_index, server_address, reference, tmp_path, where):
+    prompt_ids, expected = next(iter(reference.values()))
+    prompt = next(iter(reference))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": prompt}) + "\n")
+    datastore = str(stdlib_index) if where == "local" else server_address
+    run = subprocess.run(
+        [sys.executable, "-m", "drafter", "--datastore", datastore, "--prompts", str(prompts),
+         "--max-new-tokens", str(NEW_TOKENS), "--budget", "64", "--json"],
+        capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    assert run.returncode == 0, run.stderr
+    record = json.loads(run.stdout.strip().splitlines()[-1])
+    assert record["output_ids"] == expected
+    assert record["new_tokens"] == len(expected) and record["steps"] < len(expected)
+    assert record["mean_accepted"] == pytest.approx(record["new_tokens"] / record["steps"], abs=1e-4)
