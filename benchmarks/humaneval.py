@@ -24,7 +24,7 @@ import torch
 from benchmarks.data import humaneval_prompts
 from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from datastore.types import DraftConfig
-from drafter.base import check_tokenizer
+from datastore.tokenizer import check_tokenizer
 from drafter.generate import generate
 from drafter.local import LocalDrafter
 from drafter.model import load_model
@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=64, help="draft tree size c (default 64)")
     p.add_argument("--max-depth", type=int, default=10)
+    p.add_argument("--chat", action="store_true",
+                   help="render each prompt as a user turn with the chat template (default: raw completion)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=RESULTS / "humaneval_stdlib.json")
     return p.parse_args(argv)
@@ -57,7 +59,9 @@ def main(argv=None) -> int:
         check_tokenizer(drafter, tokenizer_fingerprint(tokenizer))
         generate(model, tokenizer("def f(x):").input_ids, drafter, max_new_tokens=8)  # warm-up
         for i, prompt in enumerate(humaneval_prompts(args.prompts)):
-            ids = tokenizer(prompt).input_ids
+            ids = (tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"]
+                   if args.chat else tokenizer(prompt).input_ids)
             plain = generate(model, ids, None, max_new_tokens=args.max_new_tokens)
             rest = generate(model, ids, drafter, max_new_tokens=args.max_new_tokens, config=config)
             if rest.output_ids != plain.output_ids:
@@ -80,7 +84,7 @@ def main(argv=None) -> int:
         "benchmark": "humaneval",
         "command": "python -m benchmarks.humaneval " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {"index": str(args.index), "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)",
-                   "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
+                   "prompts": args.prompts, "chat_template": args.chat, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
                    "max_depth": args.max_depth},
         "hardware": {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
                      "torch_threads": torch.get_num_threads(), "device": str(model.device)},

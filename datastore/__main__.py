@@ -23,11 +23,9 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from datastore.index import Datastore  # noqa: E402
 from datastore.server import ServerConfig, serve  # noqa: E402
-from datastore.tokenizer import SMOLLM2_GGUF, load_tokenizer, tokenizer_fingerprint  # noqa: E402
+from datastore.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
 from datastore.types import DraftConfig, DraftTree  # noqa: E402
-# the CLI (not the library) reuses the client and the tokenizer check for --server
-from drafter.base import check_tokenizer  # noqa: E402
-from drafter.remote import RemoteDrafter  # noqa: E402
+from datastore.client import DatastoreClient  # noqa: E402
 
 DEFAULT_CONFIG = DraftConfig()
 DEFAULT_SERVER = ServerConfig()
@@ -103,7 +101,7 @@ def _need_index(args: argparse.Namespace) -> str:
 def _open(args: argparse.Namespace):
     """The drafter the command reads from: an opened index or a gRPC client."""
     if getattr(args, "server", None):
-        return RemoteDrafter(args.server, timeout=args.timeout)
+        return DatastoreClient(args.server, timeout=args.timeout)
     return Datastore.open(_need_index(args))
 
 

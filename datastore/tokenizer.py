@@ -76,3 +76,19 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def vocab_size(tokenizer) -> int:
     """Number of ids the tokenizer can emit (added tokens included)."""
     return max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
+
+
+class TokenizerMismatchError(ValueError):
+    """The datastore was built with a different tokenizer than the model uses."""
+
+
+def check_tokenizer(source, fingerprint: str) -> None:
+    """Refuse a datastore (anything with ``.info()``: an index, a client, a drafter) whose tokenizer
+    fingerprint differs from the model's."""
+    info = source.info()
+    if info.tokenizer_fingerprint != fingerprint:
+        raise TokenizerMismatchError(
+            f"datastore tokenizer {info.tokenizer_name!r} ({info.tokenizer_fingerprint[:19]}...) does not "
+            f"match the model's tokenizer ({fingerprint[:19]}...): rebuild the index with "
+            "`build_index --tokenizer <the model>`"
+        )

@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> None:
     """Everything after argument parsing; raises on errors."""
     from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
     from datastore.types import DraftConfig
-    from drafter.base import check_tokenizer
+    from datastore.tokenizer import check_tokenizer
     from drafter.generate import generate
     from drafter.model import load_model
 

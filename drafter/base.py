@@ -7,10 +7,6 @@ from typing import Protocol, Sequence, runtime_checkable
 from datastore.types import DraftConfig, DraftTree, IndexInfo
 
 
-class TokenizerMismatchError(ValueError):
-    """The datastore was built with a different tokenizer than the model uses."""
-
-
 @runtime_checkable
 class Drafter(Protocol):
     """Answers draft trees for token contexts. ``LocalDrafter`` (an opened index) and
@@ -23,14 +19,3 @@ class Drafter(Protocol):
     def info(self) -> IndexInfo: ...
 
     def close(self) -> None: ...
-
-
-def check_tokenizer(drafter: Drafter, fingerprint: str) -> None:
-    """Refuse a datastore whose tokenizer fingerprint differs from the model's."""
-    info = drafter.info()
-    if info.tokenizer_fingerprint != fingerprint:
-        raise TokenizerMismatchError(
-            f"datastore tokenizer {info.tokenizer_name!r} ({info.tokenizer_fingerprint[:19]}...) does not "
-            f"match the model's tokenizer ({fingerprint[:19]}...): rebuild the index with "
-            "`build_index --tokenizer <the model>`"
-        )

@@ -1,85 +1,9 @@
-"""A ``Drafter`` that asks a datastore server over gRPC (``rest-datastore serve``).
+"""The remote draft source: the datastore service's gRPC client already implements ``Drafter``.
 
-It returns the same trees as an in-process ``Datastore`` on the same index: both sides convert
-through ``datastore.wire``. Only the last ``n_max`` context tokens are sent, since the server never
-looks further back.
+``RemoteDrafter("127.0.0.1:50051")`` returns the same trees as ``LocalDrafter.open(index)`` on the
+same index; see ``datastore.client.DatastoreClient`` for timeouts and errors.
 """
 
-from __future__ import annotations
+from datastore.client import DatastoreClient as RemoteDrafter
 
-from typing import Sequence
-
-import grpc
-
-from datastore import wire
-from datastore.types import DraftConfig, DraftTree, IndexInfo
-from rest_proto.v1 import datastore_pb2 as pb
-from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
-
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_MAX_REPLY_BYTES = 64 << 20
-
-
-class RemoteDrafter:
-    """gRPC client of the datastore service; owns its channel (close it, or use ``with``).
-
-    ``timeout`` (seconds) bounds the wait for the server at construction and every call (a host
-    that silently drops packets can take twice that to be reported). Raises ``ConnectionError``
-    naming the address when the server cannot be reached."""
-
-    def __init__(self, address: str, *, timeout: float = 5.0) -> None:
-        self.address = address
-        self.timeout = timeout
-        # a batch of large trees can exceed gRPC's default 4 MiB reply limit
-        options = [("grpc.max_receive_message_length", _MAX_REPLY_BYTES)]
-        self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = pb_grpc.DatastoreStub(self._channel)
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            reason = self._unreachable_reason()
-            self._channel.close()
-            raise ConnectionError(f"cannot reach datastore at {address}: {reason}") from None
-
-    def _unreachable_reason(self) -> str:
-        """Why the channel is not ready: a fail-fast call reports the last connection error
-        (e.g. "Connection refused"), which the readiness wait does not."""
-        try:
-            self._stub.Info(pb.InfoRequest(), timeout=self.timeout)
-        except grpc.RpcError as exc:
-            return exc.details()
-        return f"no connection within {self.timeout:g} s"
-
-    def _call(self, rpc, request):
-        """One RPC; INVALID_ARGUMENT -> ValueError, unreachable -> ConnectionError, else RuntimeError,
-        each with the server's message."""
-        try:
-            return rpc(request, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details()
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(details) from None
-            if code in _UNREACHABLE:
-                raise ConnectionError(f"datastore at {self.address}: {code.name}: {details}") from None
-            raise RuntimeError(f"datastore at {self.address}: {code.name}: {details}") from None
-
-    def draft(self, context: Sequence[int], config: DraftConfig = DraftConfig()) -> DraftTree:
-        reply = self._call(self._stub.Draft, wire.draft_request(context, config))
-        return wire.tree_from_message(reply.tree)
-
-    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig = DraftConfig()) -> list[DraftTree]:
-        """One call for all contexts; trees in the order of ``contexts``."""
-        reply = self._call(self._stub.DraftBatch, wire.draft_batch_request(contexts, config))
-        return [wire.tree_from_message(t) for t in reply.trees]
-
-    def info(self) -> IndexInfo:
-        return wire.info_from_message(self._call(self._stub.Info, pb.InfoRequest()))
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> "RemoteDrafter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+__all__ = ["RemoteDrafter"]

@@ -16,7 +16,7 @@ import torch
 from benchmarks.data import humaneval_prompts
 from datastore.tokenizer import tokenizer_fingerprint
 from datastore.types import DraftConfig
-from drafter.base import check_tokenizer
+from datastore.tokenizer import check_tokenizer
 from drafter.generate import generate
 from drafter.local import LocalDrafter
 from drafter.remote import RemoteDrafter

@@ -18,7 +18,8 @@ from datastore.types import DraftConfig, DraftTree, IndexInfo
 from drafter.__main__ import main
 from drafter.base import Drafter
 from drafter.generate import GenerationResult, eos_ids, generate
-from tests.test_tree_attention import FAMILIES, VOCAB, tiny_causal_lm, tree_from_paths
+from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
+from tests.helpers import MODEL_VOCAB as VOCAB
 
 NEW_TOKENS = 24
 PROMPTS = {"one-token": [17], "short": [5, 17, 33, 99, 100, 7], "long": list(range(40, 340, 11))}

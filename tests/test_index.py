@@ -11,14 +11,7 @@ from build_index.writer import IndexWriter
 from datastore import format as fmt
 from datastore.index import Datastore
 from datastore.types import DraftConfig
-from tests.oracle import brute_draft
-
-
-def write_index(path, docs, vocab_size, shard_tokens=1 << 20, **kw):
-    with IndexWriter(path, tokenizer_name="test", tokenizer_fingerprint="sha256:test", vocab_size=vocab_size,
-                     shard_tokens=shard_tokens, overwrite=True, **kw) as writer:
-        writer.add_documents(docs)
-        return writer.finish()
+from tests.helpers import brute_draft, write_index
 
 
 def assert_matches_oracle(store, docs, context, config):

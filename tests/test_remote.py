@@ -11,9 +11,11 @@ import pytest
 from datastore.index import Datastore
 from datastore.server import DatastoreServer, ServerConfig
 from datastore.types import DraftConfig
-from drafter.base import Drafter, TokenizerMismatchError, check_tokenizer
+from datastore.tokenizer import TokenizerMismatchError, check_tokenizer
+from drafter.base import Drafter
 from drafter.remote import RemoteDrafter
-from tests.test_server import UNSEEN, VOCAB, contexts_from, synthetic_corpus, write_index
+from tests.helpers import CORPUS_VOCAB as VOCAB
+from tests.helpers import UNSEEN, contexts_from, synthetic_corpus, write_index
 
 DOCS = synthetic_corpus()
 CONFIGS = [
@@ -26,7 +28,7 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
-    return write_index(tmp_path_factory.mktemp("remote") / "idx", DOCS)
+    return write_index(tmp_path_factory.mktemp("remote") / "idx", DOCS, VOCAB, shard_tokens=10_000)
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from build_index.writer import IndexWriter
 from datastore import wire
 from datastore.__main__ import main as cli
 from datastore.index import Datastore
@@ -28,38 +26,15 @@ from datastore.server import SERVICE_NAME, DatastoreServer, ServerConfig
 from datastore.types import DraftConfig
 from rest_proto.v1 import datastore_pb2 as pb
 from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
+from tests.helpers import CORPUS_VOCAB as VOCAB
+from tests.helpers import UNSEEN, contexts_from, synthetic_corpus, write_index
 
-VOCAB = 500
-UNSEEN = VOCAB - 1  # a valid token id the corpus never uses: a context ending in it matches nothing
 MAX_CONTEXT = 64
-
-
-def synthetic_corpus() -> list[list[int]]:
-    """200 documents of recurring phrases and noise (deep, branching matches); deterministic."""
-    rng = np.random.default_rng(7)
-    phrases = [rng.integers(0, UNSEEN, size=rng.integers(4, 16)).tolist() for _ in range(30)]
-    docs = []
-    for _ in range(200):
-        doc: list[int] = []
-        while len(doc) < rng.integers(20, 120):
-            doc += phrases[rng.integers(len(phrases))] if rng.random() < 0.7 else rng.integers(0, UNSEEN, 3).tolist()
-        docs.append(doc)
-    return docs
-
-
-def write_index(path: Path, docs: list[list[int]]) -> Path:
-    """``docs`` as a two-shard index at ``path``."""
-    with IndexWriter(path, tokenizer_name="test-tok", tokenizer_fingerprint="sha256:test", vocab_size=VOCAB,
-                     shard_tokens=10_000) as writer:
-        writer.add_documents(docs)
-        writer.finish()
-    return path
-
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
     docs = synthetic_corpus()
-    return write_index(tmp_path_factory.mktemp("server") / "idx", docs), docs
+    return write_index(tmp_path_factory.mktemp("server") / "idx", docs, VOCAB, shard_tokens=10_000), docs
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +58,6 @@ def channel(server):
 @pytest.fixture(scope="module")
 def stub(channel):
     return pb_grpc.DatastoreStub(channel)
-
-
-def contexts_from(docs, count, seed=0):
-    """Slices of the corpus (so they match) of 1..40 tokens."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(count):
-        doc = docs[rng.integers(len(docs))]
-        end = int(rng.integers(1, len(doc) + 1))
-        out.append(doc[max(0, end - int(rng.integers(1, 40))) : end])
-    return out
 
 
 def request(context, **params):

@@ -1,69 +1,24 @@
 """Tree -> tensors: ancestor matrix, positions and 4D masks against explicit ancestor walks, and the
 tree forward against plain per-path forwards on a tiny model (sdpa and eager attention).
-
-Also home to two helpers the verify and generate tests share: ``tiny_causal_lm`` (randomly
-initialised decoders of three families) and ``tree_from_paths`` (a BFS-ordered DraftTree).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import PreTrainedModel
 
 from datastore.types import DraftTree
 from drafter.kv_cache import new_cache
 from drafter.tree_attention import ancestor_matrix, build_tree_inputs, tree_attention_mask
 from drafter.verify import tree_logits
-
-FAMILIES = {
-    "llama": lambda **kw: LlamaConfig(**kw),
-    "qwen2": lambda **kw: Qwen2Config(use_sliding_window=False, **kw),
-    "mistral": lambda **kw: MistralConfig(sliding_window=None, **kw),
-}
-VOCAB = 512
-
-
-def tiny_causal_lm(family: str, attn: str = "sdpa", seed: int = 0) -> PreTrainedModel:
-    """A randomly initialised 2-layer decoder (hidden 64, 4 heads, 2 KV heads, vocab 512), eval mode,
-    float32, no eos id (generation runs to max_new_tokens unless a test passes eos ids)."""
-    config = FAMILIES[family](
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=1024,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
-
-
-def tree_from_paths(paths: Iterable[Sequence[int]], budget: int | None = None) -> DraftTree:
-    """The BFS-ordered tree (siblings by ascending token) of all prefixes of ``paths``, cut to the
-    first ``budget`` nodes (a BFS prefix is still a tree); counts are 1."""
-    closed = {tuple(p[:d]) for p in paths for d in range(1, len(p) + 1)}
-    index: dict[tuple[int, ...], int] = {}
-    tokens: list[int] = []
-    parents: list[int] = []
-    for depth in range(1, max(map(len, closed), default=0) + 1):
-        level = sorted((index[p[:-1]] if depth > 1 else -1, p[-1], p) for p in closed if len(p) == depth)
-        for parent, token, path in level:
-            index[path] = len(tokens)
-            tokens.append(token)
-            parents.append(parent)
-    n = len(tokens) if budget is None else min(budget, len(tokens))
-    return DraftTree(np.array(tokens[:n]), np.array(parents[:n]), np.ones(n))
-
+from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
+from tests.helpers import MODEL_VOCAB as VOCAB
 
 @st.composite
 def trees(draw, max_nodes: int = 48, vocab: int = VOCAB) -> DraftTree:

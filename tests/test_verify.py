@@ -16,7 +16,8 @@ from datastore.types import DraftTree
 from drafter.kv_cache import UnsupportedCacheError, cache_length, check_cache, compact_cache, new_cache
 from drafter.tree_attention import build_tree_inputs
 from drafter.verify import accept_path, greedy_rule, verify_tree
-from tests.test_tree_attention import FAMILIES, VOCAB, tiny_causal_lm, tree_from_paths
+from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
+from tests.helpers import MODEL_VOCAB as VOCAB
 
 SMALL_VOCAB = 3  # few token values, so random targets often match and paths get long
 

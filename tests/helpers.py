@@ -1,0 +1,126 @@
+"""Helpers shared by the test modules: brute-force oracles, small real indexes, tiny real models."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+
+from build_index.writer import IndexWriter
+from datastore.types import DraftTree
+
+# ---- indexes ----------------------------------------------------------------------------------
+
+
+def write_index(path: Path, docs: Iterable[Sequence[int]], vocab_size: int, shard_tokens: int = 1 << 20) -> Path:
+    """A real index of ``docs`` at ``path`` (replacing any), written by the real ``IndexWriter``."""
+    with IndexWriter(path, tokenizer_name="test-tok", tokenizer_fingerprint="sha256:test", vocab_size=vocab_size,
+                     shard_tokens=shard_tokens, overwrite=True) as writer:
+        writer.add_documents(docs)
+        writer.finish()
+    return path
+
+
+CORPUS_VOCAB = 500
+UNSEEN = CORPUS_VOCAB - 1  # a valid token id the corpus never uses: a context ending in it matches nothing
+MAX_CONTEXT = 64
+
+
+def synthetic_corpus() -> list[list[int]]:
+    """200 documents of recurring phrases and noise (deep, branching matches); deterministic."""
+    rng = np.random.default_rng(7)
+    phrases = [rng.integers(0, UNSEEN, size=rng.integers(4, 16)).tolist() for _ in range(30)]
+    docs = []
+    for _ in range(200):
+        doc: list[int] = []
+        while len(doc) < rng.integers(20, 120):
+            doc += phrases[rng.integers(len(phrases))] if rng.random() < 0.7 else rng.integers(0, UNSEEN, 3).tolist()
+        docs.append(doc)
+    return docs
+
+
+def contexts_from(docs, count, seed=0):
+    """Slices of the corpus (so they match) of 1..40 tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        doc = docs[rng.integers(len(docs))]
+        end = int(rng.integers(1, len(doc) + 1))
+        out.append(doc[max(0, end - int(rng.integers(1, 40))) : end])
+    return out
+
+
+def brute_draft(docs, context, *, budget, max_depth, n_max, n_min):
+    """REST's draft by exhaustive scan: longest context suffix (n_max..n_min) found inside a document,
+    every continuation up to the document end, prefix counts, top-budget by (-count, depth, path),
+    BFS order. Returns (tokens, parents, counts, match_len, num_matches)."""
+    q = [int(t) for t in context][-n_max:]
+    for n in range(len(q), n_min - 1, -1):
+        suffix = q[-n:]
+        conts = [
+            tuple(doc[p + n : p + n + max_depth])
+            for doc in docs
+            for p in range(len(doc) - n + 1)
+            if list(doc[p : p + n]) == suffix
+        ]
+        if conts:
+            break
+    else:
+        return [], [], [], 0, 0
+    counts = Counter(c[:d] for c in conts for d in range(1, len(c) + 1))
+    ranked = sorted(counts, key=lambda p: (-counts[p], len(p), p))[:budget]
+    nodes = sorted(ranked, key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(nodes)}
+    tokens = [p[-1] for p in nodes]
+    parents = [index[p[:-1]] if len(p) > 1 else -1 for p in nodes]
+    return tokens, parents, [counts[p] for p in nodes], n, len(conts)
+
+
+# ---- tiny models and trees --------------------------------------------------------------------
+
+FAMILIES = {
+    "llama": lambda **kw: LlamaConfig(**kw),
+    "qwen2": lambda **kw: Qwen2Config(use_sliding_window=False, **kw),
+    "mistral": lambda **kw: MistralConfig(sliding_window=None, **kw),
+}
+MODEL_VOCAB = 512
+
+
+def tiny_causal_lm(family: str, attn: str = "sdpa", seed: int = 0) -> PreTrainedModel:
+    """A randomly initialised 2-layer decoder (hidden 64, 4 heads, 2 KV heads, vocab 512), eval mode,
+    float32, no eos id (generation runs to max_new_tokens unless a test passes eos ids)."""
+    config = FAMILIES[family](
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=MODEL_VOCAB,
+        max_position_embeddings=1024,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def tree_from_paths(paths: Iterable[Sequence[int]], budget: int | None = None) -> DraftTree:
+    """The BFS-ordered tree (siblings by ascending token) of all prefixes of ``paths``, cut to the
+    first ``budget`` nodes (a BFS prefix is still a tree); counts are 1."""
+    closed = {tuple(p[:d]) for p in paths for d in range(1, len(p) + 1)}
+    index: dict[tuple[int, ...], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    for depth in range(1, max(map(len, closed), default=0) + 1):
+        level = sorted((index[p[:-1]] if depth > 1 else -1, p[-1], p) for p in closed if len(p) == depth)
+        for parent, token, path in level:
+            index[path] = len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+    n = len(tokens) if budget is None else min(budget, len(tokens))
+    return DraftTree(np.array(tokens[:n]), np.array(parents[:n]), np.ones(n))
