@@ -20,7 +20,7 @@ import zlib
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -132,6 +132,13 @@ class Datastore:
             num_documents=m.num_documents,
             shards=tuple(ShardInfo(s.name, s.num_tokens, s.num_documents) for s in m.shards),
         )
+
+    def documents(self) -> Iterator[np.ndarray]:
+        """Every indexed document's tokens, in build order (for exports and engine comparisons)."""
+        for shard in self._shards:
+            seps = shard.doc_seps.tolist()
+            for start, end in zip(seps[:-1], seps[1:]):
+                yield shard.tokens[start + 1 : end]
 
     def _query(self, context: Sequence[int] | np.ndarray, n_max: int) -> list[int]:
         ctx = np.asarray(context)

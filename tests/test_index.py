@@ -39,6 +39,7 @@ def test_draft_equals_brute_force_on_random_corpora(tmp_path, docs, data, shard_
     config = DraftConfig(budget=data.draw(st.integers(1, 30)), max_depth=data.draw(st.integers(1, 6)),
                          n_max=data.draw(st.integers(2, 6)), n_min=data.draw(st.integers(1, 2)))
     with Datastore.open(tmp_path / "idx") as store:
+        assert [d.tolist() for d in store.documents()] == [p for p in pieces if p]
         for _ in range(5):
             context = data.draw(st.lists(st.integers(0, 5), min_size=1, max_size=10))
             assert_matches_oracle(store, pieces, context, config)
