@@ -12,6 +12,7 @@ from typing import Sequence
 import grpc
 
 from datastore import wire
+from datastore.tokenizer import check_tokenizer
 from datastore.types import DraftConfig, DraftTree, IndexInfo
 from rest_proto.v1 import datastore_pb2 as pb
 from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
@@ -25,9 +26,11 @@ class DatastoreClient:
 
     ``timeout`` (seconds) bounds the wait for the server at construction and every call (a host
     that silently drops packets can take twice that to be reported). Raises ``ConnectionError``
-    naming the address when the server cannot be reached."""
+    naming the address when the server cannot be reached. With ``expected_fingerprint`` (the
+    model's ``tokenizer_fingerprint``), a datastore built with another tokenizer is refused on
+    connect with ``TokenizerMismatchError``."""
 
-    def __init__(self, address: str, *, timeout: float = 5.0) -> None:
+    def __init__(self, address: str, *, timeout: float = 5.0, expected_fingerprint: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         # a batch of large trees can exceed gRPC's default 4 MiB reply limit
@@ -40,6 +43,12 @@ class DatastoreClient:
             reason = self._unreachable_reason()
             self._channel.close()
             raise ConnectionError(f"cannot reach datastore at {address}: {reason}") from None
+        if expected_fingerprint is not None:
+            try:
+                check_tokenizer(self, expected_fingerprint)
+            except Exception:
+                self._channel.close()
+                raise
 
     def _unreachable_reason(self) -> str:
         """Why the channel is not ready: a fail-fast call reports the last connection error

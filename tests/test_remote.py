@@ -13,6 +13,7 @@ from datastore.server import DatastoreServer, ServerConfig
 from datastore.types import DraftConfig
 from datastore.tokenizer import TokenizerMismatchError, check_tokenizer
 from drafter.base import Drafter
+from drafter.local import LocalDrafter
 from drafter.remote import RemoteDrafter
 from tests.helpers import CORPUS_VOCAB as VOCAB
 from tests.helpers import UNSEEN, contexts_from, synthetic_corpus, write_index
@@ -92,6 +93,15 @@ def test_tokenizer_check(remote):
     check_tokenizer(remote, "sha256:test")
     with pytest.raises(TokenizerMismatchError, match="test-tok"):
         check_tokenizer(remote, "sha256:another-tokenizer")
+
+
+def test_tokenizer_mismatch_is_refused_on_connect(server, index):
+    RemoteDrafter(server.address, expected_fingerprint="sha256:test").close()
+    LocalDrafter.open(index, expected_fingerprint="sha256:test").close()
+    with pytest.raises(TokenizerMismatchError, match="rebuild the index"):
+        RemoteDrafter(server.address, expected_fingerprint="sha256:another-tokenizer")
+    with pytest.raises(TokenizerMismatchError, match="rebuild the index"):
+        LocalDrafter.open(index, expected_fingerprint="sha256:another-tokenizer")
 
 
 def test_invalid_request_is_a_value_error_with_the_servers_message(remote):
