@@ -196,9 +196,8 @@ def result_record(result: GenerationResult, text: str) -> dict:
 
 def run(args: argparse.Namespace) -> None:
     """Everything after argument parsing; raises on errors."""
-    from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
     from datastore.types import DraftConfig
-    from datastore.tokenizer import check_tokenizer
     from drafter.generate import generate
     from drafter.model import load_model
 
