@@ -33,11 +33,13 @@ import glob
 import json
 import logging
 import os
+import socket
 import sys
 import sysconfig
 from collections import deque
 from dataclasses import asdict, dataclass
 from itertools import chain, islice
+from urllib.parse import urlparse
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -356,10 +358,25 @@ def _local_dataset(spec: CorpusSpec, files: list[str], fields: tuple[str, ...], 
     return Corpus(spec, "local-dataset", {**location, "data_files": files}, _rows_reader(load, fields, where), slug)
 
 
+def _check_hub_reachable(repo: str, timeout: float = 5.0) -> None:
+    """Fail in seconds, not after the Hub client's ~25 s of retries, when there is no network."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return  # datasets itself reports offline mode at once
+    endpoint = urlparse(constants.ENDPOINT)
+    host = endpoint.hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, endpoint.port or 443), timeout=timeout).close()
+    except OSError as exc:
+        raise ConnectionError(f"cannot reach {repo!r} on the Hugging Face Hub ({host}): {exc.strerror or exc}") from exc
+
+
 def _hub_dataset(spec: CorpusSpec, hub: _HubDataset, fields: tuple[str, ...], slug: str) -> Corpus:
     def load():
         import datasets
 
+        _check_hub_reachable(hub.repo)
         kwargs = {"data_dir": hub.data_dir} if hub.data_dir else {}
         return datasets.load_dataset(hub.repo, spec.config, split=spec.split, streaming=True, **kwargs)
 

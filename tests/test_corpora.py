@@ -127,7 +127,9 @@ def test_the_stack_local_parquet_glob(tmp_path):
 
 @pytest.mark.parametrize("name, repo", [("ultrachat", "stingning/ultrachat"), ("the-stack", "bigcode/the-stack-dedup"),
                                         ("hf:someone/data", "someone/data")])  # fmt: skip
-def test_offline_hub_fails_with_one_line_pointing_to_a_local_copy(name, repo):
+@pytest.mark.parametrize("offline", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["offline-mode", "unreachable-endpoint"])
+def test_offline_hub_fails_with_one_line_pointing_to_a_local_copy(name, repo, offline):
     script = textwrap.dedent(f"""
         from build_index.corpora import CorpusError, CorpusSpec, open_corpus
         try:
@@ -135,10 +137,11 @@ def test_offline_hub_fails_with_one_line_pointing_to_a_local_copy(name, repo):
         except CorpusError as exc:
             print(exc)
     """)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, **offline}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and len(lines) == 1, out.stderr
+    assert "thrown while requesting" not in out.stderr  # answered before any round of Hub retries
     assert repo in lines[0] and "--data-files" in lines[0]
 
 
