@@ -12,7 +12,7 @@ from typing import Sequence
 import grpc
 
 from datastore import wire
-from datastore.tokenizer import check_tokenizer
+from datastore.tokenizer import require_tokenizer
 from datastore.types import DraftConfig, DraftTree, IndexInfo
 from rest_proto.v1 import datastore_pb2 as pb
 from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
@@ -43,12 +43,7 @@ class DatastoreClient:
             reason = self._unreachable_reason()
             self._channel.close()
             raise ConnectionError(f"cannot reach datastore at {address}: {reason}") from None
-        if expected_fingerprint is not None:
-            try:
-                check_tokenizer(self, expected_fingerprint)
-            except Exception:
-                self._channel.close()
-                raise
+        require_tokenizer(self, expected_fingerprint)
 
     def _unreachable_reason(self) -> str:
         """Why the channel is not ready: a fail-fast call reports the last connection error

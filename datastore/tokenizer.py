@@ -92,3 +92,14 @@ def check_tokenizer(source, fingerprint: str) -> None:
             f"match the model's tokenizer ({fingerprint[:19]}...): rebuild the index with "
             "`build_index --tokenizer <the model>`"
         )
+
+
+def require_tokenizer(source, expected_fingerprint: str | None) -> None:
+    """``check_tokenizer`` for a just-opened source, closing it on a mismatch; None checks nothing."""
+    if expected_fingerprint is None:
+        return
+    try:
+        check_tokenizer(source, expected_fingerprint)
+    except Exception:
+        source.close()
+        raise

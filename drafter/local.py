@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from datastore.index import Datastore
-from datastore.tokenizer import check_tokenizer
+from datastore.tokenizer import require_tokenizer
 from datastore.types import DraftConfig, DraftTree, IndexInfo
 
 
@@ -22,12 +22,7 @@ class LocalDrafter:
         ``expected_fingerprint`` (the model's ``tokenizer_fingerprint``), an index built with another
         tokenizer is refused with ``TokenizerMismatchError``."""
         drafter = cls(Datastore.open(path, **kwargs))
-        if expected_fingerprint is not None:
-            try:
-                check_tokenizer(drafter, expected_fingerprint)
-            except Exception:
-                drafter.close()
-                raise
+        require_tokenizer(drafter, expected_fingerprint)
         return drafter
 
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
