@@ -11,9 +11,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from build_index.corpora import Corpus, CorpusSpec, first_line, open_corpus
+from build_index.corpora import Corpus, CorpusSpec, open_corpus
 from build_index.tokenize import BatchTokenizer, TokenizeConfig
 from build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
+from datastore.errors import first_line
 from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
 
 

@@ -39,9 +39,11 @@ import sysconfig
 from collections import deque
 from dataclasses import asdict, dataclass
 from itertools import chain, islice
-from urllib.parse import urlparse
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
+from urllib.parse import urlparse
+
+from datastore.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -415,12 +417,6 @@ def _pick_field(row: dict, fields: tuple[str, ...], where: str) -> str:
             return name
     wanted = " or ".join(repr(f) for f in fields)
     raise CorpusError(f"{where} has no field {wanted}; available fields: {', '.join(row)} (choose one with --field)")
-
-
-def first_line(exc: BaseException) -> str:
-    """An exception's message cut to one line, for one-line CLI errors."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _turns(value, where: str, name: str) -> tuple[Turn, ...]:

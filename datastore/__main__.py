@@ -21,6 +21,7 @@ import sys
 # is first imported, so it is set before the imports below (GRPC_VERBOSITY=debug still wins)
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
+from datastore.errors import first_line  # noqa: E402
 from datastore.index import Datastore  # noqa: E402
 from datastore.server import ServerConfig, serve  # noqa: E402
 from datastore.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
@@ -175,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.run(args)
     except (OSError, ValueError, RuntimeError) as exc:  # index, connection, tokenizer and request errors
-        lines = str(exc).strip().splitlines() or [type(exc).__name__]
-        print(f"rest-datastore: error: {lines[0]}", file=sys.stderr)
+        print(f"rest-datastore: error: {first_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from datastore.errors import first_line
+
 if TYPE_CHECKING:
     from drafter.base import Drafter
     from drafter.generate import GenerationResult
@@ -170,13 +172,8 @@ def open_drafter(spec: str) -> Drafter:
         if drafter is not None:
             drafter.close()
         log.debug("opening %s failed", spec, exc_info=True)
-        raise CliError(f"cannot use datastore {kind} {spec}: {_first_line(exc)}") from exc
+        raise CliError(f"cannot use datastore {kind} {spec}: {first_line(exc)}") from exc
     return drafter
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def result_record(result: GenerationResult, text: str) -> dict:
@@ -247,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(args)
     except (CliError, OSError, ValueError) as exc:  # TokenizerMismatchError is a ValueError
         log.debug("failed", exc_info=True)
-        print(f"rest-generate: error: {_first_line(exc)}", file=sys.stderr)
+        print(f"rest-generate: error: {first_line(exc)}", file=sys.stderr)
         return 2
     return 0
 
