@@ -13,3 +13,15 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
     return prompts[:n]
+
+
+def humaneval_inputs(tokenizer, n: int | None = None, *, chat: bool = False) -> list[list[int]]:
+    """Token ids of the first ``n`` HumanEval prompts: the raw code to complete, or (``chat``) the
+    prompt as one user turn rendered with the tokenizer's chat template and a generation prompt."""
+    if chat:
+        return [
+            list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"])
+            for prompt in humaneval_prompts(n)
+        ]
+    return [tokenizer(prompt).input_ids for prompt in humaneval_prompts(n)]

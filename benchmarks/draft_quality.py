@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from benchmarks.data import humaneval_prompts
+from benchmarks.data import humaneval_inputs
 from datastore.index import Datastore
 from datastore.tokenizer import load_tokenizer
 from datastore.types import DraftConfig
@@ -98,12 +98,8 @@ def main(argv=None) -> int:
     out_path = args.out or RESULTS / f"draft_quality{'_chat' if args.chat else ''}.json"
 
     model, tokenizer = load_model(None), load_tokenizer(None)
-    outputs = []
-    for prompt in humaneval_prompts(args.prompts):
-        ids = (tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"]
-               if args.chat else tokenizer(prompt).input_ids)
-        outputs.append((list(ids), generate(model, ids, None, max_new_tokens=args.max_new_tokens).output_ids))
+    outputs = [(ids, generate(model, ids, None, max_new_tokens=args.max_new_tokens).output_ids)
+               for ids in humaneval_inputs(tokenizer, args.prompts, chat=args.chat)]
 
     results = {}
     with Datastore.open(args.index) as store, tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.data import humaneval_prompts
+from benchmarks.data import humaneval_inputs
 from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from datastore.types import DraftConfig
 from datastore.tokenizer import check_tokenizer
@@ -58,10 +58,7 @@ def main(argv=None) -> int:
     with LocalDrafter.open(args.index) as drafter:
         check_tokenizer(drafter, tokenizer_fingerprint(tokenizer))
         generate(model, tokenizer("def f(x):").input_ids, drafter, max_new_tokens=8)  # warm-up
-        for i, prompt in enumerate(humaneval_prompts(args.prompts)):
-            ids = (tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                 tokenize=True, return_dict=True)["input_ids"]
-                   if args.chat else tokenizer(prompt).input_ids)
+        for i, ids in enumerate(humaneval_inputs(tokenizer, args.prompts, chat=args.chat)):
             plain = generate(model, ids, None, max_new_tokens=args.max_new_tokens)
             rest = generate(model, ids, drafter, max_new_tokens=args.max_new_tokens, config=config)
             if rest.output_ids != plain.output_ids:
