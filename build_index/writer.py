@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
-import pydivsufsort
 
 from datastore import format as fmt
 
@@ -116,9 +115,9 @@ class IndexWriter:
         for doc, sep_pos in zip(self._pending, doc_seps[:-1]):
             tokens[sep_pos + 1 : sep_pos + 1 + doc.size] = doc
         t0 = time.perf_counter()
-        sa = pydivsufsort.divsufsort(np.ascontiguousarray(tokens[::-1])).astype(fmt.sa_dtype(tokens.size), copy=False)
+        sa = fmt.suffix_array(tokens)
         self._sa_seconds += time.perf_counter() - t0
-        entry = fmt.write_shard(self._tmp, len(self._shards), tokens, sa, doc_seps)
+        entry = fmt.write_shard(self._tmp, len(self._shards), tokens, sa)
         self._shards.append(entry)
         log.info("wrote %s: %d documents, %d tokens", entry.name, entry.num_documents, entry.num_tokens)
         self._pending, self._pending_tokens = [], 0

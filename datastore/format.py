@@ -4,14 +4,21 @@ An index is a directory::
 
     manifest.json                 format version, tokenizer, dtypes, provenance, per-shard file list
     shard-00000.tokens.npy        token ids: SEP doc_0 SEP doc_1 SEP ... doc_last SEP
-    shard-00000.sa.npy            suffix array of the *reversed* token array (int32, int64 past 2^31)
-    shard-00000.docs.npy          int64 [documents + 1]: position of every separator
+    shard-00000.sa.npy            suffix array of the *reversed* token array, restricted to the
+                                  positions that have a continuation (int32, int64 past 2^31)
     shard-00001.tokens.npy ...
 
 Tokens are ``<u2`` while the vocabulary leaves room for the separator (the dtype's maximum value),
 else ``<u4``. The separator is never a real token id, so no match crosses a document boundary and
 every continuation stops at its document's end; because the array also starts and ends with one,
 neither a continuation nor a backward extension of a match can run off the array.
+
+The suffix array keeps only the reversed suffixes that start at a real token followed by another
+real token: a match ending on a separator or on a document's last token has nothing to draft.
+Dropping those entries keeps the array sorted, makes every counted match useful, and keeps the
+index at 6 bytes per corpus token with a vocabulary under 65,535 (2 for the token, 4 for its
+suffix-array entry; each document costs one 2-byte separator and saves its last token's entry).
+Document boundaries are the separators themselves; no other file is needed.
 
 Why the reversed array: the suffixes of the reversed corpus that start with ``reversed(q)`` are the
 positions where ``q`` *ends* in the corpus. Extending the query one token further back narrows the
@@ -30,11 +37,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pydivsufsort
 
 FORMAT_NAME = "rest-index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-ROLES = ("tokens", "sa", "docs")
+ROLES = ("tokens", "sa")
 _SPOT_BYTES = 1 << 16
 
 
@@ -167,22 +175,37 @@ class Manifest:
         )
 
 
-def write_shard(directory: Path, shard: int, tokens: np.ndarray, sa: np.ndarray, doc_seps: np.ndarray) -> ShardEntry:
-    """Write one shard's three arrays, fsync them and describe them for the manifest.
+def suffix_array(tokens: np.ndarray) -> np.ndarray:
+    """The ``sa`` array of a shard's ``tokens`` (separators included, first and last): the suffix
+    array of ``tokens[::-1]`` without the entries whose position has no continuation."""
+    sep = separator(tokens.dtype)
+    full = pydivsufsort.divsufsort(np.ascontiguousarray(tokens[::-1]))
+    # has_next[i]: tokens[i] and tokens[i + 1] are both real; reversed suffix r starts at i = len-1-r
+    has_next = np.zeros(tokens.size, dtype=bool)
+    np.logical_and(tokens[:-1] != sep, tokens[1:] != sep, out=has_next[:-1])
+    return full[has_next[::-1][full]].astype(sa_dtype(tokens.size), copy=False)
+
+
+def sa_length(num_tokens: int, num_documents: int) -> int:
+    """Entries in a shard's ``sa``: every corpus token except each document's last."""
+    return num_tokens - num_documents
+
+
+def write_shard(directory: Path, shard: int, tokens: np.ndarray, sa: np.ndarray) -> ShardEntry:
+    """Write one shard's arrays, fsync them and describe them for the manifest.
 
     tokens      [len] token dtype, documents between separators
-    sa          [len] suffix array of tokens[::-1]
-    doc_seps    int64 [documents + 1] position of each separator
+    sa          ``suffix_array(tokens)``
     """
     entries = {}
-    for role, array in (("tokens", tokens), ("sa", sa), ("docs", doc_seps.astype("<i8", copy=False))):
+    for role, array in (("tokens", tokens), ("sa", sa)):
         path = directory / shard_file(shard, role)
         with open(path, "wb") as f:
             np.save(f, array, allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())
         entries[role] = FileEntry.of(path)
-    n_docs = int(doc_seps.shape[0] - 1)
+    n_docs = int(np.count_nonzero(tokens == separator(tokens.dtype))) - 1
     return ShardEntry(f"shard-{shard:05d}", int(tokens.shape[0] - n_docs - 1), n_docs, entries)
 
 
@@ -223,13 +246,12 @@ def _load(path: Path, entry: FileEntry, dtype: np.dtype | None, length: int | No
     return array
 
 
-def open_shard(directory: Path, shard: ShardEntry, manifest: Manifest, full_check: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Memory-map one shard's (tokens, sa, doc_seps), checking sizes, digests, dtypes and lengths.
+def open_shard(directory: Path, shard: ShardEntry, manifest: Manifest, full_check: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Memory-map one shard's (tokens, sa), checking sizes, digests, dtypes and lengths.
 
     ``full_check`` hashes whole files (slow for big indexes); otherwise only the spot digest."""
     files = shard.files
     length = shard.num_tokens + shard.num_documents + 1
     tokens = _load(directory / files["tokens"].name, files["tokens"], np.dtype(manifest.token_dtype), length, full_check)
-    sa = _load(directory / files["sa"].name, files["sa"], sa_dtype(length), length, full_check)
-    docs = _load(directory / files["docs"].name, files["docs"], np.dtype("<i8"), shard.num_documents + 1, full_check)
-    return tokens, sa, docs
+    sa = _load(directory / files["sa"].name, files["sa"], sa_dtype(length), sa_length(shard.num_tokens, shard.num_documents), full_check)
+    return tokens, sa

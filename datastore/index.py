@@ -11,17 +11,21 @@ the same tree) is counted instead of the lexicographically first ones; and the t
 Search: each shard stores the suffix array of its *reversed* token array, so the positions where
 the last ``j`` context tokens occur form one rank range, and matching one more token further back
 narrows that range. One pass over at most ``n_max`` tokens finds the longest match in every shard.
+
+The binary searches, the continuation gather and the trie (``datastore.trie``) are numba-compiled
+kernels that release the GIL: a draft costs a few Python-level calls, and a server's threads
+draft in parallel on every core.
 """
 
 from __future__ import annotations
 
 import logging
 import zlib
-from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numba
 import numpy as np
 
 from datastore import format as fmt
@@ -30,62 +34,71 @@ from datastore.types import DraftConfig, DraftTree, IndexInfo, ShardInfo
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_CANDIDATES = 4096
-# Below this many ranks a narrowing step gathers all keys and uses np.searchsorted; above it,
-# a scalar binary search touches only log2(range) entries of the memory map.
-_GATHER_LIMIT = 1024
+DEFAULT_MAX_CANDIDATES = 1024
+
+
+@numba.njit(nogil=True, cache=True)
+def _match_ranges(tokens, sa, query_reversed, ranges):
+    """Fill ``ranges[j]`` with the rank range [lo, hi) of the last j+1 context tokens and return
+    how many tokens matched (the loop stops at the first miss).
+
+    Within a range that shares its first ``depth`` tokens, the next tokens are sorted, so each
+    step is two binary searches for the token among ``R[sa[r] + depth]``, R = tokens[::-1]."""
+    lo, hi = 0, sa.shape[0]
+    for depth in range(query_reversed.shape[0]):
+        token = query_reversed[depth]
+        last = tokens.shape[0] - 1 - depth  # R[r + depth] == tokens[last - r]
+        a, b = lo, hi
+        while a < b:
+            mid = (a + b) >> 1
+            if tokens[last - sa[mid]] < token:
+                a = mid + 1
+            else:
+                b = mid
+        first = a
+        b = hi
+        while a < b:
+            mid = (a + b) >> 1
+            if tokens[last - sa[mid]] <= token:
+                a = mid + 1
+            else:
+                b = mid
+        if first == a:
+            return depth
+        lo, hi = first, a
+        ranges[depth, 0], ranges[depth, 1] = lo, hi
+    return query_reversed.shape[0]
+
+
+@numba.njit(nogil=True, cache=True)
+def _continuations(tokens, sa, ranks, sep, out):
+    """``out[i]`` = the tokens after the match at rank ``ranks[i]``, ``sep`` from its document's
+    end on (the array ends with a separator, so no window runs past a document unnoticed)."""
+    for i in range(ranks.shape[0]):
+        position = tokens.shape[0] - sa[ranks[i]]  # first token after the match
+        ended = False
+        for j in range(out.shape[1]):
+            if not ended and (position + j >= tokens.shape[0] or tokens[position + j] == sep):
+                ended = True
+            out[i, j] = sep if ended else tokens[position + j]
 
 
 @dataclass(frozen=True)
 class _Shard:
-    """One memory-mapped shard: token array, suffix array of the reversed tokens, separators."""
+    """One memory-mapped shard: token array and the suffix array of the reversed tokens."""
 
     tokens: np.ndarray
     sa: np.ndarray
-    doc_seps: np.ndarray
 
-    def __post_init__(self) -> None:
-        # memoryviews give Python ints at C speed for the scalar binary search
-        object.__setattr__(self, "_tok", memoryview(self.tokens))
-        object.__setattr__(self, "_sa", memoryview(self.sa))
+    def match_ranges(self, query_reversed: np.ndarray) -> np.ndarray:
+        """int64 [j, 2] rank ranges of the longest prefix of ``query_reversed`` (the context read
+        backwards, int64): row i is the range for the last i+1 context tokens."""
+        ranges = np.empty((query_reversed.shape[0], 2), dtype=np.int64)
+        return ranges[: _match_ranges(self.tokens, self.sa, query_reversed, ranges)]
 
-    @property
-    def size(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def narrow(self, lo: int, hi: int, depth: int, token: int) -> tuple[int, int]:
-        """Sub-range of ranks [lo, hi) whose reversed suffix has ``token`` at offset ``depth``.
-
-        Within a range that shares its first ``depth`` tokens, the next tokens are sorted, so this
-        is a binary search for ``token`` among ``R[sa[r] + depth]``, R = tokens[::-1]."""
-        last = self.size - 1 - depth  # R[p + depth] == tokens[last - p]
-        if hi - lo <= _GATHER_LIMIT:
-            keys = self.tokens[last - self.sa[lo:hi]]
-            return lo + int(np.searchsorted(keys, token, "left")), lo + int(np.searchsorted(keys, token, "right"))
-        tok, sa = self._tok, self._sa
-        key = lambda r: tok[last - sa[r]]  # noqa: E731
-        return bisect_left(range(hi), token, lo, hi, key=key), bisect_right(range(hi), token, lo, hi, key=key)
-
-    def match_ranges(self, query_reversed: Sequence[int]) -> list[tuple[int, int]]:
-        """Rank ranges of the longest prefix of ``query_reversed`` (the context read backwards):
-        element j is the range for the last j+1 context tokens, stopping before the first miss."""
-        ranges = []
-        lo, hi = 0, self.size
-        for depth, token in enumerate(query_reversed):
-            lo, hi = self.narrow(lo, hi, depth, token)
-            if lo == hi:
-                break
-            ranges.append((lo, hi))
-        return ranges
-
-    def continuations(self, ranks: np.ndarray, length: int, sep: int) -> np.ndarray:
-        """[len(ranks), length] tokens following each match, ``sep`` from the document end on."""
-        starts = self.size - self.sa[ranks].astype(np.int64)  # first token after the match
-        window = np.minimum(starts[:, None] + np.arange(length), self.size - 1)  # last token is a separator
-        out = self.tokens[window]
-        ended = np.maximum.accumulate(out == sep, axis=1)
-        out[ended] = sep
-        return out
+    def continuations(self, ranks: np.ndarray, out: np.ndarray) -> None:
+        """Fill ``out`` [len(ranks), length] with the tokens following each match."""
+        _continuations(self.tokens, self.sa, ranks, self.tokens.dtype.type(np.iinfo(self.tokens.dtype).max), out)
 
 
 class Datastore:
@@ -97,6 +110,7 @@ class Datastore:
         self._shards = shards
         self.max_candidates = max_candidates
         self._sep = manifest.separator
+        self._token_dtype = np.dtype(manifest.token_dtype)
         self._closed = False
 
     @classmethod
@@ -136,20 +150,21 @@ class Datastore:
     def documents(self) -> Iterator[np.ndarray]:
         """Every indexed document's tokens, in build order (for exports and engine comparisons)."""
         for shard in self._shards:
-            seps = shard.doc_seps.tolist()
+            seps = np.flatnonzero(shard.tokens == self._sep).tolist()
             for start, end in zip(seps[:-1], seps[1:]):
                 yield shard.tokens[start + 1 : end]
 
-    def _query(self, context: Sequence[int] | np.ndarray, n_max: int) -> list[int]:
-        ctx = np.asarray(context)
-        if ctx.ndim != 1 or ctx.size == 0:
+    def _query(self, context: Sequence[int] | np.ndarray, n_max: int) -> np.ndarray:
+        """The last ``n_max`` context tokens, newest first, as int64 (validated)."""
+        tail = np.asarray(context[-n_max:])  # slicing first: a long Python list is not converted whole
+        if tail.ndim != 1 or tail.size == 0:
             raise ValueError("context must be a non-empty 1-D sequence of token ids")
-        if not np.issubdtype(ctx.dtype, np.integer):
-            raise ValueError(f"context must hold integer token ids, got {ctx.dtype}")
-        if ctx.min() < 0 or ctx.max() >= self.vocab_size:
-            bad = int(ctx[(ctx < 0) | (ctx >= self.vocab_size)][0])
+        if not np.issubdtype(tail.dtype, np.integer):
+            raise ValueError(f"context must hold integer token ids, got {tail.dtype}")
+        if tail.min() < 0 or tail.max() >= self.vocab_size:
+            bad = int(tail[(tail < 0) | (tail >= self.vocab_size)][0])
             raise ValueError(f"context token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        return [int(t) for t in ctx[: -n_max - 1 : -1]]  # last n_max tokens, newest first
+        return tail[::-1].astype(np.int64)
 
     def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:
         """The draft tree continuing ``context`` (token ids; only the last ``n_max`` are used)."""
@@ -164,21 +179,20 @@ class Datastore:
         sizes = np.array([hi - lo for _, (lo, hi) in hits], dtype=np.int64)
         num_matches = int(sizes.sum())
         picked = self._sample(num_matches, query[:match_len])
+        continuations = np.empty((picked.size, config.max_depth), dtype=self._token_dtype)
         offsets = np.concatenate(([0], np.cumsum(sizes)))
-        blocks = []
         for i, (shard, (lo, _)) in enumerate(hits):
-            ranks = picked[(picked >= offsets[i]) & (picked < offsets[i + 1])] - offsets[i] + lo
-            blocks.append(shard.continuations(ranks, config.max_depth, self._sep))
-        continuations = np.concatenate(blocks)
+            first, last = np.searchsorted(picked, offsets[i : i + 2])
+            shard.continuations(picked[first:last] - offsets[i] + lo, continuations[first:last])
         tokens, parents, counts = top_c_tree(continuations, self._sep, config.budget)
-        return DraftTree(tokens, parents, counts, match_len, num_matches, int(continuations.shape[0]))
+        return DraftTree(tokens, parents, counts, match_len, num_matches, picked.size)
 
-    def _sample(self, num_matches: int, matched_reversed: list[int]) -> np.ndarray:
+    def _sample(self, num_matches: int, matched_reversed: np.ndarray) -> np.ndarray:
         """Indices into the concatenated match ranges to count: all of them, or a uniform sample
         of ``max_candidates`` seeded by the matched tokens (same query, same sample)."""
         if num_matches <= self.max_candidates:
             return np.arange(num_matches, dtype=np.int64)
-        seed = zlib.crc32(np.asarray(matched_reversed, dtype=np.int64).tobytes())
+        seed = zlib.crc32(matched_reversed.tobytes())
         picked = np.random.default_rng(seed).choice(num_matches, self.max_candidates, replace=False)
         picked.sort()
         return picked

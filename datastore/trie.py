@@ -1,17 +1,22 @@
-"""The frequency-weighted trie of retrieved continuations and its top-c draft tree, vectorized.
+"""The frequency-weighted trie of retrieved continuations and its top-c draft tree, compiled.
 
 REST counts, for every prefix of every retrieved continuation, how many continuations start with
 it, and keeps the c heaviest prefixes. A child's count never exceeds its parent's, so with ties
 broken by (shallower first, then lexicographic path) the kept set is prefix-closed: a tree.
 
-Instead of building a pointer trie, the continuations are sorted lexicographically; then the trie
-node "path of length d starting at sorted row i" exists exactly where row i starts a new run of
-equal d-prefixes, and its count is the run's length. Everything is a handful of numpy calls over a
-[k, m] array, with no Python loop over nodes.
+No pointer trie is built, and most of it is never looked at. A node is a range of rows that share
+its path; expanding it groups its rows by their next token into the children's ranges. Because a
+child never outranks its parent, popping nodes best-first from a heap (seeded with the root's
+children, every popped node's children pushed) yields exactly the c heaviest nodes after c pops,
+and only the rows under popped nodes are ever sorted. The kernel is compiled with numba and runs
+without the GIL, so concurrent drafts in a server's threads run on all cores.
 """
 
 from __future__ import annotations
 
+import heapq
+
+import numba
 import numpy as np
 
 
@@ -24,34 +29,62 @@ def top_c_tree(continuations: np.ndarray, sep: int, budget: int) -> tuple[np.nda
                    n = min(budget, number of distinct prefixes); siblings in ascending token order
     """
     k, m = continuations.shape
-    empty = (np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64))
     if k == 0 or m == 0 or budget <= 0:
-        return empty
-    rows = continuations[np.lexsort(continuations.T[::-1])]  # lexicographic row order
+        return np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64)
+    return _top_c_tree(np.ascontiguousarray(continuations), sep, budget)
 
-    # first[i] = first column where sorted rows i and i+1 differ (m if identical)
-    differs = rows[1:] != rows[:-1]
-    first = np.where(differs.any(axis=1), differs.argmax(axis=1), m)
-    # run_start[d, i]: sorted row i starts a new run of equal (d+1)-prefixes
-    run_start = np.ones((m, k), dtype=bool)
-    run_start[:, 1:] = first[None, :] < np.arange(1, m + 1)[:, None]
-    starts = np.flatnonzero(run_start)  # flat position d*k + i, in BFS order (depth, then path)
-    counts = np.diff(np.append(starts, m * k))  # column 0 of each depth is a start: runs stay in their depth
-    depth0, row = np.divmod(starts, k)
-    tokens = rows[row, depth0]
-    real = tokens != sep  # runs of rows that already ended are not nodes
-    starts, counts, depth0, row, tokens = starts[real], counts[real], depth0[real], row[real], tokens[real]
-    if starts.size == 0:
-        return empty
 
-    # Heaviest first; ties: shallower first, then lexicographic path (= sorted row). Parents win
-    # every tie with their children, so the kept set is prefix-closed.
-    keep = np.lexsort((row, depth0, -counts))[:budget]
-    keep.sort()  # back to flat-position order = BFS order
-    kept_starts, kept_depth0, kept_row = starts[keep], depth0[keep], row[keep]
-    # A node's parent is the run one level up that contains its first row: the last start at or
-    # before flat position (depth0 - 1) * k + row. It is kept, so it is found among kept starts.
-    parent_flat = (kept_depth0 - 1) * k + kept_row
-    parents = np.searchsorted(kept_starts, parent_flat, side="right") - 1
-    parents[kept_depth0 == 0] = -1
-    return tokens[keep].astype(np.int32), parents.astype(np.int32), counts[keep].astype(np.int64)
+@numba.njit(nogil=True, cache=True)
+def _group_children(rows, perm, depth, start, stop, sep, heap, span):
+    """Sort ``perm[start:stop]`` by the token in column ``depth`` and push one heap key per group
+    of equal real tokens: the children of the node whose rows these are."""
+    k = rows.shape[0]
+    keys = np.empty(stop - start, dtype=rows.dtype)
+    for i in range(stop - start):
+        keys[i] = rows[perm[start + i], depth]
+    order = np.argsort(keys)
+    perm[start:stop] = perm[start:stop][order]
+    i = 0
+    while i < stop - start:
+        token = keys[order[i]]
+        j = i + 1
+        while j < stop - start and keys[order[j]] == token:
+            j += 1
+        if token != sep:
+            # one int64 orders (-count, depth, first row): heaviest first, then shallower, then
+            # lexicographic path (children ranges are laid out in token order inside their parent's)
+            heapq.heappush(heap, (k - (j - i)) * span + depth * k + start + i)
+        i = j
+
+
+@numba.njit(nogil=True, cache=True)
+def _top_c_tree(rows, sep, budget):
+    k, m = rows.shape
+    span = m * k  # key = (k - count) * span + depth * k + first_row
+    perm = np.arange(k)
+    heap = [np.int64(0)]  # typed by its seed, emptied at once
+    heap.pop()
+    _group_children(rows, perm, 0, 0, k, sep, heap, span)
+    kept = np.empty(min(budget, span), dtype=np.int64)
+    n = 0
+    while n < kept.shape[0] and len(heap) > 0:
+        key = heapq.heappop(heap)
+        kept[n] = key
+        n += 1
+        position = key % span
+        depth, start = position // k, position % k
+        if depth + 1 < m and n < kept.shape[0]:
+            _group_children(rows, perm, depth + 1, start, start + k - key // span, sep, heap, span)
+    kept = kept[:n]
+    positions = kept % span
+    order = np.argsort(positions)  # (depth, first row) = BFS order, siblings by token
+    positions = positions[order]
+    counts = (k - kept[order] // span).astype(np.int64)
+    tokens = np.empty(n, dtype=np.int32)
+    parents = np.empty(n, dtype=np.int32)
+    for i in range(n):
+        depth, start = positions[i] // k, positions[i] % k
+        tokens[i] = rows[perm[start], depth]
+        # the parent is the kept node one level up whose rows contain this node's first row
+        parents[i] = np.searchsorted(positions, positions[i] - k, side="right") - 1 if depth > 0 else -1
+    return tokens, parents, counts

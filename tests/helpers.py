@@ -61,10 +61,11 @@ def brute_draft(docs, context, *, budget, max_depth, n_max, n_min, max_matches=N
     with ``max_matches``, returns no tree (only the match) when more positions match than that.
 
     Matches are found by checking every position holding the last context token, then filtering
-    backwards one token at a time; documents are joined with -1 so no match crosses one."""
+    backwards one token at a time; documents are joined with -1 so no match crosses one. A match
+    on a document's last token has nothing to continue with and does not count."""
     flat = np.concatenate([x for doc in docs for x in (np.array([-1]), np.asarray(doc, np.int64))] + [np.array([-1])])
     q = [int(t) for t in context][-n_max:]
-    ends, found = np.flatnonzero(flat == q[-1]), []
+    ends, found = np.flatnonzero((flat == q[-1]) & (np.append(flat[1:], -1) != -1)), []
     for n in range(1, len(q) + 1):
         if n > 1:
             ends = ends[ends - (n - 1) >= 0]

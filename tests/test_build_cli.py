@@ -93,10 +93,10 @@ def index_tokens(out: Path) -> tuple[fmt.Manifest, np.ndarray]:
     """The manifest and every shard's tokens after its leading separator, concatenated."""
     manifest = fmt.read_manifest(out)
     shards = [fmt.open_shard(out, s, manifest, full_check=True) for s in manifest.shards]
-    for tokens, _, seps in shards:  # SEP doc_0 SEP doc_1 ... SEP, every separator recorded
-        assert seps[0] == 0 and seps[-1] == tokens.size - 1
-        assert np.flatnonzero(tokens == manifest.separator).tolist() == seps.tolist()
-    return manifest, np.concatenate([tokens[1:] for tokens, _, _ in shards])
+    for (tokens, _), entry in zip(shards, manifest.shards):  # SEP doc_0 SEP doc_1 ... SEP
+        assert tokens[0] == tokens[-1] == manifest.separator
+        assert np.count_nonzero(tokens == manifest.separator) == entry.num_documents + 1
+    return manifest, np.concatenate([tokens[1:] for tokens, _ in shards])
 
 
 def assert_holds(out: Path, documents: list[str], tokenizer) -> fmt.Manifest:

@@ -151,3 +151,26 @@ def test_uint32_tokens_for_large_vocabularies(tmp_path):
     with Datastore.open(tmp_path / "idx") as store:
         assert store.manifest.token_dtype == "<u4"
         assert_matches_oracle(store, docs, [70000, 1], DraftConfig(n_min=1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(docs=docs_strategy)
+def test_suffix_array_is_sorted_reversed_suffixes_with_a_continuation(docs):
+    """The format's ``sa``: exactly the positions followed by a real token, ordered by the
+    reversed text ending there (checked by sorting Python tuples)."""
+    sep = fmt.separator(np.dtype("<u2"))
+    tokens = np.array([sep] + [t for d in docs if d for t in [*d, sep]], dtype="<u2")
+    reversed_tokens = tokens[::-1].tolist()
+    n = tokens.size
+    with_next = [r for r in range(n) if tokens[n - 1 - r] != sep and r > 0 and tokens[n - r] != sep]
+    expected = sorted(with_next, key=lambda r: reversed_tokens[r:])
+    assert fmt.suffix_array(tokens).tolist() == expected
+    assert len(expected) == fmt.sa_length(sum(len(d) for d in docs), sum(1 for d in docs if d))
+
+
+def test_version_1_index_is_refused_with_a_rebuild_hint(tmp_path):
+    write_index(tmp_path / "idx", [[1, 2, 3]], vocab_size=10)
+    manifest = tmp_path / "idx" / fmt.MANIFEST
+    manifest.write_text(manifest.read_text().replace('"format_version": 2', '"format_version": 1'))
+    with pytest.raises(fmt.IndexFormatError, match="version 1 is not supported.*rebuild"):
+        Datastore.open(tmp_path / "idx")
