@@ -42,7 +42,7 @@ class DraftConfig:
             raise ValueError(f"n_max must be in [n_min={self.n_min}, {MAX_SUFFIX}], got {self.n_max}")
 
 
-def _int_array(values, dtype) -> np.ndarray:
+def _frozen_array(values, dtype) -> np.ndarray:
     array = np.ascontiguousarray(values, dtype=dtype)
     array.setflags(write=False)
     return array
@@ -52,13 +52,20 @@ def _int_array(values, dtype) -> np.ndarray:
 class DraftTree:
     """A prefix-closed tree of draft tokens that continue a context.
 
-    tokens   int32 [n]  token id of each node
-    parents  int32 [n]  index of the parent node, -1 for a child of the root (the context itself)
-    counts   int64 [n]  how many retrieved continuations start with the node's path
-    match_len           length of the context suffix that was matched (0: no match, n == 0)
-    num_matches         corpus positions that matched that suffix (over all shards)
-    num_sampled         continuations actually counted; < num_matches when the match count was
-                        over the engine's cap and a uniform random sample was taken
+    tokens        int32 [n]  token id of each node
+    parents       int32 [n]  index of the parent node, -1 for a child of the root (the context itself)
+    counts        int64 [n]  how many retrieved continuations start with the node's path
+    match_len                length of the context suffix that was matched (0: no match, n == 0)
+    num_matches              corpus positions that matched that suffix (over all shards)
+    num_sampled              continuations actually counted; < num_matches when the match count was
+                             over the engine's cap and a uniform random sample was taken
+    scores        float64 [n]  estimated probability that the verifier accepts the node's whole
+                             path; None (the default) derives it as counts / num_sampled. Explicit
+                             scores (merged trees) must lie in [0, 1] and never grow down a path,
+                             so the top-k nodes by score always form a tree.
+    source_probs  float64 [n, S] or None: in a tree merged from S sources, each source's own
+                             probability of the node given its parent (0 where that source did not
+                             propose it); what ``datastore.merge.SourceCalibration`` learns from.
     """
 
     tokens: np.ndarray
@@ -67,30 +74,59 @@ class DraftTree:
     match_len: int = 0
     num_matches: int = 0
     num_sampled: int = 0
+    scores: np.ndarray | None = None
+    source_probs: np.ndarray | None = field(default=None, repr=False)
     depths: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        tokens = _int_array(self.tokens, np.int32)
-        parents = _int_array(self.parents, np.int32)
-        counts = _int_array(self.counts, np.int64)
+        tokens = _frozen_array(self.tokens, np.int32)
+        parents = _frozen_array(self.parents, np.int32)
+        counts = _frozen_array(self.counts, np.int64)
         n = tokens.shape[0]
         if tokens.ndim != 1 or parents.shape != (n,) or counts.shape != (n,):
             raise ValueError("tokens, parents and counts must be 1-D arrays of one length")
         if n and (np.any(parents >= np.arange(n)) or np.any(parents < -1)):
             raise ValueError("every parent must be -1 or an earlier node (BFS order)")
-        # depth = 1 + depth(parent); iterating to the fixed point takes max-depth vectorized rounds
+        # depth = 1 + depth(parent), by pointer doubling: every round adds the depth gathered so
+        # far at each node's current ancestor and jumps to that ancestor's, so log2(max depth)
+        # vectorized rounds suffice (trees are rebuilt every decoding step)
         depths = np.ones(n, dtype=np.int32)
-        has_parent = parents >= 0
-        while n:
-            updated = np.where(has_parent, depths[parents] + 1, 1).astype(np.int32)
-            if np.array_equal(updated, depths):
-                break
-            depths = updated
+        jump = parents.astype(np.int64)
+        climbing = np.flatnonzero(jump >= 0)
+        while climbing.size:
+            ancestor = jump[climbing]
+            depths[climbing] += depths[ancestor]
+            jump[climbing] = jump[ancestor]
+            climbing = climbing[jump[climbing] >= 0]
         depths.setflags(write=False)
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
         object.__setattr__(self, "counts", counts)
         object.__setattr__(self, "depths", depths)
+        object.__setattr__(self, "scores", self._checked_scores())
+        if self.source_probs is not None:
+            probs = _frozen_array(self.source_probs, np.float64)
+            if probs.ndim != 2 or probs.shape[0] != n:
+                raise ValueError(f"source_probs must be [n={n}, sources], got shape {probs.shape}")
+            if not np.all((probs >= 0) & (probs <= 1)):
+                raise ValueError("source_probs must lie in [0, 1]")
+            object.__setattr__(self, "source_probs", probs)
+
+    def _checked_scores(self) -> np.ndarray:
+        """The explicit scores, validated, or counts / num_sampled (all 0 when nothing was sampled)."""
+        n = len(self)
+        if self.scores is None:
+            derived = self.counts / float(self.num_sampled) if self.num_sampled else np.zeros(n)
+            return _frozen_array(derived, np.float64)
+        scores = _frozen_array(self.scores, np.float64)
+        if scores.shape != (n,):
+            raise ValueError(f"scores must be a 1-D array of the {n} node scores, got shape {scores.shape}")
+        if not np.all((scores >= 0) & (scores <= 1)):  # False for NaN as well
+            raise ValueError("scores must lie in [0, 1]")
+        has_parent = self.parents >= 0
+        if np.any(scores[has_parent] > scores[self.parents[has_parent]]):
+            raise ValueError("a node's score must not exceed its parent's")
+        return scores
 
     @classmethod
     def empty(cls) -> "DraftTree":
@@ -100,15 +136,31 @@ class DraftTree:
         return int(self.tokens.shape[0])
 
     @property
-    def scores(self) -> np.ndarray:
-        """float64 [n]: the fraction of counted continuations that start with each node's path."""
-        if self.num_sampled == 0:
-            return np.zeros(len(self), dtype=np.float64)
-        return self.counts / float(self.num_sampled)
-
-    @property
     def max_depth(self) -> int:
         return int(self.depths.max()) if len(self) else 0
+
+    def subset(self, keep: np.ndarray) -> "DraftTree":
+        """The tree of nodes ``keep`` (ascending indices; every kept node's parent kept too), with
+        their counts, scores and source probabilities; the match statistics are unchanged."""
+        keep = np.asarray(keep, dtype=np.int64)
+        if keep.ndim != 1 or np.any(np.diff(keep) <= 0) or (keep.size and not 0 <= keep[0] <= keep[-1] < len(self)):
+            raise ValueError(f"keep must be ascending distinct node indices in [0, {len(self)})")
+        new_index = np.full(len(self) + 1, -1, dtype=np.int64)  # slot -1 (the root) stays -1
+        new_index[keep] = np.arange(keep.size)
+        old_parents = self.parents[keep]
+        parents = new_index[old_parents]
+        if np.any((old_parents >= 0) & (parents < 0)):
+            raise ValueError("keep is not prefix-closed: a kept node's parent is dropped")
+        return DraftTree(
+            self.tokens[keep],
+            parents,
+            self.counts[keep],
+            self.match_len,
+            self.num_matches,
+            self.num_sampled,
+            scores=self.scores[keep],
+            source_probs=None if self.source_probs is None else self.source_probs[keep],
+        )
 
     def paths(self) -> list[tuple[int, ...]]:
         """The token path from the root to each node (for tests and debugging)."""
@@ -127,6 +179,9 @@ class DraftTree:
             and np.array_equal(self.counts, other.counts)
             and (self.match_len, self.num_matches, self.num_sampled)
             == (other.match_len, other.num_matches, other.num_sampled)
+            and np.array_equal(self.scores, other.scores)
+            and (self.source_probs is None) == (other.source_probs is None)
+            and (self.source_probs is None or np.array_equal(self.source_probs, other.source_probs))
         )
 
     __hash__ = None  # type: ignore[assignment]

@@ -1,0 +1,430 @@
+"""Draft sources beyond the static index: the request's own text and a store of recent outputs.
+
+REST cannot copy from the prompt (NOTES section 1: "no in-context ability"), which is exactly where
+prompt lookup and SuffixDecoding gain most, together with a model's earlier outputs (section 6).
+Both sources here draft like the index -- the longest context suffix of ``n_min..n_max`` tokens,
+the continuations that follow its occurrences, ``top_c_tree`` -- so their trees mean the same
+thing and ``datastore.merge`` can combine them with the index's.
+
+Both sit on ``_BigramIndex``: a growable token buffer (documents separated by ``SEP``) and a
+sorted table from each position's last two tokens to that position, so a lookup costs
+O(log N + occurrences), never a scan of the buffer; appends land in a small unsorted tail that
+is merged in when it grows. Lookups start from a bigram, so these sources never match fewer
+than two tokens (``n_min`` 1 acts as 2: one shared token predicts little).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import math
+import os
+import struct
+import threading
+import zlib
+from collections import deque
+from pathlib import Path
+from typing import BinaryIO, NamedTuple, Sequence
+
+import numpy as np
+
+from datastore.index import DEFAULT_MAX_CANDIDATES
+from datastore.trie import top_c_tree
+from datastore.types import MAX_DEPTH, DraftConfig, DraftTree
+
+log = logging.getLogger(__name__)
+
+SEP = 0xFFFFFFFF  # document separator: larger than every token id, as top_c_tree needs
+_MIN_TAIL = 4096  # unsorted bigram entries a lookup scans before they are merged into the table
+
+
+def token_array(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
+    """uint32 [n] from a 1-D sequence of token ids in [0, SEP); ``ValueError`` naming ``what``."""
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, np.uint32)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{what} must hold integer token ids, got {array.dtype}")
+    bad = array[(array < 0) | (array >= SEP)]
+    if bad.size:
+        raise ValueError(f"{what} token id {int(bad[0])} is outside [0, {SEP})")
+    return array.astype(np.uint32)
+
+
+def _bigram_keys(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    return (first.astype(np.uint64) << np.uint64(32)) | second.astype(np.uint64)
+
+
+class _BigramIndex:
+    """Token buffer + bigram table. Position 0 holds ``SEP``, documents are separated by ``SEP``,
+    and every slot past ``size`` holds ``SEP`` for at least ``MAX_DEPTH`` slots, so continuations
+    are gathered without bounds checks and backward matching stops at a separator by itself.
+    Position e is in the table under (t[e-1], t[e]) once t[e-1], t[e] and t[e+1] are all tokens:
+    as in the index, a match with nothing after it (a document's last token, the request's
+    newest) has nothing to draft and does not count."""
+
+    def __init__(self, tokens: np.ndarray | None = None) -> None:
+        """Start from ``tokens`` (uint32, documents separated by ``SEP``), indexed in one sort."""
+        tokens = np.zeros(0, np.uint32) if tokens is None else tokens
+        self.size = 1 + tokens.size
+        self.tokens = np.full(self.size + MAX_DEPTH + 1024, SEP, np.uint32)
+        self.tokens[1 : self.size] = tokens
+        prev, cur, after = self.tokens[: self.size - 1], self.tokens[1 : self.size], self.tokens[2 : self.size + 1]
+        ends = np.flatnonzero((prev != SEP) & (cur != SEP) & (after != SEP)) + 1
+        keys = _bigram_keys(self.tokens[ends - 1], self.tokens[ends])
+        order = np.argsort(keys, kind="stable")  # stable: positions stay ascending within a key
+        self._keys, self._ends = keys[order], ends[order]
+        self._tail_keys, self._tail_ends = np.zeros(_MIN_TAIL, np.uint64), np.zeros(_MIN_TAIL, np.int64)
+        self._tail_len = 0
+
+    def append(self, tokens: np.ndarray) -> None:
+        """Append ``tokens`` (uint32, no ``SEP``) to the last document and index the positions
+        that now have a successor."""
+        start, stop = self.size, self.size + tokens.size
+        if stop + MAX_DEPTH >= self.tokens.size:
+            grown = np.full(2 * (stop + MAX_DEPTH), SEP, np.uint32)
+            grown[:start] = self.tokens[:start]
+            self.tokens = grown
+        self.tokens[start:stop] = tokens
+        self.size = stop
+        ends = np.arange(max(start - 1, 1), stop - 1)  # the previous last token gained a successor
+        real = (self.tokens[ends - 1] != SEP) & (self.tokens[ends] != SEP)
+        ends = ends[real]
+        self._add_to_tail(_bigram_keys(self.tokens[ends - 1], self.tokens[ends]), ends)
+
+    def end_document(self) -> None:
+        self.size += 1  # the slot already holds SEP
+
+    def _add_to_tail(self, keys: np.ndarray, ends: np.ndarray) -> None:
+        used = self._tail_len + keys.size
+        if used > self._tail_keys.size:  # double the capacity
+            spare = max(self._tail_keys.size, keys.size)
+            self._tail_keys = np.concatenate((self._tail_keys, np.zeros(spare, np.uint64)))
+            self._tail_ends = np.concatenate((self._tail_ends, np.zeros(spare, np.int64)))
+        self._tail_keys[self._tail_len : used] = keys
+        self._tail_ends[self._tail_len : used] = ends
+        self._tail_len = used
+        # A lookup scans the tail linearly and a merge moves the whole table: a tail of
+        # ~sqrt(N) balances the two (O(sqrt N) per lookup and per appended token, amortized).
+        if used > max(_MIN_TAIL, 8 * math.isqrt(self._keys.size)):
+            keys, ends = self._tail_keys[:used], self._tail_ends[:used]
+            order = np.argsort(keys, kind="stable")
+            at = np.searchsorted(self._keys, keys[order], side="right")  # after older equal keys
+            self._keys = np.insert(self._keys, at, keys[order])
+            self._ends = np.insert(self._ends, at, ends[order])
+            self._tail_len = 0
+
+    def ends_of(self, first: int, second: int) -> np.ndarray:
+        """int64 ascending: the indexed positions e with t[e-1] == first and t[e] == second."""
+        key = np.uint64((first << 32) | second)
+        lo, hi = np.searchsorted(self._keys, key, "left"), np.searchsorted(self._keys, key, "right")
+        tail = self._tail_ends[: self._tail_len][self._tail_keys[: self._tail_len] == key]
+        return np.concatenate((self._ends[lo:hi], tail))  # the tail holds the newest positions
+
+    def draft(self, query: np.ndarray, config: DraftConfig, first: int, max_candidates: int) -> DraftTree:
+        """The draft for the context whose last tokens, newest first, are ``query`` (uint32),
+        counting only occurrences that end at position ``first`` or later. Above ``max_candidates``
+        occurrences the most recent ones are counted (recent text is the most relevant here)."""
+        if query.size < 2:
+            return DraftTree.empty()
+        ends = self.ends_of(int(query[1]), int(query[0]))
+        ends = ends[ends >= first]
+        match_len = 2 if ends.size else 0
+        for j in range(2, query.size):  # one token further back per round, on the survivors only
+            longer = ends[self.tokens[ends - j] == query[j]]  # a SEP (or position 0) ends the match
+            if longer.size == 0:
+                break
+            ends, match_len = longer, j + 1
+        if match_len == 0 or match_len < config.n_min:
+            return DraftTree.empty()
+        counted = ends[-max_candidates:]
+        rows = self.tokens[counted[:, None] + np.arange(1, config.max_depth + 1)]  # [k, max_depth]
+        rows[np.maximum.accumulate(rows == SEP, axis=1)] = SEP  # a continuation stops at its document's end
+        tokens, parents, counts = top_c_tree(rows, SEP, config.budget)
+        return DraftTree(tokens, parents, counts, match_len, int(ends.size), int(counted.size))
+
+
+class RequestMatcher:
+    """Drafts from one request's own tokens: the prompt and everything generated so far.
+
+    ``draft(context, config)`` takes the whole live context each step but indexes only the tokens
+    added since the previous call, then counts the continuations of earlier occurrences of the
+    context's longest suffix (the occurrence that *is* the suffix has none). One per request."""
+
+    def __init__(self, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> None:
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be positive, got {max_candidates}")
+        self.max_candidates = max_candidates
+        self._index = _BigramIndex()
+
+    def __len__(self) -> int:
+        return self._index.size - 1
+
+    def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:
+        seen = len(self)
+        if len(context) < seen or (seen and context[seen - 1] != self._index.tokens[seen]):
+            raise ValueError(
+                "context does not extend the tokens this matcher has seen; use one RequestMatcher per request"
+            )
+        if len(context) == 0:
+            raise ValueError("context must be a non-empty 1-D sequence of token ids")
+        self._index.append(token_array(context[seen:], "context"))
+        size = self._index.size
+        query = self._index.tokens[max(1, size - config.n_max) : size][::-1]
+        return self._index.draft(query, config, 1, self.max_candidates)
+
+
+class OutputStoreError(RuntimeError):
+    """The output store's log is unusable: foreign, corrupt before its end, or locked."""
+
+
+class _Record(NamedTuple):
+    seq: int
+    tokens: np.ndarray  # uint32
+
+
+class _Log:
+    """The append-only file behind a persistent ``OutputStore``.
+
+    ``outputs.log`` = magic, then one record per document: [u64 seq][u32 n][u32 crc32 of the
+    12 bytes before it and the payload], payload n little-endian u32 tokens. Each append is
+    fsynced before ``add`` acknowledges it, so after a crash only the last record can be torn;
+    replay drops such a record with a warning. A bad record followed by a good one is damage to
+    acknowledged data and is refused. Compaction writes the live records to a temporary file and
+    renames it over the log. A ``LOCK`` file keeps a second process out."""
+
+    MAGIC = b"RESTOUT1"
+    NAME = "outputs.log"
+    _HEADER = struct.Struct("<QII")
+
+    def __init__(self, directory: Path) -> None:
+        """Lock ``directory`` (created if missing) and create an empty log there if it has none."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.path = directory, directory / self.NAME
+        self._file: BinaryIO | None = None  # the append handle, opened after replay
+        self._lock_file = open(directory / "LOCK", "a")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise OutputStoreError(f"output store {directory} is open in another process") from None
+        if not self.path.exists():
+            try:
+                self.rewrite([])
+            except BaseException:
+                self._lock_file.close()
+                raise
+
+    @classmethod
+    def open(cls, directory: Path) -> tuple["_Log", list[_Record]]:
+        """The log in ``directory``, ready to append, and its records (a torn last one dropped)."""
+        opened = cls(directory)
+        try:
+            records = opened._replay()
+        except BaseException:
+            opened.close()
+            raise
+        opened._file = open(opened.path, "ab")
+        return opened, records
+
+    @staticmethod
+    def encode(seq: int, tokens: np.ndarray) -> bytes:
+        payload = tokens.astype("<u4").tobytes()
+        head = struct.pack("<QI", seq, tokens.size)
+        return head + struct.pack("<I", zlib.crc32(payload, zlib.crc32(head))) + payload
+
+    @classmethod
+    def _decode(cls, data: bytes, offset: int) -> tuple[_Record, int] | None:
+        """The record at ``offset`` and the offset after it, or None if it is short or corrupt."""
+        if offset + cls._HEADER.size > len(data):
+            return None
+        seq, n, crc = cls._HEADER.unpack_from(data, offset)
+        start, end = offset + cls._HEADER.size, offset + cls._HEADER.size + 4 * n
+        if end > len(data) or zlib.crc32(data[start:end], zlib.crc32(data[offset : start - 4])) != crc:
+            return None
+        return _Record(seq, np.frombuffer(data, "<u4", n, start).astype(np.uint32)), end
+
+    def _replay(self) -> list[_Record]:
+        data = self.path.read_bytes()
+        if data[: len(self.MAGIC)] != self.MAGIC:
+            raise OutputStoreError(f"{self.path} is not an output-store log (bad magic)")
+        records, offset = [], len(self.MAGIC)
+        while offset < len(data):
+            decoded = self._decode(data, offset)
+            if decoded is None:
+                self._drop_torn_tail(data, offset)
+                break
+            record, next_offset = decoded
+            if records and record.seq <= records[-1].seq:
+                raise OutputStoreError(f"{self.path}: sequence number {record.seq} at byte {offset} is out of order")
+            records.append(record)
+            offset = next_offset
+        return records
+
+    def _drop_torn_tail(self, data: bytes, offset: int) -> None:
+        if offset + self._HEADER.size <= len(data):
+            _, n, _ = self._HEADER.unpack_from(data, offset)
+            following = offset + self._HEADER.size + 4 * n
+            if following < len(data) and self._decode(data, following) is not None:
+                raise OutputStoreError(f"{self.path}: corrupt record at byte {offset} before acknowledged records")
+        log.warning("%s: dropping a torn last record (%d bytes at byte %d); it was never acknowledged",
+                    self.path, len(data) - offset, offset)
+        with open(self.path, "r+b") as file:
+            file.truncate(offset)
+            os.fsync(file.fileno())
+
+    def append(self, record: bytes) -> None:
+        """Write and fsync ``record``; on failure cut the file back so no torn record stays."""
+        assert self._file is not None, "append before open"
+        size = self._file.tell()
+        try:
+            self._file.write(record)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except BaseException:
+            self._file.truncate(size)
+            raise
+
+    def rewrite(self, records: list[bytes]) -> None:
+        """Replace the log by ``records`` atomically (temporary file, fsync, rename, fsync dir)."""
+        temporary = self.path.with_suffix(".tmp")
+        with open(temporary, "wb") as file:
+            file.write(self.MAGIC)
+            file.writelines(records)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self.path)
+        directory = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        if self._file is not None:
+            self._file.close()
+            self._file = open(self.path, "ab")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._lock_file.close()  # releases the flock
+
+
+class _Document(NamedTuple):
+    seq: int
+    start: int  # buffer position of the first token
+    length: int
+
+
+class OutputStore:
+    """A bounded, thread-safe store of recent generations that drafts like the index.
+
+    ``add`` stores one document (a generation's tokens) and returns its sequence number; while
+    more than ``max_tokens`` tokens are held the oldest whole documents are evicted. With a
+    ``directory`` every document is appended to a log and fsynced before ``add`` returns, and
+    opening replays the log (same documents, same evictions), so a restart loses nothing that
+    was acknowledged. Evicted data stays in memory and in the log until it outweighs the live
+    data; then both are rewritten with the live documents only (amortized O(1) per token)."""
+
+    def __init__(
+        self, max_tokens: int, directory: str | Path | None = None, *, max_candidates: int = DEFAULT_MAX_CANDIDATES
+    ) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be positive, got {max_candidates}")
+        self.max_tokens, self.max_candidates = max_tokens, max_candidates
+        self._lock = threading.Lock()
+        self._index = _BigramIndex()
+        self._documents: deque[_Document] = deque()  # live documents, oldest first
+        self._live_tokens = self._evicted_tokens = 0
+        self._next_seq = 0
+        self._closed = False
+        self._log: _Log | None = None
+        if directory is not None:
+            self._log, records = _Log.open(Path(directory))
+            for record in records:
+                self._insert(record.seq, record.tokens)
+            self._compact_if_mostly_evicted()
+            log.info("opened output store %s: %d documents, %d tokens", directory, len(self), self._live_tokens)
+
+    def __len__(self) -> int:
+        """Live documents."""
+        return len(self._documents)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._live_tokens
+
+    def add(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Store ``tokens`` as one document; returns its sequence number once it is durable."""
+        array = token_array(tokens, "tokens")
+        if array.size == 0:
+            raise ValueError("tokens is empty: a document needs at least one token")
+        if array.size > self.max_tokens:
+            raise ValueError(f"a document of {array.size} tokens exceeds the store's max_tokens={self.max_tokens}")
+        with self._lock:
+            self._check_open()
+            seq = self._next_seq
+            if self._log is not None:
+                self._log.append(_Log.encode(seq, array))
+            self._insert(seq, array)
+            self._compact_if_mostly_evicted()
+        return seq
+
+    def documents(self) -> list[np.ndarray]:
+        """The live documents' tokens, oldest first (copies)."""
+        with self._lock:
+            return [self._index.tokens[d.start : d.start + d.length].copy() for d in self._documents]
+
+    def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:
+        """The draft tree continuing ``context`` from the live documents (as ``Datastore.draft``)."""
+        query = token_array(context[-config.n_max :], "context")[::-1]
+        if query.size == 0:
+            raise ValueError("context must be a non-empty 1-D sequence of token ids")
+        with self._lock:
+            self._check_open()
+            index = self._index
+            first_live = self._documents[0].start if self._documents else index.size
+            return index.draft(query, config, first_live, self.max_candidates)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("output store is closed")
+
+    def _insert(self, seq: int, tokens: np.ndarray) -> None:
+        self._documents.append(_Document(seq, self._index.size, tokens.size))
+        self._index.append(tokens)
+        self._index.end_document()
+        self._live_tokens += tokens.size
+        self._next_seq = seq + 1
+        while self._live_tokens > self.max_tokens:
+            evicted = self._documents.popleft()
+            self._live_tokens -= evicted.length
+            self._evicted_tokens += evicted.length
+
+    def _compact_if_mostly_evicted(self) -> None:
+        if self._evicted_tokens <= self._live_tokens:
+            return
+        first_live = self._documents[0].start if self._documents else self._index.size
+        shift = first_live - 1  # the separator before the first live document becomes position 0
+        self._index = _BigramIndex(self._index.tokens[first_live : self._index.size])
+        self._documents = deque(d._replace(start=d.start - shift) for d in self._documents)
+        self._evicted_tokens = 0
+        if self._log is not None:
+            tokens = self._index.tokens
+            self._log.rewrite([_Log.encode(d.seq, tokens[d.start : d.start + d.length]) for d in self._documents])
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+
+    def __enter__(self) -> "OutputStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
