@@ -1,37 +1,50 @@
-"""The REST decoding loop: draft a tree, verify it in one forward, compact the cache, repeat.
+"""The REST decoding loop: draft a tree per row, verify all rows in one forward, compact the cache,
+commit, repeat.
 
-Invariant between steps: the KV cache holds every committed token except the last one, the
-"pending" token, which is fed as the first position of the next verification forward. With no
-drafter (or an empty tree) each step is exactly one token of plain greedy decoding, through the
-same code path.
+Invariant between steps: for every unfinished row the KV cache holds every committed token except
+the last one, the "pending" token, which is fed as the first position of the row's next
+verification block. With no drafter (or an empty tree) a step is exactly one token of plain
+decoding per row, through the same code path.
+
+Tokens are chosen as ``model.generate`` chooses them (``sampling.TokenChooser``: its logits
+processors, then argmax or one draw per tree position), so greedy output is token for token
+``model.generate``'s and sampled output has exactly its distribution. Rows of a batch are decoded
+as if each were alone: their own tree, positions, processors and stopping; the cache layout that
+makes this work is described in ``kv_cache``. A finished row leaves the batch (its cache row is
+dropped) and the others go on.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxTimeCriteria
+from transformers.generation.streamers import BaseStreamer
 
 from datastore.types import DraftConfig, DraftTree
 from drafter.base import Drafter
-from drafter.kv_cache import compact_cache, new_cache
-from drafter.verify import verify_tree
+from drafter.kv_cache import CacheRows, compact_cache, new_cache, select_rows
+from drafter.sampling import TokenChooser, prepare_generation_config
+from drafter.tree_attention import padded_prefill_mask
+from drafter.verify import verify_trees
 
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """What one ``generate`` call produced and what it cost.
+    """What one ``generate`` call on one prompt produced and what it cost.
 
-    output_ids         new tokens only (the prompt excluded), truncated after the first eos
+    output_ids         new tokens only (the prompt excluded), cut after the first eos or stop
     steps              verification forward passes (the prefill not counted)
     accepted_per_step  draft tokens accepted at each step (the bonus token not counted)
     seconds            wall-clock time of the whole call, prefill included
     prefill_seconds    the prompt's forward pass
-    draft_seconds      time inside ``drafter.draft``
+    draft_seconds      time inside the drafter
     verify_seconds     forward + acceptance + cache compaction
     """
 
@@ -53,108 +66,305 @@ class GenerationResult:
         return len(self.output_ids) / self.seconds if self.seconds > 0 else 0.0
 
 
-def eos_ids(model: PreTrainedModel, eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
-    """The stop ids: ``eos_token_id`` if given, else the model's generation config (may be empty)."""
-    if eos_token_id is None:
-        eos_token_id = getattr(model.generation_config, "eos_token_id", None)
-    if eos_token_id is None:
+@dataclass(frozen=True)
+class BatchGenerationResult:
+    """What one ``generate`` call on B prompts produced and what it cost.
+
+    output_ids         per row: its new tokens, cut as in ``GenerationResult``
+    accepted_per_step  per row: draft tokens accepted at each step the row took part in (a row
+                       leaves the batch when it finishes, so rows have different step counts)
+    steps              batched verification forward passes (the prefill not counted)
+    seconds, prefill_seconds, draft_seconds, verify_seconds: as in ``GenerationResult``, for the
+                       whole batch
+    """
+
+    output_ids: list[list[int]]
+    accepted_per_step: list[list[int]]
+    steps: int
+    seconds: float
+    prefill_seconds: float
+    draft_seconds: float
+    verify_seconds: float
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(ids) for ids in self.output_ids)
+
+    @property
+    def mean_accepted(self) -> float:
+        """New tokens per row and step (bonus included), over all rows."""
+        row_steps = sum(len(steps) for steps in self.accepted_per_step)
+        return self.new_tokens / row_steps if row_steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens of all rows per second of the whole call."""
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def row(self, index: int) -> GenerationResult:
+        """Row ``index`` as a ``GenerationResult`` (with the whole batch's timings)."""
+        return GenerationResult(
+            output_ids=self.output_ids[index],
+            steps=len(self.accepted_per_step[index]),
+            accepted_per_step=self.accepted_per_step[index],
+            seconds=self.seconds,
+            prefill_seconds=self.prefill_seconds,
+            draft_seconds=self.draft_seconds,
+            verify_seconds=self.verify_seconds,
+        )
+
+
+def eos_ids(config: GenerationConfig) -> frozenset[int]:
+    """The stop ids of a generation config (int, list or tensor; may be empty)."""
+    if config.eos_token_id is None:
         return frozenset()
-    if isinstance(eos_token_id, int):
-        return frozenset((eos_token_id,))
-    return frozenset(int(t) for t in eos_token_id)
+    return frozenset(torch.as_tensor(config.eos_token_id).flatten().tolist())
 
 
-def prompt_ids(input_ids: Sequence[int] | torch.Tensor) -> list[int]:
-    """A 1-D list of ids from a list or a [L] / [1, L] tensor; refuses empty prompts and batches."""
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.ndim == 2 and input_ids.shape[0] == 1:
-            input_ids = input_ids[0]
-        if input_ids.ndim != 1:
-            raise ValueError(f"input_ids must be [L] or [1, L], got shape {tuple(input_ids.shape)}")
-        input_ids = input_ids.tolist()
-    ids = [int(t) for t in input_ids]
-    if not ids:
-        raise ValueError("the prompt must contain at least one token")
-    return ids
+def prompt_rows(
+    input_ids: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[list[list[int]], bool]:
+    """Each prompt's ids without padding, and whether the input was a batch of more than one.
+
+    ``input_ids``: a list of ids or an [L] / [1, L] tensor (one prompt); a [B, L] tensor,
+    left-padded where ``attention_mask`` [B, L] is 0; or a list of B id lists (any lengths).
+    """
+    if attention_mask is not None:
+        ids, mask = torch.as_tensor(input_ids), torch.as_tensor(attention_mask)
+        if ids.ndim == 1:
+            ids, mask = ids[None], mask.reshape(1, -1)
+        if ids.ndim != 2 or mask.shape != ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}")
+        mask = mask != 0
+        if (mask[:, 1:] < mask[:, :-1]).any():
+            raise ValueError("attention_mask must be left padding (zeros, then ones) in every row")
+        rows = [row[keep].tolist() for row, keep in zip(ids, mask)]
+    elif isinstance(input_ids, torch.Tensor):
+        if input_ids.ndim not in (1, 2):
+            raise ValueError(f"input_ids must be [L] or [B, L], got shape {tuple(input_ids.shape)}")
+        rows = input_ids.tolist() if input_ids.ndim == 2 else [input_ids.tolist()]
+    elif len(input_ids) and not isinstance(input_ids[0], (int, np.integer)):
+        rows = [[int(t) for t in row] for row in input_ids]
+    else:
+        rows = [[int(t) for t in input_ids]]
+    if not rows:
+        raise ValueError("input_ids holds no prompts")
+    for index, row in enumerate(rows):
+        if not row:
+            raise ValueError(
+                "the prompt must contain at least one token" if len(rows) == 1 else f"prompt {index} has no tokens"
+            )
+    return rows, len(rows) > 1
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, cache: DynamicCache, tokens: Sequence[int]) -> None:
-    """Fill an empty ``cache`` with ``tokens`` (plain causal attention). Only the cache is wanted,
-    so models that support it compute logits for one position instead of all of them."""
-    ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # [1, P]
+def prefill(model: PreTrainedModel, cache: DynamicCache, prompts: Sequence[Sequence[int]]) -> CacheRows:
+    """Fill an empty ``cache`` with every prompt but its last token (the first pending token),
+    left-padded to a common length; returns where each row's tokens are.
+
+    Without padding the model builds its usual causal mask; with padding, an explicit mask hides
+    the padding and position ids count each row's own tokens. Only the cache is wanted, so models
+    that support it compute logits for one position instead of all of them.
+    """
+    lengths = np.array([len(prompt) - 1 for prompt in prompts], dtype=np.int64)
+    width = int(lengths.max())
+    rows = CacheRows(start=width - lengths, end=np.full(len(prompts), width, dtype=np.int64))
+    if width == 0:
+        return rows
+    packed = np.zeros((2, len(prompts), width), dtype=np.int64)  # ids, positions: one copy
+    for row, prompt in enumerate(prompts):
+        packed[0, row, rows.start[row] :] = prompt[:-1]
+    packed[1] = np.maximum(np.arange(width) - rows.start[:, None], 0)
+    ids, positions = torch.from_numpy(packed).to(model.device)
+    mask = None
+    if rows.start.any():
+        start = torch.from_numpy(rows.start).to(model.device)
+        mask = padded_prefill_mask(start, width, model.dtype)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     model(
         input_ids=ids,
-        position_ids=torch.arange(len(tokens), device=model.device)[None],
+        attention_mask=mask,
+        position_ids=positions,
         past_key_values=cache,
         use_cache=True,
         **extra,
     )
+    return rows
 
 
-def _truncate(new_tokens: Sequence[int], room: int, stop: frozenset[int]) -> tuple[list[int], bool]:
-    """Cut ``new_tokens`` to ``room`` tokens and after the first stop id; True if a stop id was hit."""
-    kept = list(new_tokens[:room])
-    for i, token in enumerate(kept):
-        if token in stop:
-            return kept[: i + 1], True
-    return kept, False
+@dataclass(frozen=True)
+class StopConditions:
+    """When a row is done, decided as ``model.generate`` decides it: after ``max_new_tokens`` new
+    tokens, after the first ``eos`` id, or after the first token at which one of ``criteria``
+    fires (each is checked after every committed token, on the row's ids up to that token)."""
+
+    max_new_tokens: int
+    eos: frozenset[int] = frozenset()
+    criteria: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)
+    device: torch.device | str = "cpu"
+
+    def commit(self, context: Sequence[int], generated: int, new_tokens: Sequence[int]) -> tuple[list[int], bool]:
+        """The part of ``new_tokens`` a row keeps after ``context`` (which holds ``generated`` new
+        tokens already), and whether the row is done."""
+        kept = list(new_tokens[: self.max_new_tokens - generated])
+        done = generated + len(kept) >= self.max_new_tokens
+        for i, token in enumerate(kept):
+            if token in self.eos:
+                kept, done = kept[: i + 1], True
+                break
+        if self.criteria:
+            ids = torch.tensor([[*context, *kept]], device=self.device)
+            for i in range(len(kept)):
+                if bool(self.criteria(ids[:, : len(context) + i + 1], None).any()):
+                    return kept[: i + 1], True
+        return kept, done
+
+
+def draft_trees(drafter: Drafter | None, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
+    """One tree per context: the single-context call for one row, one batch call for more."""
+    if drafter is None:
+        return [DraftTree.empty()] * len(contexts)
+    if len(contexts) == 1:
+        return [drafter.draft(contexts[0], config)]
+    return list(drafter.draft_batch(contexts, config))
 
 
 @torch.inference_mode()
-def generate(
+def decode(
     model: PreTrainedModel,
-    input_ids: Sequence[int] | torch.Tensor,
+    prompts: Sequence[Sequence[int]],
     drafter: Drafter | None,
     *,
-    max_new_tokens: int,
-    eos_token_id: int | Sequence[int] | None = None,
+    chooser: TokenChooser,
+    stop: StopConditions,
     config: DraftConfig = DraftConfig(),
-) -> GenerationResult:
-    """Greedy decoding of ``input_ids`` with draft trees from ``drafter``; the output is token for
-    token ``model.generate(input_ids, do_sample=False, max_new_tokens=...)``.
-
-    ``drafter=None`` decodes plainly through the same loop. ``eos_token_id`` defaults to the
-    model's generation config; generation stops after the first of them or ``max_new_tokens``.
-    """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    stop = eos_ids(model, eos_token_id)
-    context = prompt_ids(input_ids)  # prompt + committed tokens; what the drafter matches against
-    prompt_length = len(context)
+    on_step: Callable[[list[list[int]]], None] | None = None,
+) -> BatchGenerationResult:
+    """The loop behind ``generate``: one row per prompt (unpadded ids); ``chooser`` has one row per
+    prompt too. ``on_step`` receives, after every step, the tokens each row committed in it
+    (empty for rows that had finished)."""
     start = time.perf_counter()
-
+    contexts = [list(prompt) for prompt in prompts]  # prompt + committed tokens, per row
+    prompt_lengths = [len(prompt) for prompt in prompts]
+    accepted: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts))) if stop.max_new_tokens > 0 else []  # rows in the cache, in order
     cache = new_cache(model)
-    if prompt_length > 1:
-        prefill(model, cache, context[:-1])
+    rows = prefill(model, cache, prompts) if active else CacheRows.full(0, 0)
     prefill_seconds = time.perf_counter() - start
 
-    accepted_per_step: list[int] = []
+    steps = 0
     draft_seconds = verify_seconds = 0.0
-    done = max_new_tokens == 0
-    while not done:
+    while active:
         t0 = time.perf_counter()
-        # The drafter sees the live context list; it must not keep a reference across steps.
-        tree = drafter.draft(context, config) if drafter is not None else DraftTree.empty()
+        # The drafter sees the live context lists; it must not keep a reference across steps.
+        live = [contexts[row] for row in active]
+        trees = draft_trees(drafter, live, config)
         t1 = time.perf_counter()
-        verdict = verify_tree(model, cache, context[-1], tree)  # context[-1]: the pending token
-        compact_cache(cache, len(context) - 1, verdict.keep)
+        verdicts = verify_trees(model, cache, rows, live, trees, chooser)
+        rows = compact_cache(cache, rows, [verdict.keep for verdict in verdicts])
         verify_seconds += time.perf_counter() - t1
         draft_seconds += t1 - t0
+        steps += 1
 
-        accepted_per_step.append(len(verdict.accepted_tokens))
-        room = max_new_tokens - (len(context) - prompt_length)
-        committed, hit_eos = _truncate(verdict.new_tokens, room, stop)
-        context.extend(committed)
-        done = hit_eos or len(context) - prompt_length >= max_new_tokens
+        committed: list[list[int]] = [[] for _ in prompts]
+        unfinished = []  # indices into ``active``
+        for index, (row, verdict) in enumerate(zip(active, verdicts)):
+            accepted[row].append(len(verdict.accepted_tokens))
+            generated = len(contexts[row]) - prompt_lengths[row]
+            committed[row], done = stop.commit(contexts[row], generated, verdict.new_tokens)
+            contexts[row].extend(committed[row])
+            if not done:
+                unfinished.append(index)
+        if on_step is not None:
+            on_step(committed)
+        if len(unfinished) < len(active):
+            if unfinished:
+                rows = select_rows(cache, rows, np.array(unfinished))
+                chooser = chooser.select_rows(unfinished)
+            active = [active[index] for index in unfinished]
 
-    return GenerationResult(
-        output_ids=context[prompt_length:],
-        steps=len(accepted_per_step),
-        accepted_per_step=accepted_per_step,
+    return BatchGenerationResult(
+        output_ids=[context[length:] for context, length in zip(contexts, prompt_lengths)],
+        accepted_per_step=accepted,
+        steps=steps,
         seconds=time.perf_counter() - start,
         prefill_seconds=prefill_seconds,
         draft_seconds=draft_seconds,
         verify_seconds=verify_seconds,
     )
+
+
+def stream_to(streamer: BaseStreamer, batched: bool, pad_token_id: int | None) -> Callable[[list[list[int]]], None]:
+    """An ``on_step`` that puts each step's committed tokens into ``streamer``: a LongTensor [k]
+    for one prompt (what ``TextStreamer`` takes); [B, k] for a batch, rows with fewer tokens this
+    step (or finished) right-filled with ``pad_token_id``, as ``model.generate`` pads finished rows.
+    The prompt is not put: ``model.generate`` puts it before it calls a decoding method."""
+    if batched and pad_token_id is None:
+        raise ValueError("streaming a batch needs a pad_token_id (or eos_token_id) in the generation config")
+
+    def put(committed: list[list[int]]) -> None:
+        if not batched:
+            streamer.put(torch.tensor(committed[0], dtype=torch.long))
+            return
+        step = torch.full((len(committed), max(map(len, committed))), pad_token_id, dtype=torch.long)
+        for row, tokens in enumerate(committed):
+            step[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        streamer.put(step)
+
+    return put
+
+
+@torch.inference_mode()
+def generate(
+    model: PreTrainedModel,
+    input_ids: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor,
+    drafter: Drafter | None,
+    *,
+    max_new_tokens: int,
+    eos_token_id: int | Sequence[int] | None = None,
+    config: DraftConfig = DraftConfig(),
+    attention_mask: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    streamer: BaseStreamer | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationResult | BatchGenerationResult:
+    """Decode ``input_ids`` with draft trees from ``drafter``: the output has exactly the
+    distribution of ``model.generate``'s with the same arguments, and with greedy decoding it is
+    token for token the same.
+
+    input_ids           one prompt (ids, [L] or [1, L]) -> ``GenerationResult``; B > 1 prompts
+                        ([B, L] left-padded with ``attention_mask``, or B id lists) ->
+                        ``BatchGenerationResult``. Each row is decoded as if it were alone.
+    drafter             None decodes plainly through the same loop
+    eos_token_id        replaces the generation config's eos ids; generation stops after the first
+    generation_config   default ``model.generation_config``: do_sample, temperature, top_k, top_p,
+                        repetition_penalty, no_repeat_ngram_size, ... as ``model.generate`` reads it
+    logits_processor    extra processors, merged as ``model.generate`` merges them
+    stopping_criteria   checked after every committed token (e.g. ``StopStringCriteria``)
+    streamer            ``put`` with each step's committed tokens (see ``stream_to``), then ``end``
+    generator           randomness of sampling, on the model's device; a fixed seed reproduces
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if generator is not None and generator.device.type != model.device.type:
+        raise ValueError(f"the generator is on {generator.device}, the model on {model.device}")
+    prompts, batched = prompt_rows(input_ids, attention_mask)
+    generation = prepare_generation_config(model, generation_config, eos_token_id)
+    chooser = TokenChooser.for_prompts(
+        model, generation, [len(p) for p in prompts], max_new_tokens, logits_processor, generator
+    )
+    criteria = StoppingCriteriaList(stopping_criteria or [])
+    if generation.max_time is not None:
+        criteria.append(MaxTimeCriteria(generation.max_time))
+    stop = StopConditions(max_new_tokens, eos_ids(generation), criteria, model.device)
+    on_step = None
+    if streamer is not None:
+        pad = generation._pad_token_tensor  # the pad id, else the first eos id (model.generate's rule)
+        on_step = stream_to(streamer, batched, None if pad is None else int(pad))
+    result = decode(model, prompts, drafter, chooser=chooser, stop=stop, config=config, on_step=on_step)
+    if streamer is not None:
+        streamer.end()
+    return result if batched else result.row(0)

@@ -1,9 +1,18 @@
 """The only module that touches ``transformers`` cache internals.
 
-Tree verification appends the pending token and all ``n`` tree nodes to the KV cache; afterwards
-only the pending token and the accepted path are real context. ``compact_cache`` moves those slots
-down in place and drops the rest, so the next forward sees exactly the cache plain decoding would
-have built.
+Tree verification appends the pending token and all tree nodes to the KV cache; afterwards only
+the pending token and the accepted path are real context. ``compact_cache`` moves those slots down
+in place and drops the rest, so the next forward sees exactly the cache plain decoding would have
+built.
+
+Batches: the cache is one rectangular [B, H, S, D] tensor per layer, but rows hold different
+numbers of tokens (prompts of different lengths, different accepted lengths per step).
+``CacheRows`` records where each row's tokens are: slots ``[start[b], end[b])``, contiguous. Slots
+before ``start`` are left padding, slots from ``end`` to S are holes left by rows that accepted
+fewer tokens than the longest row; both are masked out of attention (``tree_attention``) and
+position ids count only a row's own tokens. Every verification block is appended at slot S for
+all rows, and compaction moves each row's accepted slots down to its own ``end``, so holes never
+pile up inside a row: S is always the longest row's end, the least a rectangular cache can hold.
 
 Supported: a ``DynamicCache`` whose layers are all plain ``DynamicLayer`` (transformers 5:
 ``cache.layers[i].keys / .values``, float [B, H, S, D]). Sliding-window layers evict old positions
@@ -13,6 +22,7 @@ compacting them by slot index would be wrong: they are refused.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -57,30 +67,96 @@ def cache_length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
 
-@torch.inference_mode()  # the cache holds inference tensors; in-place writes need the mode
-def compact_cache(cache: DynamicCache, past_length: int, keep: Sequence[int] | np.ndarray) -> None:
-    """Keep slots ``[0, L)`` and ``L + keep[i]``, moved to ``L + i``; drop everything after.
+@dataclass(frozen=True, eq=False)
+class CacheRows:
+    """Where each batch row's tokens are in the cache: row ``b`` holds slots ``[start[b], end[b])``.
 
-    ``keep`` int [k]: ascending offsets of the slots to keep, relative to ``past_length`` = L (the
-    verified block starts at L; offset 0 is the pending token). Afterwards every layer holds
-    L + k positions. The leading run with ``keep[i] == i`` is already in place and is not copied;
-    the rest is gathered (``index_select`` allocates, so source and destination never alias) and
-    written back with ``copy_``.
+    start  int64 [B]  first slot of the row (its left padding comes before)
+    end    int64 [B]  one past the row's last slot; slots from here to ``length`` are holes
     """
-    offsets = np.asarray(keep, dtype=np.int64)
-    new_length = past_length + offsets.shape[0]
-    misplaced = np.flatnonzero(offsets != np.arange(offsets.shape[0]))
-    first = int(misplaced[0]) if misplaced.size else offsets.shape[0]
-    index: torch.Tensor | None = None
+
+    start: np.ndarray
+    end: np.ndarray
+
+    @classmethod
+    def full(cls, batch: int, length: int) -> CacheRows:
+        """``batch`` rows that all fill slots ``[0, length)`` (no padding, no holes)."""
+        return cls(np.zeros(batch, np.int64), np.full(batch, length, np.int64))
+
+    @property
+    def batch(self) -> int:
+        return int(self.start.shape[0])
+
+    @property
+    def length(self) -> int:
+        """Slots in the cache tensors: the longest row's end (0 for an empty cache)."""
+        return int(self.end.max(initial=0))
+
+    @property
+    def positions(self) -> np.ndarray:
+        """int64 [B]: tokens each row holds, i.e. the position id of its next token."""
+        return self.end - self.start
+
+
+@torch.inference_mode()  # the cache holds inference tensors; in-place writes need the mode
+def compact_cache(cache: DynamicCache, rows: CacheRows, keep: Sequence[np.ndarray]) -> CacheRows:
+    """Keep each row's accepted slots of the verification block and drop the rest of the block.
+
+    The block of q slots starts at ``S = rows.length`` (the same slot for every row). ``keep[b]``
+    int [k_b]: ascending offsets into the block of the slots row ``b`` keeps (offset 0 is the
+    pending token); they move to ``rows.end[b] + i``. Afterwards the cache holds
+    ``max(end + k)`` slots; returns the new ``CacheRows``. Slots already in place are not moved;
+    the rest are gathered (which allocates, so source and destination never alias) and scattered
+    back, all rows in one ``gather`` + ``scatter_`` per tensor.
+    """
+    past_length = rows.length
+    counts = np.array([len(k) for k in keep], dtype=np.int64)
+    width = int(counts.max(initial=0))
+    # dst[b, i] = end[b] + i. Row b's padding columns i >= k_b copy slot end[b] + i onto itself:
+    # a harmless no-op on a hole (or a dropped block slot) that no real entry of the row writes.
+    dst = rows.end[:, None] + np.arange(width)  # [B, width]
+    src = dst.copy()
+    for b, offsets in enumerate(keep):
+        src[b, : counts[b]] = past_length + np.asarray(offsets, dtype=np.int64)
+    moving = np.flatnonzero((src != dst).any(axis=0))  # columns where some row's slot moves
+    if moving.size:
+        src, dst = src[:, moving[0] :], dst[:, moving[0] :]
+    new_rows = CacheRows(rows.start, rows.end + counts)
+    new_length = new_rows.length
+    indices: tuple[torch.Tensor, torch.Tensor] | None = None
     for layer in cache.layers:
         if not layer.is_initialized:  # layers sharing another layer's KV hold nothing
             continue
-        if first < offsets.shape[0]:
-            if index is None:  # one host->device copy of the gather index, shared by all layers
-                index = torch.from_numpy(past_length + offsets[first:]).to(layer.keys.device)
-            for states in (layer.keys, layer.values):  # [B, H, S, D]
-                states[:, :, past_length + first : new_length].copy_(states.index_select(2, index))
+        if moving.size:
+            batch, heads, _, dim = layer.keys.shape  # [B, H, S + q, D]
+            if indices is None:  # one host->device copy of both indices, shared by all layers
+                both = torch.from_numpy(np.stack([src, dst])).to(layer.keys.device)
+                indices = both[0], both[1]
+            shape = (batch, heads, src.shape[1], dim)
+            src_index, dst_index = (i[:, None, :, None].expand(shape) for i in indices)
+            for states in (layer.keys, layer.values):
+                states.scatter_(2, dst_index, states.gather(2, src_index))
         # Crop by slicing: DynamicLayer.crop's argument changed meaning within transformers 5.x
         # (absolute length -> negative count); the next update() concatenates onto the view.
         layer.keys = layer.keys[:, :, :new_length]
         layer.values = layer.values[:, :, :new_length]
+    return new_rows
+
+
+@torch.inference_mode()
+def select_rows(cache: DynamicCache, rows: CacheRows, keep: np.ndarray) -> CacheRows:
+    """Keep only batch rows ``keep`` (int [B'], ascending, not empty) of the cache, e.g. to drop
+    finished rows; slots that no kept row uses (padding all of them share, trailing holes) go too.
+    Returns the kept rows' ``CacheRows``, in the order of ``keep``."""
+    keep = np.asarray(keep, dtype=np.int64)
+    start, end = rows.start[keep], rows.end[keep]
+    first, last = int(start.min()), int(end.max())
+    index: torch.Tensor | None = None
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        if index is None:
+            index = torch.from_numpy(keep).to(layer.keys.device)
+        layer.keys = layer.keys.index_select(0, index)[:, :, first:last]
+        layer.values = layer.values.index_select(0, index)[:, :, first:last]
+    return CacheRows(start - first, end - first)

@@ -1,27 +1,33 @@
-"""A draft tree as the tensors of one verification forward pass (tree attention).
+"""Draft trees as the tensors of one verification forward pass (tree attention), one tree per row.
 
-The verifier runs ``q = n + 1`` query positions at once: the pending token (the last committed
-token, not yet in the KV cache) at flat position 0, then the ``n`` tree nodes in BFS order at flat
-positions ``1..n`` (node ``i`` of the tree is flat position ``i + 1``). A position may attend to the
-whole cached prefix, to itself and to its ancestors; the pending token is every node's ancestor.
-Position ids are ``L + depth`` (pending at depth 0), so each node sees exactly the positions and
-keys it would see if its path had been decoded one token at a time.
+The verifier runs ``q`` query positions per row at once: the pending token (the row's last
+committed token, not yet in the KV cache) at flat position 0, then the row's ``n`` tree nodes in
+BFS order at flat positions ``1..n`` (node ``i`` of the tree is flat position ``i + 1``), then
+padding up to ``q = max n + 1`` over the batch. A position may attend to its row's cached tokens
+(``kv_cache.CacheRows``: not the row's left padding or holes), to itself and to its ancestors; the
+pending token is every node's ancestor. Position ids are the row's token count plus the depth
+(pending at depth 0), so each node sees exactly the positions and keys it would see if its path
+had been decoded one token at a time. A padding position sees its row's cache and itself, and no
+position sees it.
 
-Everything is built on the host in numpy (the tree arrives there from the drafter) and crosses to
+Everything is built on the host in numpy (the trees arrive there from the drafter) and crosses to
 the device as ONE packed int64 copy; the float mask is expanded on the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from datastore.types import DraftTree
+from drafter.kv_cache import CacheRows
 
 # Columns of the packed host buffer, before the q ancestor columns.
-_IDS, _POSITIONS, _PARENTS, _ANCESTORS = 0, 1, 2, 3
+_IDS, _POSITIONS, _PARENTS, _DEPTHS, _CACHE_START, _CACHE_END, _ANCESTORS = range(7)
+PADDING_DEPTH = -1
 
 
 def ancestor_matrix(parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
@@ -43,70 +49,124 @@ def ancestor_matrix(parents: np.ndarray, depths: np.ndarray) -> np.ndarray:
     return ancestors
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TreeInputs:
-    """Device tensors for verifying one draft tree per batch row (B = 1 for now).
+    """Device tensors for verifying one draft tree per batch row, plus their packed host copy.
 
-    input_ids     int64 [B, q]     pending token, then the tree tokens in BFS order
-    position_ids  int64 [B, q]     past_length + depth
-    parent_index  int64 [B, q]     flat position of each position's parent (0 for the pending token)
-    ancestors     bool  [B, q, q]  see ``ancestor_matrix``
-    past_length   int              L, tokens already in the KV cache (same for every row)
+    input_ids     int64 [B, q]     pending token, the tree tokens in BFS order, padding (0)
+    position_ids  int64 [B, q]     the row's token count + depth (padding: + 0)
+    parent_index  int64 [B, q]     flat position of each position's parent (0 for the pending token
+                                   and for padding)
+    depths        int64 [B, q]     0 for the pending token, 1 for children of the root, ...;
+                                   ``PADDING_DEPTH`` (-1) for padding
+    ancestors     bool  [B, q, q]  see ``ancestor_matrix``; a padding position has itself only
+    cache_start   int64 [B, 1]     the row's cached tokens are slots [cache_start, cache_end)
+    cache_end     int64 [B, 1]
+    past_length   int              S, slots in the KV cache (the same for every row)
+    host          int64 [B, q, 6 + q] the same values on the host, packed (see ``paths``)
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     parent_index: torch.Tensor
+    depths: torch.Tensor
     ancestors: torch.Tensor
+    cache_start: torch.Tensor
+    cache_end: torch.Tensor
     past_length: int
-
-    @property
-    def depths(self) -> torch.Tensor:
-        """int64 [B, q]: 0 for the pending token, 1 for children of the root, ..."""
-        return self.position_ids - self.past_length
+    host: np.ndarray
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """The 4D additive mask ``[B, 1, q, L + q]`` in ``dtype`` (see ``tree_attention_mask``)."""
-        return tree_attention_mask(self.ancestors, self.past_length, dtype)
+        """The 4D additive mask ``[B, 1, q, S + q]`` in ``dtype`` (see ``tree_attention_mask``)."""
+        slots = torch.arange(self.past_length, device=self.input_ids.device)
+        visible = (slots >= self.cache_start) & (slots < self.cache_end)  # [B, S]
+        return tree_attention_mask(self.ancestors, visible, dtype)
+
+    def host_depths(self, row: int) -> np.ndarray:
+        """int64 [q]: the depths of row ``row`` on the host (``PADDING_DEPTH`` for padding)."""
+        return self.host[row, :, _DEPTHS]
+
+    def paths(self, row: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """The positions of row ``row`` at ``depth`` >= 0 and the draft tokens on their paths.
+
+        Returns ``(positions, tokens)``: int64 [m] flat positions, and int64 [m, depth] the tokens
+        from the root's child down to each position itself (the pending token excluded), i.e.
+        what plain decoding would have appended to the context before predicting there.
+        """
+        positions = np.flatnonzero(self.host_depths(row) == depth)
+        on_path = self.host[row, positions, _ANCESTORS + 1 :].astype(bool)  # [m, q - 1]
+        # Ancestors come before descendants in flat order, so row-major selection is path order.
+        ids = np.broadcast_to(self.host[row, 1:, _IDS], on_path.shape)
+        return positions, ids[on_path].reshape(positions.shape[0], depth)
 
 
-def tree_attention_mask(ancestors: torch.Tensor, past_length: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive attention mask float ``dtype`` [B, 1, q, L + q] from ``ancestors`` bool [B, q, q].
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``allowed``, ``finfo(dtype).min`` elsewhere. Additive floats work for eager
+    attention (scores + mask) and SDPA (a float ``attn_mask`` is added to the scores); ``min``
+    rather than ``-inf`` keeps a softmax row finite even where a row is fully masked (a padding
+    query of a left-padded prompt)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
 
-    0 where a query may attend (the whole cached prefix ``[0, L)``, itself, its ancestors) and
-    ``finfo(dtype).min`` elsewhere. Additive floats work for both eager attention (scores + mask) and
-    SDPA (a float ``attn_mask`` is added to the scores); ``min`` rather than ``-inf`` keeps a softmax
-    row finite even if it were fully masked, which tree rows never are.
+
+def tree_attention_mask(ancestors: torch.Tensor, cache_visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask float ``dtype`` [B, 1, q, S + q] for a verification block.
+
+    ``ancestors`` bool [B, q, q] (who sees whom inside the block) and ``cache_visible`` bool [B, S]
+    (which cache slots each row's positions see: its own tokens, not padding or holes).
     """
     batch, q, _ = ancestors.shape
-    mask = torch.zeros((batch, 1, q, past_length + q), dtype=dtype, device=ancestors.device)
-    mask[:, 0, :, past_length:].masked_fill_(~ancestors, torch.finfo(dtype).min)
-    return mask
+    allowed = torch.cat([cache_visible[:, None, :].expand(batch, q, -1), ancestors], dim=-1)
+    return additive_mask(allowed[:, None], dtype)
+
+
+def padded_prefill_mask(start: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask float ``dtype`` [B, 1, P, P] for a left-padded prompt block of P slots:
+    causal, and no query sees the padding before its row's ``start`` (int64 [B])."""
+    slots = torch.arange(length, device=start.device)
+    causal = slots[None, :] <= slots[:, None]  # [P, P]: key <= query
+    allowed = causal[None] & (slots >= start[:, None])[:, None, :]  # [B, P, P]
+    return additive_mask(allowed[:, None], dtype)
 
 
 def build_tree_inputs(
-    pending_token: int, tree: DraftTree, past_length: int, device: torch.device | str
+    pending: Sequence[int], trees: Sequence[DraftTree], rows: CacheRows, device: torch.device | str
 ) -> TreeInputs:
-    """Flatten ``[pending_token] + tree`` into ``TreeInputs`` (B = 1) on ``device``.
+    """Flatten ``[pending[b]] + trees[b]`` for every row into ``TreeInputs`` on ``device``.
 
-    The ids, positions, parents and ancestor matrix are packed into one int64 host array
-    [1, q, 3 + q] so the tree crosses to the device in a single copy.
+    ``rows`` says where each row's tokens are in the cache (its token count gives the positions).
+    The ids, positions, parents, depths, cache spans and ancestor matrices are packed into one
+    int64 host array [B, q, 6 + q] so the batch crosses to the device in a single copy.
     """
-    n = len(tree)
-    q = n + 1
-    packed = np.empty((1, q, _ANCESTORS + q), dtype=np.int64)
-    packed[0, 0, _IDS] = pending_token
-    packed[0, 1:, _IDS] = tree.tokens
-    packed[0, 0, _POSITIONS] = past_length
-    packed[0, 1:, _POSITIONS] = past_length + tree.depths
-    packed[0, 0, _PARENTS] = 0
-    packed[0, 1:, _PARENTS] = tree.parents + 1
-    packed[0, :, _ANCESTORS:] = ancestor_matrix(tree.parents, tree.depths)
+    if not len(pending) == len(trees) == rows.batch:
+        raise ValueError(f"{len(pending)} pending tokens, {len(trees)} trees and {rows.batch} cache rows")
+    q = max((len(tree) for tree in trees), default=0) + 1
+    packed = np.zeros((len(trees), q, _ANCESTORS + q), dtype=np.int64)
+    packed[:, :, _DEPTHS] = PADDING_DEPTH
+    packed[:, :, _POSITIONS] = rows.positions[:, None]
+    packed[:, :, _CACHE_START] = rows.start[:, None]
+    packed[:, :, _CACHE_END] = rows.end[:, None]
+    packed[:, :, _ANCESTORS:] = np.eye(q, dtype=np.int64)  # padding rows: themselves only
+    for row, (token, tree) in enumerate(zip(pending, trees)):
+        n = len(tree)
+        packed[row, 0, _IDS] = token
+        packed[row, 1 : n + 1, _IDS] = tree.tokens
+        packed[row, 1 : n + 1, _POSITIONS] += tree.depths
+        packed[row, 1 : n + 1, _PARENTS] = tree.parents + 1
+        packed[row, 0, _DEPTHS] = 0
+        packed[row, 1 : n + 1, _DEPTHS] = tree.depths
+        packed[row, : n + 1, _ANCESTORS : _ANCESTORS + n + 1] = ancestor_matrix(tree.parents, tree.depths)
     on_device = torch.from_numpy(packed).to(device)
+    packed.setflags(write=False)
     return TreeInputs(
         input_ids=on_device[..., _IDS],
         position_ids=on_device[..., _POSITIONS],
         parent_index=on_device[..., _PARENTS],
+        depths=on_device[..., _DEPTHS],
         ancestors=on_device[..., _ANCESTORS:].bool(),
-        past_length=past_length,
+        cache_start=on_device[:, :1, _CACHE_START],
+        cache_end=on_device[:, :1, _CACHE_END],
+        past_length=rows.length,
+        host=packed,
     )

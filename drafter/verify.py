@@ -1,41 +1,53 @@
-"""Verify a draft tree with one forward pass and find the longest path the model agrees with.
+"""Verify one draft tree per batch row with one forward pass; per row, find the longest path the
+model agrees with.
 
-Acceptance is split in two so that a sampling rule can replace greedy without touching the walk:
+Acceptance is split in two so that the token rule can change without touching the walk:
 
 1. an ``AcceptanceRule`` picks the model's next token at every flat position from the logits
-   (greedy: argmax; lossless sampling: one sample from the processed distribution per position);
+   (``greedy_rule``: argmax; ``sampling.TokenChooser``: ``model.generate``'s logits processors,
+   then argmax or one sample from the processed distribution per position);
 2. ``accept_path`` keeps a node iff the rule's token at its parent equals the node's token, for the
    node and all its ancestors, and returns the deepest such path plus the rule's token after it.
 
 Step 2 with independent per-position samples is exactly the "sample at the node, descend if the
-sample is a child" walk (NOTES section 3): only the samples on the visited path are ever used.
+sample is a child" walk (NOTES section 3): only the samples on the visited path are ever used, and
+each is drawn from the model's distribution given the context and the path above it, so every
+committed token has exactly the distribution plain sampling gives it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from datastore.types import DraftTree
-from drafter.kv_cache import cache_length
+from drafter.kv_cache import CacheRows, cache_length
 from drafter.tree_attention import TreeInputs, build_tree_inputs
 
-AcceptanceRule = Callable[[torch.Tensor], torch.Tensor]
-"""logits float [B, q, V] -> the model's chosen next token int64 [B, q] after each flat position."""
+
+class AcceptanceRule(Protocol):
+    def __call__(
+        self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """The model's chosen next token int64 [B, q] after each flat position, from the
+        verification logits float [B, q, V], the tree inputs and each row's committed tokens
+        (prompt included; the last one is the pending token at flat position 0)."""
+        ...
 
 
-def greedy_rule(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy decoding: the argmax token after each position, int64 [B, q]."""
+def greedy_rule(logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Greedy decoding without logits processors: the argmax token after each position, int64
+    [B, q] (``inputs`` and ``contexts`` are not needed)."""
     return logits.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
 class Verification:
-    """The outcome of verifying one tree (batch row 0).
+    """The outcome of verifying one row's tree.
 
     accepted_tokens  draft tokens the model agreed with, root to leaf
     bonus_token      the model's own next token after the accepted path
@@ -54,7 +66,7 @@ class Verification:
 
 
 def tree_logits(model: PreTrainedModel, cache: DynamicCache, inputs: TreeInputs) -> torch.Tensor:
-    """One forward over the flattened tree; appends q slots to ``cache``. float [B, q, V]."""
+    """One forward over the flattened trees; appends q slots to ``cache``. float [B, q, V]."""
     output = model(
         input_ids=inputs.input_ids,
         attention_mask=inputs.attention_mask(model.dtype),
@@ -66,7 +78,8 @@ def tree_logits(model: PreTrainedModel, cache: DynamicCache, inputs: TreeInputs)
 
 
 def accept_path(inputs: TreeInputs, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest accepted path, on the device. ``targets`` int64 [B, q] from an ``AcceptanceRule``.
+    """Longest accepted path per row, on the device. ``targets`` int64 [B, q] from an
+    ``AcceptanceRule``.
 
     Returns ``path`` bool [B, q] (the pending token and the accepted nodes) and ``bonus`` int64 [B]
     (the target after the path's last position).
@@ -79,7 +92,8 @@ def accept_path(inputs: TreeInputs, targets: torch.Tensor) -> tuple[torch.Tensor
     # mismatches". Sibling tokens are distinct and each parent has one target, so the accepted
     # nodes form a single chain from the root.
     accepted = ~(inputs.ancestors & ~match[:, None, :]).any(dim=-1)  # [B, q]
-    # The deepest accepted position ends the path (depth 0, the pending token, if none matched).
+    # The deepest accepted position ends the path (depth 0, the pending token, if none matched;
+    # padding has depth -1, so it never ends one).
     deepest = torch.where(accepted, inputs.depths, -1).argmax(dim=-1, keepdim=True)  # [B, 1]
     path = inputs.ancestors.gather(1, deepest[..., None].expand(-1, 1, inputs.ancestors.shape[-1]))
     bonus = targets.gather(1, deepest)
@@ -87,27 +101,35 @@ def accept_path(inputs: TreeInputs, targets: torch.Tensor) -> tuple[torch.Tensor
 
 
 @torch.inference_mode()
-def verify_tree(
+def verify_trees(
     model: PreTrainedModel,
     cache: DynamicCache,
-    pending_token: int,
-    tree: DraftTree,
+    rows: CacheRows,
+    contexts: Sequence[Sequence[int]],
+    trees: Sequence[DraftTree],
     rule: AcceptanceRule = greedy_rule,
-) -> Verification:
-    """Run ``[pending_token] + tree`` through ``model`` on top of ``cache`` and accept a path.
+) -> list[Verification]:
+    """Run ``[contexts[b][-1]] + trees[b]`` for every row through ``model`` on top of ``cache``
+    (whose rows are laid out as ``rows``) and accept a path per row.
 
-    The cache grows by q = len(tree) + 1 slots; pass ``Verification.keep`` to
+    The cache grows by q = max tree size + 1 slots; pass each ``Verification.keep`` to
     ``kv_cache.compact_cache`` to keep only the committed ones. One device->host sync.
     """
-    past_length = cache_length(cache)
-    inputs = build_tree_inputs(pending_token, tree, past_length, model.device)
-    targets = rule(tree_logits(model, cache, inputs))
+    if cache_length(cache) != rows.length:
+        raise ValueError(f"the cache holds {cache_length(cache)} slots but its rows end at {rows.length}")
+    inputs = build_tree_inputs([context[-1] for context in contexts], trees, rows, model.device)
+    targets = rule(tree_logits(model, cache, inputs), inputs, contexts)
     path, bonus = accept_path(inputs, targets)
-    # The one sync per step: the path mask and the bonus token come back together.
-    row = torch.cat([path.to(torch.int64), bonus[:, None]], dim=-1)[0].cpu().numpy()
-    keep = np.flatnonzero(row[:-1])
-    return Verification(
-        accepted_tokens=tuple(int(t) for t in tree.tokens[keep[1:] - 1]),
-        bonus_token=int(row[-1]),
-        keep=keep,
-    )
+    # The one sync per step: the path masks and the bonus tokens come back together.
+    host = torch.cat([path.to(torch.int64), bonus[:, None]], dim=-1).cpu().numpy()
+    verdicts = []
+    for row, tree in zip(host, trees):
+        keep = np.flatnonzero(row[:-1])
+        verdicts.append(
+            Verification(
+                accepted_tokens=tuple(int(t) for t in tree.tokens[keep[1:] - 1]),
+                bonus_token=int(row[-1]),
+                keep=keep,
+            )
+        )
+    return verdicts

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, StoppingCriteria
+from transformers.generation.streamers import BaseStreamer
 
 from build_index.writer import IndexWriter
-from datastore.types import DraftTree
+from datastore.types import DraftConfig, DraftTree, IndexInfo
 
 # ---- indexes ----------------------------------------------------------------------------------
 
@@ -135,3 +137,89 @@ def tree_from_paths(paths: Iterable[Sequence[int]], budget: int | None = None) -
             parents.append(parent)
     n = len(tokens) if budget is None else min(budget, len(tokens))
     return DraftTree(np.array(tokens[:n]), np.array(parents[:n]), np.ones(n))
+
+
+# ---- decoding-loop test doubles: real trees, streamers and stopping criteria ------------------
+
+
+class OracleTreeDrafter:
+    """A Drafter that knows the continuations ``references`` (prompt + output, one per prompt it
+    will see) and drafts real trees: the right branch cut at a random depth (0 .. max_depth), a
+    wrong sibling at every level of it, a wrong token right below the cut, and a wrong child under
+    each wrong node."""
+
+    def __init__(self, *references: Sequence[int], seed: int = 0) -> None:
+        self.references = [list(reference) for reference in references]
+        self.seed = seed
+        self.contexts = 0
+
+    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
+        context = list(context)
+        matching = [ref for ref in self.references if ref[: len(context)] == context]
+        assert matching, "the loop must pass prompt + committed tokens"
+        self.contexts += 1
+        rng = random.Random(self.seed * 100_003 + len(context))
+        future = matching[0][len(context) : len(context) + config.max_depth]
+        right = future[: rng.randint(0, len(future))]
+        paths = [right]
+        for depth in range(min(len(right) + 1, config.max_depth)):
+            true_next = future[depth] if depth < len(future) else None
+            wrong = (true_next if true_next is not None else rng.randrange(MODEL_VOCAB)) + rng.randrange(1, MODEL_VOCAB)
+            paths.append(right[:depth] + [wrong % MODEL_VOCAB, rng.randrange(MODEL_VOCAB)][: config.max_depth - depth])
+        return tree_from_paths([p for p in paths if p], budget=config.budget)
+
+    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
+        return [self.draft(context, config) for context in contexts]
+
+    def info(self) -> IndexInfo:
+        return IndexInfo(1, "oracle", "sha256:oracle", MODEL_VOCAB, 0, 0, ())
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingStreamer(BaseStreamer):
+    """Keeps every ``put`` value and whether ``end`` was called."""
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+        self.ended = False
+
+    def put(self, value: torch.Tensor) -> None:
+        assert not self.ended
+        self.values.append(value.clone())
+
+    def end(self) -> None:
+        self.ended = True
+
+
+class StopAfterToken(StoppingCriteria):
+    """Fires for rows whose last token is ``token``."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return input_ids[:, -1] == self.token
+
+
+def reference_tokens(
+    model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs
+) -> list[int]:
+    """New tokens of Hugging Face greedy decoding."""
+    output = model.generate(
+        torch.tensor([list(prompt)], device=model.device),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        **kwargs,
+    )
+    return output[0, len(prompt) :].tolist()
+
+
+def chunks(result) -> list[list[int]]:
+    """``output_ids`` split into the steps that committed them (the last step may be cut)."""
+    out, at = [], 0
+    for accepted in result.accepted_per_step:
+        out.append(result.output_ids[at : at + accepted + 1])
+        at += accepted + 1
+    return out

@@ -1,61 +1,39 @@
 """The decoding loop is lossless: ``generate`` equals ``model.generate(do_sample=False)`` token for
 token, with no drafter, with real trees whose right branch is cut at varying depths among wrong
-branches, with always-empty trees, and with several eos ids; on tiny models of three families, and
-(slow) on the real SmolLM2. Plus the CLI's argument and prompt-file errors."""
+branches, with always-empty trees, with several eos ids, with logits processors that read the
+context (repetition penalty, no-repeat n-grams, minimum length), with stopping criteria that fire in
+the middle of a step; the streamer gets exactly the committed tokens; on tiny models of three
+families, and (slow) on the real SmolLM2. Plus the CLI's argument and prompt-file errors.
+Batches: ``test_batch.py``; sampling: ``test_sampling.py``."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Sequence
 
 import pytest
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 
-from datastore.types import DraftConfig, DraftTree, IndexInfo
+from datastore.types import DraftConfig, DraftTree
 from drafter.__main__ import main
 from drafter.base import Drafter
 from drafter.generate import GenerationResult, eos_ids, generate
-from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
-from tests.helpers import MODEL_VOCAB as VOCAB
+from drafter.sampling import prepare_generation_config
+from tests.helpers import (
+    FAMILIES,
+    OracleTreeDrafter,
+    RecordingStreamer,
+    StopAfterToken,
+    chunks,
+    reference_tokens,
+    tiny_causal_lm,
+)
 
 NEW_TOKENS = 24
 PROMPTS = {"one-token": [17], "short": [5, 17, 33, 99, 100, 7], "long": list(range(40, 340, 11))}
-
-
-class OracleTreeDrafter:
-    """A Drafter that knows the greedy continuation ``reference`` (prompt + output) and drafts real
-    trees: the right branch cut at a random depth (0 .. max_depth), a wrong sibling at every level
-    of it, a wrong token right below the cut, and a wrong child under each wrong node."""
-
-    def __init__(self, reference: Sequence[int], seed: int = 0) -> None:
-        self.reference = list(reference)
-        self.seed = seed
-        self.contexts = 0
-
-    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
-        assert list(context) == self.reference[: len(context)], "the loop must pass prompt + committed tokens"
-        self.contexts += 1
-        rng = random.Random(self.seed * 100_003 + len(context))
-        future = self.reference[len(context) : len(context) + config.max_depth]
-        right = future[: rng.randint(0, len(future))]
-        paths = [right]
-        for depth in range(min(len(right) + 1, config.max_depth)):
-            true_next = future[depth] if depth < len(future) else None
-            wrong = (true_next if true_next is not None else rng.randrange(VOCAB)) + rng.randrange(1, VOCAB)
-            paths.append(right[:depth] + [wrong % VOCAB, rng.randrange(VOCAB)][: config.max_depth - depth])
-        return tree_from_paths([p for p in paths if p], budget=config.budget)
-
-    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
-        return [self.draft(context, config) for context in contexts]
-
-    def info(self) -> IndexInfo:
-        return IndexInfo(1, "oracle", "sha256:oracle", VOCAB, 0, 0, ())
-
-    def close(self) -> None:
-        pass
 
 
 class EmptyDrafter(OracleTreeDrafter):
@@ -63,19 +41,6 @@ class EmptyDrafter(OracleTreeDrafter):
 
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
         return DraftTree.empty()
-
-
-def reference_tokens(
-    model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs
-) -> list[int]:
-    """New tokens of Hugging Face greedy decoding."""
-    output = model.generate(
-        torch.tensor([list(prompt)], device=model.device),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        **kwargs,
-    )
-    return output[0, len(prompt) :].tolist()
 
 
 def check_stats(result: GenerationResult, max_new_tokens: int) -> None:
@@ -146,17 +111,98 @@ def test_tiny_budgets(model: PreTrainedModel, max_new_tokens: int) -> None:
     assert (result.steps == 0) == (max_new_tokens == 0) and result.steps <= max_new_tokens
 
 
-def test_eos_ids_default_to_generation_config(model: PreTrainedModel) -> None:
-    assert eos_ids(model, None) == frozenset()
-    assert eos_ids(model, 5) == frozenset({5})
-    assert eos_ids(model, [5, 9]) == frozenset({5, 9})
+# Processors that read the context, as model.generate builds them from these settings; with
+# min_new_tokens, an eos id (an early greedy token) makes it matter.
+GREEDY_SETTINGS = {
+    "repetition-penalty": dict(repetition_penalty=1.6),
+    "no-repeat-ngram": dict(no_repeat_ngram_size=2),
+    "min-new-tokens": dict(min_new_tokens=12),
+    "all-three": dict(repetition_penalty=1.3, no_repeat_ngram_size=3, min_new_tokens=6),
+}
 
 
-def test_rejects_bad_prompts(model: PreTrainedModel) -> None:
-    with pytest.raises(ValueError, match="at least one token"):
-        generate(model, [], None, max_new_tokens=4)
-    with pytest.raises(ValueError, match=r"\[1, L\]"):
-        generate(model, torch.zeros(2, 3, dtype=torch.long), None, max_new_tokens=4)
+@pytest.mark.parametrize("settings", sorted(GREEDY_SETTINGS))
+def test_lossless_with_logits_processors(model: PreTrainedModel, settings: str) -> None:
+    """Processors at a tree node must see the context plus the path to the node: a repeated draft
+    token, an n-gram completed inside the tree or the length at a node all change the argmax."""
+    ids = PROMPTS["one-token"]  # its greedy run repeats tokens and bigrams in every model family
+    kwargs = GREEDY_SETTINGS[settings]
+    eos = [reference_tokens(model, ids, NEW_TOKENS)[4]] if "min_new_tokens" in kwargs else None
+    expected = reference_tokens(model, ids, NEW_TOKENS, eos_token_id=eos, **kwargs)
+    assert expected != reference_tokens(model, ids, NEW_TOKENS, eos_token_id=eos), "the settings must matter"
+    drafter = OracleTreeDrafter(ids + expected)
+    result = generate(
+        model, ids, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=eos, generation_config=GenerationConfig(**kwargs)
+    )
+    assert result.output_ids == expected
+    assert result.steps < len(expected)
+
+
+@pytest.mark.parametrize(
+    "criterion", ["token", "length"], ids=["stop-after-token", "max-length"]
+)
+def test_stopping_criteria_cut_inside_a_step(model: PreTrainedModel, criterion: str) -> None:
+    ids = PROMPTS["short"]
+    free_run = reference_tokens(model, ids, NEW_TOKENS)
+    stop = StopAfterToken(free_run[9]) if criterion == "token" else MaxLengthCriteria(len(ids) + 9)
+    expected = reference_tokens(model, ids, NEW_TOKENS, stopping_criteria=StoppingCriteriaList([stop]))
+    assert len(expected) < NEW_TOKENS
+    drafter = OracleTreeDrafter(ids + free_run, seed=2)
+    result = generate(model, ids, drafter, max_new_tokens=NEW_TOKENS, stopping_criteria=StoppingCriteriaList([stop]))
+    assert result.output_ids == expected
+    assert sum(a + 1 for a in result.accepted_per_step) > len(expected), "the last step must be cut"
+
+
+def test_streamer_gets_each_steps_committed_tokens(model: PreTrainedModel) -> None:
+    ids = PROMPTS["short"]
+    free_run = reference_tokens(model, ids, NEW_TOKENS)
+    streamer = RecordingStreamer()
+    result = generate(model, ids, OracleTreeDrafter(ids + free_run), max_new_tokens=NEW_TOKENS,
+                      eos_token_id=free_run[-3], streamer=streamer)
+    assert streamer.ended
+    assert [value.tolist() for value in streamer.values] == chunks(result)
+    assert torch.cat(streamer.values).tolist() == result.output_ids
+
+
+def test_eos_ids_come_from_the_generation_config(model: PreTrainedModel) -> None:
+    assert eos_ids(prepare_generation_config(model, None, None)) == frozenset()
+    assert eos_ids(prepare_generation_config(model, None, 5)) == frozenset({5})
+    assert eos_ids(prepare_generation_config(model, GenerationConfig(eos_token_id=[5, 9]), None)) == frozenset({5, 9})
+    assert eos_ids(prepare_generation_config(model, GenerationConfig(eos_token_id=[5, 9]), [7])) == frozenset({7})
+
+
+@pytest.mark.parametrize(
+    "input_ids, attention_mask, message",
+    [
+        ([], None, "at least one token"),
+        (torch.zeros(0, dtype=torch.long), None, "at least one token"),
+        (torch.zeros(0, 3, dtype=torch.long), None, "no prompts"),
+        ([[1, 2], []], None, "prompt 1 has no tokens"),
+        (torch.zeros(2, 2, 3, dtype=torch.long), None, r"\[L\] or \[B, L\]"),
+        (torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 1, 1], [1, 1, 0]]), "left padding"),
+        (torch.ones(2, 3, dtype=torch.long), torch.ones(2, 4), "attention_mask has shape"),
+        (torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 1, 1], [0, 0, 0]]), "prompt 1 has no tokens"),
+    ],
+    ids=["empty", "empty-tensor", "no-rows", "empty-row", "3d", "right-padding", "mask-shape", "all-padding"],
+)
+def test_rejects_bad_prompts(model: PreTrainedModel, input_ids, attention_mask, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        generate(model, input_ids, None, max_new_tokens=4, attention_mask=attention_mask)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(num_beams=2), "greedy search and sampling only"),
+        (dict(num_return_sequences=2), "num_return_sequences"),
+        (dict(guidance_scale=1.5), "guidance_scale"),
+        (dict(stop_strings=["x"]), "StopStringCriteria"),
+    ],
+    ids=["beams", "return-sequences", "guidance", "stop-strings"],
+)
+def test_rejects_unsupported_generation_configs(model: PreTrainedModel, settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        generate(model, [1, 2], None, max_new_tokens=4, generation_config=GenerationConfig(**settings))
 
 
 # --- the real model (``smollm2``: the session fixture in conftest.py) ------------------------------

@@ -1,5 +1,7 @@
-"""Tree -> tensors: ancestor matrix, positions and 4D masks against explicit ancestor walks, and the
-tree forward against plain per-path forwards on a tiny model (sdpa and eager attention).
+"""Trees -> tensors: ancestor matrix, positions, paths and 4D masks against explicit ancestor walks,
+for one tree and for padded batches of trees over left-padded caches with holes; and the tree
+forward against plain per-path forwards on tiny models (sdpa and eager attention), alone and in a
+batch whose rows have different prefix lengths.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from hypothesis import strategies as st
 from transformers import PreTrainedModel
 
 from datastore.types import DraftTree
-from drafter.kv_cache import new_cache
-from drafter.tree_attention import ancestor_matrix, build_tree_inputs, tree_attention_mask
+from drafter.generate import prefill
+from drafter.kv_cache import CacheRows, new_cache
+from drafter.tree_attention import PADDING_DEPTH, ancestor_matrix, build_tree_inputs, padded_prefill_mask
 from drafter.verify import tree_logits
 from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
 from tests.helpers import MODEL_VOCAB as VOCAB
@@ -52,12 +55,13 @@ def test_ancestor_matrix_matches_walk(tree: DraftTree) -> None:
 @settings(max_examples=100, deadline=None)
 @given(tree=trees(), past_length=st.integers(0, 20), pending=st.integers(0, VOCAB - 1))
 def test_tree_inputs_match_walk(tree: DraftTree, past_length: int, pending: int) -> None:
-    inputs = build_tree_inputs(pending, tree, past_length, "cpu")
+    inputs = build_tree_inputs([pending], [tree], CacheRows.full(1, past_length), "cpu")
     walked = walk_ancestors(tree)
     q = len(tree) + 1
     assert inputs.input_ids.tolist() == [[pending, *tree.tokens.tolist()]]
     # position = L + depth, and depth = number of strict ancestors below the pending token
     assert inputs.position_ids.tolist() == [[past_length + len(row) - 1 for row in walked]]
+    assert inputs.depths.tolist() == [[len(row) - 1 for row in walked]]
     assert inputs.parent_index.tolist() == [[0, *(tree.parents + 1).tolist()]]
     assert inputs.ancestors.shape == (1, q, q) and inputs.ancestors.dtype == torch.bool
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -69,13 +73,49 @@ def test_tree_inputs_match_walk(tree: DraftTree, past_length: int, pending: int)
             allowed[i, [past_length + j for j in row]] = True
         expected = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
         assert torch.equal(mask[0, 0], expected)
+    paths = tree.paths()
+    for depth in range(tree.max_depth + 1):
+        positions, tokens = inputs.paths(0, depth)
+        assert positions.tolist() == [i for i, row in enumerate(walked) if len(row) - 1 == depth]
+        assert [tuple(t) for t in tokens.tolist()] == [paths[i - 1] if i else () for i in positions]
 
 
-def test_mask_keeps_batch_dimension() -> None:
-    ancestors = torch.rand(3, 5, 5) > 0.5
-    mask = tree_attention_mask(ancestors, 4, torch.float32)
-    assert mask.shape == (3, 1, 5, 9)
-    assert torch.equal(mask[:, 0, :, 4:] == 0, ancestors)
+@settings(max_examples=50, deadline=None)
+@given(batch=st.lists(st.tuples(trees(max_nodes=12), st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=4),
+       holes=st.integers(0, 3))
+def test_batch_inputs_pad_trees_and_hide_padding_and_holes(batch, holes: int) -> None:
+    """Rows with different trees, left padding and trailing holes: every row's positions count its
+    own tokens, its mask shows exactly its own cached slots and ancestors, and padding positions
+    see only themselves (and their row's cache) and are seen by no one."""
+    tree_list = [tree for tree, _, _ in batch]
+    start = np.array([pad for _, pad, _ in batch])
+    end = start + np.array([tokens for _, _, tokens in batch])
+    end[0] += holes  # make sure the longest row is not every row
+    rows = CacheRows(start, end)
+    past = rows.length
+    inputs = build_tree_inputs(list(range(len(batch))), tree_list, rows, "cpu")
+    q = max(len(t) for t in tree_list) + 1
+    mask = inputs.attention_mask(torch.float32)
+    assert mask.shape == (len(batch), 1, q, past + q)
+    for b, tree in enumerate(tree_list):
+        walked = walk_ancestors(tree)
+        n = len(tree) + 1
+        assert inputs.position_ids[b, :n].tolist() == [end[b] - start[b] + len(row) - 1 for row in walked]
+        assert inputs.depths[b, n:].tolist() == [PADDING_DEPTH] * (q - n)
+        allowed = torch.zeros(q, past + q, dtype=torch.bool)
+        allowed[:, start[b] : end[b]] = True
+        for i, row in enumerate(walked):
+            allowed[i, [past + j for j in row]] = True
+        for i in range(n, q):
+            allowed[i, past + i] = True
+        assert torch.equal(mask[b, 0] == 0, allowed)
+
+
+def test_padded_prefill_mask_is_causal_after_each_rows_start() -> None:
+    mask = padded_prefill_mask(torch.tensor([0, 2]), 4, torch.float32) == 0
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    assert torch.equal(mask[0, 0], causal)
+    assert torch.equal(mask[1, 0], causal & torch.tensor([False, False, True, True]))
 
 
 def plain_last_logits(model: PreTrainedModel, tokens: Sequence[int]) -> torch.Tensor:
@@ -87,19 +127,23 @@ def plain_last_logits(model: PreTrainedModel, tokens: Sequence[int]) -> torch.Te
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @torch.inference_mode()
 def test_tree_forward_equals_per_path_forward(family: str, attn: str) -> None:
-    """Every flat position of one tree forward gets the logits of its own path decoded plainly."""
+    """Every flat position of one batched tree forward gets the logits of its own path decoded
+    plainly; the rows' prefixes have different lengths (left padding) and trees different sizes."""
     model = tiny_causal_lm(family, attn)
     rng = np.random.default_rng(1)
-    prefix = rng.integers(0, VOCAB, 9).tolist()
-    paths = [rng.integers(0, VOCAB, rng.integers(1, 5)).tolist() for _ in range(6)]
-    paths += [paths[0][:1] + rng.integers(0, VOCAB, 3).tolist()]  # a branch sharing a root child
-    tree = tree_from_paths(paths)
+    prefixes = [rng.integers(0, VOCAB, n).tolist() for n in (9, 1, 4)]
+    trees = []
+    for size in (6, 2, 0):
+        paths = [rng.integers(0, VOCAB, rng.integers(1, 5)).tolist() for _ in range(size)]
+        paths += [paths[0][:1] + rng.integers(0, VOCAB, 3).tolist()] if paths else []  # a shared root child
+        trees.append(tree_from_paths(paths))
 
     cache = new_cache(model)
-    model(input_ids=torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
-    inputs = build_tree_inputs(prefix[-1], tree, len(prefix) - 1, "cpu")
-    logits = tree_logits(model, cache, inputs)[0]  # [q, V]
+    rows = prefill(model, cache, prefixes)
+    inputs = build_tree_inputs([p[-1] for p in prefixes], trees, rows, "cpu")
+    logits = tree_logits(model, cache, inputs)  # [B, q, V]
 
-    assert torch.allclose(logits[0], plain_last_logits(model, prefix), atol=1e-5)
-    for i, path in enumerate(tree.paths(), start=1):
-        assert torch.allclose(logits[i], plain_last_logits(model, prefix + list(path)), atol=1e-5), path
+    for b, (prefix, tree) in enumerate(zip(prefixes, trees)):
+        assert torch.allclose(logits[b, 0], plain_last_logits(model, prefix), atol=1e-5)
+        for i, path in enumerate(tree.paths(), start=1):
+            assert torch.allclose(logits[b, i], plain_last_logits(model, prefix + list(path)), atol=1e-5), path

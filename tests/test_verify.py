@@ -1,5 +1,7 @@
-"""Acceptance against a brute-force greedy walk; KV compaction against the cache a plain run
-builds; refusal of caches that cannot be compacted by slot index."""
+"""Acceptance against a brute-force greedy walk (one tree and padded batches of trees); KV
+compaction against the cache a plain run builds, for one row and for batches whose rows have
+different lengths and accept different paths; dropping finished rows; refusal of caches that
+cannot be compacted by slot index."""
 
 from __future__ import annotations
 
@@ -13,9 +15,18 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, PreTrainedModel, StaticCache
 
 from datastore.types import DraftTree
-from drafter.kv_cache import UnsupportedCacheError, cache_length, check_cache, compact_cache, new_cache
+from drafter.generate import prefill
+from drafter.kv_cache import (
+    CacheRows,
+    UnsupportedCacheError,
+    cache_length,
+    check_cache,
+    compact_cache,
+    new_cache,
+    select_rows,
+)
 from drafter.tree_attention import build_tree_inputs
-from drafter.verify import accept_path, greedy_rule, verify_tree
+from drafter.verify import accept_path, greedy_rule, verify_trees
 from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
 from tests.helpers import MODEL_VOCAB as VOCAB
 
@@ -54,20 +65,24 @@ def greedy_walk(tree: DraftTree, targets: Sequence[int]) -> tuple[list[int], int
 
 
 @settings(max_examples=300, deadline=None)
-@given(tree=trees_with_distinct_siblings(), data=st.data())
-def test_accept_path_matches_greedy_walk(tree: DraftTree, data: st.DataObject) -> None:
-    q = len(tree) + 1
-    targets = data.draw(st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=q, max_size=q))
-    inputs = build_tree_inputs(pending_token=7, tree=tree, past_length=5, device="cpu")
-    path, bonus = accept_path(inputs, torch.tensor([targets]))
-    expected_path, expected_bonus = greedy_walk(tree, targets)
-    assert path[0].nonzero().flatten().tolist() == expected_path
-    assert bonus.tolist() == [expected_bonus]
+@given(batch=st.lists(trees_with_distinct_siblings(), min_size=1, max_size=3), data=st.data())
+def test_accept_path_matches_greedy_walk(batch: list[DraftTree], data: st.DataObject) -> None:
+    """Per row of a padded batch: the accepted path and bonus of a brute-force walk; targets at
+    padding positions are random too and must not matter."""
+    q = max(len(tree) for tree in batch) + 1
+    targets = [data.draw(st.lists(st.integers(0, SMALL_VOCAB - 1), min_size=q, max_size=q)) for _ in batch]
+    inputs = build_tree_inputs([7] * len(batch), batch, CacheRows.full(len(batch), 5), "cpu")
+    path, bonus = accept_path(inputs, torch.tensor(targets))
+    for b, tree in enumerate(batch):
+        expected_path, expected_bonus = greedy_walk(tree, targets[b])
+        assert path[b].nonzero().flatten().tolist() == expected_path
+        assert int(bonus[b]) == expected_bonus
 
 
 def test_greedy_rule_is_argmax() -> None:
     logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, -1.0, 0.0]]])
-    assert greedy_rule(logits).tolist() == [[1, 0]]
+    inputs = build_tree_inputs([0], [tree_from_paths([[1]])], CacheRows.full(1, 0), "cpu")
+    assert greedy_rule(logits, inputs, [[0]]).tolist() == [[1, 0]]
 
 
 # --- KV cache compaction -------------------------------------------------------------------------
@@ -80,11 +95,22 @@ def prefilled(model: PreTrainedModel, tokens: Sequence[int]) -> DynamicCache:
     return cache
 
 
-def assert_same_cache(actual: DynamicCache, expected: DynamicCache) -> None:
-    assert cache_length(actual) == cache_length(expected)
+def assert_row_cache(actual: DynamicCache, rows: CacheRows, row: int, expected: DynamicCache) -> None:
+    """Row ``row`` of ``actual`` holds, in its slots, exactly the single-row cache ``expected``."""
+    span = slice(int(rows.start[row]), int(rows.end[row]))
+    assert rows.end[row] - rows.start[row] == cache_length(expected)
     for got, want in zip(actual.layers, expected.layers, strict=True):
-        assert torch.allclose(got.keys, want.keys, atol=1e-5)
-        assert torch.allclose(got.values, want.values, atol=1e-5)
+        assert torch.allclose(got.keys[row, :, span], want.keys[0], atol=1e-5)
+        assert torch.allclose(got.values[row, :, span], want.values[0], atol=1e-5)
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    """Flat positions to keep for a path ending at ``node`` (-1: the pending token alone)."""
+    keep = []
+    while node >= 0:
+        keep.insert(0, node + 1)
+        node = int(tree.parents[node])
+    return [0, *keep]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -95,23 +121,26 @@ def model(request: pytest.FixtureRequest) -> PreTrainedModel:
 @pytest.mark.parametrize("seed", range(4))
 @torch.inference_mode()
 def test_compacted_cache_equals_plain_run(model: PreTrainedModel, seed: int) -> None:
-    """Keep the path to any node: the cache must equal a plain run over prefix + that path."""
+    """A batch of prefixes of different lengths (1 token: nothing cached), one tree each; each row
+    keeps the path to some node (or none). Every row's slots must equal a plain run over its prefix
+    + that path, twice in a row (the second step starts from a cache with holes)."""
     rng = np.random.default_rng(seed)
-    prefix = rng.integers(0, VOCAB, int(rng.integers(1, 8))).tolist()
-    tree = tree_from_paths([rng.integers(0, VOCAB, int(rng.integers(1, 6))).tolist() for _ in range(8)])
-    for node in (len(tree) - 1, int(rng.integers(len(tree))), 0):
-        cache = prefilled(model, prefix[:-1]) if len(prefix) > 1 else new_cache(model)
-        past_length = len(prefix) - 1
-        verify_tree(model, cache, prefix[-1], tree)
-        assert cache_length(cache) == past_length + len(tree) + 1
-        keep = [0]  # the pending token, then the path root -> node
-        parent = node
-        while parent >= 0:
-            keep.insert(1, parent + 1)
-            parent = int(tree.parents[parent])
-        compact_cache(cache, past_length, keep)
-        path = list(tree.paths()[node])
-        assert_same_cache(cache, prefilled(model, prefix + path))
+    prefixes = [rng.integers(0, VOCAB, n).tolist() for n in (int(rng.integers(1, 8)), 1, 6)]
+    cache = new_cache(model)
+    rows = prefill(model, cache, prefixes)
+    contexts = [list(p) for p in prefixes]
+    for _ in range(2):
+        trees = [tree_from_paths([rng.integers(0, VOCAB, int(rng.integers(1, 6))).tolist() for _ in range(5)])
+                 for _ in contexts]
+        verify_trees(model, cache, rows, contexts, trees)
+        assert cache_length(cache) == rows.length + max(len(t) for t in trees) + 1
+        nodes = [int(rng.integers(-1, len(tree))) for tree in trees]
+        rows = compact_cache(cache, rows, [np.array(path_to(t, n)) for t, n in zip(trees, nodes)])
+        assert cache_length(cache) == rows.length
+        for b, (tree, node) in enumerate(zip(trees, nodes)):
+            contexts[b] += list(tree.paths()[node]) if node >= 0 else []
+            assert_row_cache(cache, rows, b, prefilled(model, contexts[b]))
+            contexts[b].append(int(rng.integers(VOCAB)))  # the next pending token
 
 
 @torch.inference_mode()
@@ -127,21 +156,39 @@ def test_verify_then_compact_equals_plain_greedy(model: PreTrainedModel) -> None
     tree = tree_from_paths([future[:3], future[:1] + wrong[1:3], wrong[:1], future[:3] + wrong[3:4]])
 
     cache = prefilled(model, prefix[:-1])
-    verdict = verify_tree(model, cache, prefix[-1], tree)
+    rows = CacheRows.full(1, len(prefix) - 1)
+    (verdict,) = verify_trees(model, cache, rows, [prefix], [tree])
     assert list(verdict.accepted_tokens) == future[:3]
     assert verdict.bonus_token == future[3]
-    compact_cache(cache, len(prefix) - 1, verdict.keep)
-    assert_same_cache(cache, prefilled(model, prefix + future[:3]))
+    rows = compact_cache(cache, rows, [verdict.keep])
+    assert_row_cache(cache, rows, 0, prefilled(model, prefix + future[:3]))
 
 
 @torch.inference_mode()
 def test_empty_tree_is_one_plain_step(model: PreTrainedModel) -> None:
     prefix = [3, 1, 4, 1, 5]
     cache = prefilled(model, prefix[:-1])
-    verdict = verify_tree(model, cache, prefix[-1], DraftTree.empty())
+    (verdict,) = verify_trees(model, cache, CacheRows.full(1, len(prefix) - 1), [prefix], [DraftTree.empty()])
     assert verdict.accepted_tokens == ()
     assert verdict.bonus_token == int(model(input_ids=torch.tensor([prefix])).logits[0, -1].argmax())
     assert verdict.keep.tolist() == [0]
+
+
+@torch.inference_mode()
+def test_select_rows_keeps_rows_and_trims_unused_slots(model: PreTrainedModel) -> None:
+    prefixes = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]
+    cache = new_cache(model)
+    rows = prefill(model, cache, prefixes)
+    rows = select_rows(cache, rows, np.array([1, 2]))  # the longest row leaves: its padding goes too
+    assert rows.start.tolist() == [1, 0] and rows.end.tolist() == [3, 3] and cache_length(cache) == 3
+    for b, prefix in enumerate(prefixes[1:]):
+        assert_row_cache(cache, rows, b, prefilled(model, prefix[:-1]))
+
+
+def test_verify_refuses_a_cache_that_does_not_match_its_rows(model: PreTrainedModel) -> None:
+    cache = prefilled(model, [1, 2, 3])
+    with pytest.raises(ValueError, match="3 slots but its rows end at 2"):
+        verify_trees(model, cache, CacheRows.full(1, 2), [[1, 2, 3]], [DraftTree.empty()])
 
 
 # --- refused caches ------------------------------------------------------------------------------

@@ -1,0 +1,283 @@
+"""Sampling through draft trees is lossless: it has exactly ``model.generate(do_sample=True)``'s
+distribution.
+
+- ``TokenChooser.scores`` at every tree position of a padded batch equals ``model.generate``'s
+  processors applied to plain decoding of the context plus the path to that position, for a list
+  of score-only warpers and for one whose processors read the context.
+- Statistical: the joint distribution of the first three sampled tokens of two prompts (in one
+  left-padded batch, thousands of rows), drafted with realistic trees (the likeliest paths, several
+  branches, a junk branch), against the exact probabilities of the tiny model; those probabilities
+  are checked against ``model.generate``'s own processed scores. REST's rule (accept a draft token
+  whenever it lies inside the top-k / top-p set) fails the same test, so the test has power.
+- A fixed generator seed reproduces the output, with and without a drafter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from datastore.types import DraftConfig, DraftTree, IndexInfo
+from drafter.generate import StopConditions, decode, generate, prefill
+from drafter.kv_cache import new_cache
+from drafter.sampling import TokenChooser, prepare_generation_config, row_logits_processors
+from drafter.tree_attention import TreeInputs, build_tree_inputs
+from drafter.verify import tree_logits
+from tests.helpers import MODEL_VOCAB as VOCAB
+from tests.helpers import tiny_causal_lm, tree_from_paths
+
+PROMPTS = ([17], [5, 17, 33, 99, 100, 7])
+NEW_TOKENS = 3
+# A low temperature makes the tiny random model's near-uniform logits peaked; the repetition penalty
+# then moves a lot of probability, so processors that ignored the draft path would be caught.
+SAMPLING = dict(do_sample=True, temperature=0.05, top_k=4, top_p=0.9, repetition_penalty=1.5)
+
+
+@pytest.fixture(scope="module")
+def model() -> PreTrainedModel:
+    return tiny_causal_lm("llama")
+
+
+# --- processed scores at every tree position ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02),
+        dict(do_sample=True, temperature=0.7, top_k=20, repetition_penalty=1.5, no_repeat_ngram_size=2,
+             min_new_tokens=3, eos_token_id=[3, 5]),
+    ],
+    ids=["score-only", "context-reading"],
+)
+@torch.inference_mode()
+def test_scores_at_every_tree_position_equal_plain_processing(model: PreTrainedModel, settings: dict) -> None:
+    config = prepare_generation_config(model, GenerationConfig(**settings), None)
+    # Trees that repeat context tokens and each other, so penalties and n-gram bans hit inside them.
+    trees = [tree_from_paths([[17, 17, 5], [17, 40, 17, 40], [3, 5, 17]]), tree_from_paths([[7, 100, 7], [33]])]
+    chooser = TokenChooser.for_prompts(model, config, [len(p) for p in PROMPTS], max_new_tokens=10)
+    cache = new_cache(model)
+    rows = prefill(model, cache, PROMPTS)
+    inputs = build_tree_inputs([p[-1] for p in PROMPTS], trees, rows, model.device)
+    scores = chooser.scores(tree_logits(model, cache, inputs), inputs, PROMPTS)
+
+    for b, (prompt, tree) in enumerate(zip(PROMPTS, trees)):
+        processors = row_logits_processors(model, config, len(prompt), 10, None)
+        for position, path in enumerate([(), *tree.paths()]):
+            ids = torch.tensor([prompt + list(path)])
+            expected = processors(ids, model(input_ids=ids).logits[:, -1].float())[0]
+            assert torch.equal(scores[b, position].isinf(), expected.isinf()), (b, path)
+            finite = expected.isfinite()
+            assert torch.allclose(scores[b, position][finite], expected[finite], atol=1e-4), (b, path)
+
+
+# --- the exact distribution of the first tokens ---------------------------------------------------
+
+
+def exact_processors() -> LogitsProcessorList:
+    """``SAMPLING`` as explicit processors, in the order ``model.generate`` applies them."""
+    return LogitsProcessorList([
+        RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]),
+        TemperatureLogitsWarper(SAMPLING["temperature"]),
+        TopKLogitsWarper(SAMPLING["top_k"]),
+        TopPLogitsWarper(SAMPLING["top_p"]),
+    ])
+
+
+@torch.inference_mode()
+def next_token_probs(model: PreTrainedModel, context: Sequence[int]) -> torch.Tensor:
+    """float [V]: the sampling distribution after ``context``, from a plain full forward."""
+    ids = torch.tensor([list(context)])
+    logits = model(input_ids=ids).logits[:, -1].float()
+    return torch.softmax(exact_processors()(ids, logits), dim=-1)[0]
+
+
+def exact_tables(model: PreTrainedModel, prompt: Sequence[int]) -> tuple[dict, dict]:
+    """(distribution after every reachable context prompt + up to NEW_TOKENS - 1 tokens, keyed by
+    the context tuple; exact probability of every reachable first-NEW_TOKENS tuple)."""
+    tables: dict[tuple[int, ...], torch.Tensor] = {}
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(NEW_TOKENS):
+        grown = {}
+        for prefix, p in joint.items():
+            probs = tables[tuple(prompt) + prefix] = next_token_probs(model, list(prompt) + list(prefix))
+            for token in probs.nonzero().flatten().tolist():
+                grown[prefix + (token,)] = p * float(probs[token])
+        joint = grown
+    return tables, joint
+
+
+@pytest.fixture(scope="module")
+def exact(model: PreTrainedModel) -> list[tuple[dict, dict]]:
+    return [exact_tables(model, prompt) for prompt in PROMPTS]
+
+
+def test_exact_probabilities_are_model_generates(model: PreTrainedModel, exact) -> None:
+    """The oracle's distributions are the ones ``model.generate`` samples from (its returned
+    processed scores), along sequences it sampled itself."""
+    for prompt, (tables, _) in zip(PROMPTS, exact):
+        for seed in range(3):
+            torch.manual_seed(seed)
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, output_scores=True,
+                                 return_dict_in_generate=True, **SAMPLING)
+            sampled = out.sequences[0, len(prompt):].tolist()
+            for j, scores in enumerate(out.scores):
+                probs = tables[tuple(prompt + sampled[:j])]
+                assert torch.allclose(torch.softmax(scores[0], dim=-1), probs, atol=1e-6)
+
+
+class LikelyPathsDrafter:
+    """What a good drafter proposes, from the exact distributions: under every node the two
+    likeliest tokens, down to the NEW_TOKENS-th new token, plus a junk child of the root (a token
+    the model cannot sample there)."""
+
+    def __init__(self, tables: dict[tuple[int, ...], torch.Tensor]) -> None:
+        self.tables = tables
+
+    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
+        context = tuple(context)
+        if context not in self.tables:
+            return DraftTree.empty()
+        paths: list[tuple[int, ...]] = []
+        frontier: list[tuple[int, ...]] = [()]
+        while frontier:
+            path = frontier.pop()
+            probs = self.tables.get(context + path)
+            if probs is None:
+                continue
+            likely = [t for t in probs.topk(2).indices.tolist() if probs[t] > 0]
+            paths += [path + (t,) for t in likely]
+            frontier += [path + (t,) for t in likely]
+        junk = int(self.tables[context].argmin())
+        return tree_from_paths([*paths, (junk,)])
+
+    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
+        return [self.draft(context, config) for context in contexts]
+
+    def info(self) -> IndexInfo:
+        return IndexInfo(1, "exact", "sha256:exact", VOCAB, 0, 0, ())
+
+    def close(self) -> None:
+        pass
+
+
+class RestMembershipRule(TokenChooser):
+    """REST's top-p rule, which is NOT lossless: a draft token is accepted whenever it lies inside
+    the processed support of its parent (non-zero probability); only where no child does is a token
+    sampled."""
+
+    def __call__(self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        scores = self.scores(logits, inputs, contexts)
+        targets = self.pick(scores).numpy()
+        allowed = scores.isfinite().numpy()  # [B, q, V]
+        ids, parents, depths = (t.numpy() for t in (inputs.input_ids, inputs.parent_index, inputs.depths))
+        for b, node in zip(*np.nonzero(depths > 0)):
+            if allowed[b, parents[b, node], ids[b, node]]:
+                targets[b, parents[b, node]] = ids[b, node]
+        return torch.from_numpy(targets)
+
+
+class PathBlindChooser(TokenChooser):
+    """A plausible bug, NOT lossless: the processors at every tree position see the committed
+    context only, not the draft path above the position (the repetition penalty misses it)."""
+
+    def scores(self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        scores = logits.float()
+        for b, (processors, context) in enumerate(zip(self.processors, contexts)):
+            scores[b] = processors(torch.tensor([list(context)]).expand(scores.shape[1], -1), scores[b])
+        return scores
+
+
+ROWS_PER_CALL = 400
+
+
+def first_tokens(
+    model: PreTrainedModel, exact, samples_per_prompt: int, rule: type[TokenChooser] | None = None
+) -> list[Counter]:
+    """Counts of the first NEW_TOKENS tokens per prompt over ``samples_per_prompt`` rows each, the
+    prompts alternating in left-padded batches. ``rule`` None: ``generate`` itself; else ``decode``
+    with that chooser in place of ``TokenChooser``."""
+    drafter = LikelyPathsDrafter({k: v for tables, _ in exact for k, v in tables.items()})
+    generator = torch.Generator().manual_seed(0)
+    rows = [PROMPTS[i % len(PROMPTS)] for i in range(ROWS_PER_CALL)]
+    config = prepare_generation_config(model, GenerationConfig(**SAMPLING), None)
+    counts = [Counter() for _ in PROMPTS]
+    for _ in range(math.ceil(samples_per_prompt * len(PROMPTS) / ROWS_PER_CALL)):
+        if rule is None:
+            result = generate(model, rows, drafter, max_new_tokens=NEW_TOKENS,
+                              generation_config=GenerationConfig(**SAMPLING), generator=generator)
+        else:
+            chooser = rule.for_prompts(model, config, [len(r) for r in rows], NEW_TOKENS, generator=generator)
+            result = decode(model, rows, drafter, chooser=chooser, stop=StopConditions(NEW_TOKENS))
+        assert result.mean_accepted > 1.5, "the trees must be accepted often for the test to mean anything"
+        for i, output in enumerate(result.output_ids):
+            counts[i % len(PROMPTS)][tuple(output)] += 1
+    return counts
+
+
+def chi_square(counts: Counter, probs: dict[tuple[int, ...], float]) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom; cells (outcomes, with impossible observed ones at
+    probability 0) are pooled in ascending order of expected count until each expects >= 5."""
+    n = sum(counts.values())
+    cells = sorted(set(probs) | set(counts), key=lambda k: probs.get(k, 0.0))
+    pooled: list[list[float]] = []  # [observed, expected]
+    for key in cells:
+        if not pooled or pooled[-1][1] >= 5:
+            pooled.append([0.0, 0.0])
+        pooled[-1][0] += counts[key]
+        pooled[-1][1] += n * probs.get(key, 0.0)
+    if len(pooled) > 1 and pooled[-1][1] < 5:
+        last = pooled.pop()
+        pooled[-1] = [pooled[-1][0] + last[0], pooled[-1][1] + last[1]]
+    return sum((o - e) ** 2 / e for o, e in pooled), len(pooled) - 1
+
+
+def chi_square_critical(df: int, z: float = 4.265) -> float:
+    """Upper 1e-5 quantile of chi-square(df) (Wilson-Hilferty; z is the normal 1e-5 quantile)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampling_with_trees_has_the_exact_distribution(model: PreTrainedModel, exact) -> None:
+    counts = first_tokens(model, exact, samples_per_prompt=2000)
+    for prompt_counts, (_, joint) in zip(counts, exact):
+        assert set(prompt_counts) <= set(joint), "sampled a sequence the model cannot produce"
+        statistic, df = chi_square(prompt_counts, joint)
+        assert df >= 10
+        assert statistic < chi_square_critical(df), (statistic, df)
+
+
+@pytest.mark.parametrize("rule", [RestMembershipRule, PathBlindChooser], ids=["rest-membership", "path-blind"])
+def test_wrong_rules_fail_the_same_test(model: PreTrainedModel, exact, rule: type[TokenChooser]) -> None:
+    """With half the samples, each wrong rule is rejected by a wide margin on some prompt."""
+    counts = first_tokens(model, exact, samples_per_prompt=1000, rule=rule)
+    ratios = [chi_square(c, joint)[0] / chi_square_critical(chi_square(c, joint)[1]) for c, (_, joint) in zip(counts, exact)]
+    assert max(ratios) > 5, ratios
+
+
+# --- reproducibility ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["plain", "trees"])
+def test_a_fixed_seed_reproduces_the_output(model: PreTrainedModel, exact, with_drafter: bool) -> None:
+    drafter = LikelyPathsDrafter(exact[1][0]) if with_drafter else None
+    settings = GenerationConfig(do_sample=True, temperature=0.5, top_k=50)
+
+    def run(seed: int) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(seed)
+        return generate(model, list(PROMPTS), drafter, max_new_tokens=16, generation_config=settings,
+                        generator=generator).output_ids
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
