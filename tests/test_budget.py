@@ -1,0 +1,164 @@
+"""Tree selection against exhaustive search over prefix-closed subsets; the cost model; measuring
+t(n) on a real (tiny) model, its cache and the ``measure`` command."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datastore.types import DraftTree
+from drafter.budget import CostKey, VerifyCost, cache_dir, load_or_measure, measure_verify_cost, select_tree
+from tests.helpers import tiny_causal_lm
+
+KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
+
+
+def cost_curve(seconds: list[float]) -> VerifyCost:
+    return VerifyCost(KEY, 0, tuple(range(1, len(seconds) + 1)), tuple(seconds))
+
+
+@st.composite
+def scored_trees(draw, max_nodes: int = 9) -> DraftTree:
+    """Random BFS trees whose scores are products of per-edge probabilities (so they never grow
+    down a path), as merged trees are."""
+    n = draw(st.integers(0, max_nodes))
+    parents = sorted(draw(st.integers(-1, i - 1)) for i in range(n))  # sorted parents: BFS order
+    scores: list[float] = []
+    for p in parents:
+        edge = draw(st.sampled_from([0.0, 0.1, 0.3, 0.5, 0.9, 1.0]))
+        scores.append(edge * (scores[p] if p >= 0 else 1.0))
+    return DraftTree(np.arange(n), np.array(parents), np.ones(n), scores=np.array(scores))
+
+
+def rate(tree: DraftTree, kept: list[int], cost: VerifyCost) -> float:
+    return (1 + tree.scores[kept].sum()) / float(cost(1 + len(kept)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tree=scored_trees(),
+    seconds=st.lists(st.floats(0.5, 5.0), min_size=1, max_size=12),
+    max_depth=st.none() | st.integers(1, 4),
+)
+def test_select_tree_is_the_best_prefix_closed_subset(tree, seconds, max_depth):
+    cost = cost_curve(seconds)
+    chosen = select_tree(tree, cost, max_depth)
+    best = 0.0
+    for size in range(len(tree) + 1):
+        for subset in itertools.combinations(range(len(tree)), size):
+            kept = set(subset)
+            if all(tree.parents[i] < 0 or tree.parents[i] in kept for i in kept) and (
+                max_depth is None or all(tree.depths[i] <= max_depth for i in kept)
+            ):
+                best = max(best, rate(tree, list(subset), cost))
+    chosen_rate = (1 + chosen.scores.sum()) / float(cost(1 + len(chosen)))
+    assert chosen_rate == pytest.approx(best, rel=1e-12)
+    assert set(chosen.paths()) <= set(tree.paths())
+    assert max_depth is None or chosen.max_depth <= max_depth
+
+
+def test_nothing_is_drafted_when_no_draft_pays_for_itself():
+    tree = DraftTree(np.array([1, 2]), np.array([-1, -1]), np.ones(2), scores=np.array([0.1, 0.05]))
+    linear = cost_curve([1.0, 2.0, 3.0])  # each token costs as much as a whole step
+    assert len(select_tree(tree, linear)) == 0
+    flat = cost_curve([1.0, 1.0, 1.0])
+    assert select_tree(tree, flat).paths() == [(1,), (2,)]
+
+
+def test_flat_cost_keeps_every_useful_node_and_no_useless_one():
+    tree = DraftTree(np.array([1, 2, 3]), np.array([-1, -1, 0]), np.ones(3), scores=np.array([0.5, 0.0, 0.2]))
+    assert select_tree(tree, cost_curve([1.0] * 8)).paths() == [(1,), (1, 3)]
+
+
+def test_cost_interpolates_extrapolates_and_never_decreases():
+    cost = VerifyCost(KEY, 0, (1, 4, 8), (1.0, 2.5, 2.0))  # a noisy dip at 8
+    np.testing.assert_allclose(cost(np.array([1, 2, 4, 6, 8, 12])), [1.0, 1.5, 2.5, 2.5, 2.5, 2.5])
+    steep = VerifyCost(KEY, 0, (1, 2), (1.0, 3.0))
+    assert float(steep(5)) == pytest.approx(9.0)  # continues the last segment
+    assert VerifyCost.from_json(cost.to_json()) == cost
+
+
+@pytest.mark.parametrize(
+    ("sizes", "seconds", "message"),
+    [((2, 4), (1.0, 2.0), "start at 1"), ((1, 1), (1.0, 2.0), "increase strictly"),
+     ((1, 2), (1.0, 0.0), "positive"), ((1, 2), (1.0,), "one positive time per size")],
+)
+def test_cost_refuses_bad_measurements(sizes, seconds, message):
+    with pytest.raises(ValueError, match=message):
+        VerifyCost(KEY, 0, sizes, seconds)
+
+
+# ---- measuring on a real model --------------------------------------------------------------
+
+
+MEASURE = dict(sizes=(1, 2, 4, 8), context_length=32, repeats=2, warmup=1)
+
+
+def test_measure_on_a_tiny_model_and_cache_the_result(tmp_path):
+    model = tiny_causal_lm("llama")
+    cost = measure_verify_cost(model, **MEASURE)
+    assert cost.sizes == (1, 2, 4, 8) and cost.context_length == 32
+    assert all(s > 0 for s in cost.seconds)
+    assert (cost.key.device, cost.key.dtype, cost.key.parameters) == (
+        f"cpu-{platform.machine()}-{torch.get_num_threads()}threads",
+        "float32",
+        sum(p.numel() for p in model.parameters()),
+    )
+    first = load_or_measure(model, directory=tmp_path, **MEASURE)
+    files = list((tmp_path / "verify-cost").glob("*.json"))
+    assert len(files) == 1 and VerifyCost.from_json(files[0].read_text()) == first
+    assert load_or_measure(model, directory=tmp_path, **MEASURE) == first  # read back, not re-timed
+    again = load_or_measure(model, directory=tmp_path, remeasure=True, sizes=(1, 3), context_length=16, repeats=1)
+    assert again.sizes == (1, 3)
+    assert VerifyCost.from_json(files[0].read_text()) == again
+    files[0].write_text("{not json")  # a damaged cache file is measured again, not fatal
+    assert load_or_measure(model, directory=tmp_path, **MEASURE).sizes == MEASURE["sizes"]
+    with pytest.raises(ValueError, match="start at 1"):
+        measure_verify_cost(model, sizes=(2, 4))
+    other = tiny_causal_lm("qwen2")  # another model: another file
+    load_or_measure(other, directory=tmp_path, **MEASURE)
+    assert len(list((tmp_path / "verify-cost").glob("*.json"))) == 2
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
+    assert cache_dir() == tmp_path
+    monkeypatch.delenv("REST_CACHE_DIR")
+    assert cache_dir() == Path.home() / ".cache" / "rest-spec"
+
+
+def run_cli(*args: str, env_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "drafter.budget", *args], capture_output=True, text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "REST_CACHE_DIR": str(env_dir), "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def test_measure_command_writes_the_cache(tmp_path):
+    model_dir = tmp_path / "tiny"
+    tiny_causal_lm("llama").save_pretrained(model_dir)
+    help_text = run_cli("measure", "--help", env_dir=tmp_path).stdout
+    assert "--context-length" in help_text and "--sizes" in help_text
+    done = run_cli("measure", "--model", str(model_dir), "--sizes", "1,2,4", "--context-length", "16",
+                   "--repeats", "1", "--device", "cpu", env_dir=tmp_path / "cache")
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed["sizes"] == [1, 2, 4] and printed["key"]["model"] == str(model_dir)
+    written = list((tmp_path / "cache" / "verify-cost").glob("*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text()) == printed
+    bad = run_cli("measure", "--sizes", "1,x", env_dir=tmp_path)
+    assert bad.returncode == 2 and "--sizes must be comma-separated integers" in bad.stderr
+    missing = run_cli("measure", "--model", str(tmp_path / "nope"), "--sizes", "1", env_dir=tmp_path)
+    assert missing.returncode == 2 and "error:" in missing.stderr and "Traceback" not in missing.stderr

@@ -1,0 +1,197 @@
+"""Merging per-source draft trees: the union, noisy-OR scores against a path-by-path oracle,
+prefix-closed selection; per-source calibration from observed acceptance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datastore.merge import SourceCalibration, merge_trees
+from datastore.sources import SEP, OutputStore, RequestMatcher
+from datastore.trie import top_c_tree
+from datastore.types import DraftConfig, DraftTree
+from drafter.kv_cache import CacheRows, new_cache
+from drafter.verify import verify_trees
+from tests.helpers import tiny_causal_lm
+
+
+def counted_tree(continuations: list[list[int]], budget: int) -> DraftTree:
+    """A source tree as the engines build it: ``top_c_tree`` over the continuations."""
+    width = max(map(len, continuations))
+    rows = np.full((len(continuations), width), SEP, dtype=np.uint32)
+    for row, continuation in zip(rows, continuations):
+        row[: len(continuation)] = continuation
+    return DraftTree(*top_c_tree(rows, SEP, budget), match_len=2, num_matches=len(rows), num_sampled=len(rows))
+
+
+source_trees = st.builds(
+    counted_tree,
+    st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=5), min_size=1, max_size=12).filter(
+        lambda c: any(c)),
+    st.integers(1, 20),
+)
+
+
+def oracle_scores(trees: list[DraftTree], weights: list[float]) -> dict[tuple[int, ...], float]:
+    """Path -> merged score, one path at a time: per source the product over the path of
+    min(1, w * count / parent count), noisy-OR over sources, then the minimum over ancestors."""
+    per_source = [dict(zip(t.paths(), t.counts / t.num_sampled)) for t in trees]
+    union = sorted({p for source in per_source for p in source}, key=lambda p: (len(p), p))
+    combined = {}
+    for path in union:
+        miss = 1.0
+        for source, w in zip(per_source, weights):
+            prob = 1.0
+            for d in range(1, len(path) + 1):
+                parent = source.get(path[: d - 1], 1.0) if d > 1 else 1.0
+                prob *= min(1.0, w * source.get(path[:d], 0.0) / parent) if parent else 0.0
+            miss *= 1.0 - prob
+        combined[path] = 1.0 - miss
+    return {p: min(combined[p[:d]] for d in range(1, len(p) + 1)) for p in union}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    trees=st.lists(source_trees, min_size=1, max_size=3),
+    data=st.data(),
+    budget=st.integers(0, 40),
+)
+def test_merge_scores_and_selection_match_the_path_oracle(trees, data, budget):
+    weights = data.draw(st.lists(st.floats(0.0, 3.0), min_size=len(trees), max_size=len(trees)))
+    merged = merge_trees(trees, weights, budget)
+    expected = oracle_scores(trees, weights)
+    paths = merged.paths()
+    assert len(merged) == min(budget, len(expected))
+    assert len(set(paths)) == len(paths)
+    np.testing.assert_allclose(merged.scores, [expected[p] for p in paths], rtol=1e-9, atol=1e-12)
+    # prefix-closed (DraftTree checks parents), BFS order, scores never grow down a path
+    assert [(len(p), p) for p in paths] == sorted((len(p), p) for p in paths)
+    has_parent = merged.parents >= 0
+    assert np.all(merged.scores[has_parent] <= merged.scores[merged.parents[has_parent]])
+    # the best nodes are kept: nothing dropped scores above anything kept
+    dropped = [s for p, s in expected.items() if p not in set(paths)]
+    if dropped and paths:
+        assert max(dropped) <= merged.scores.min() + 1e-12
+    # counts add up over sources; each source's conditional probability is carried per node
+    for i, path in enumerate(paths):
+        sources = [dict(zip(t.paths(), t.counts)) for t in trees]
+        assert merged.counts[i] == sum(s.get(path, 0) for s in sources)
+        for s, source in enumerate(sources):
+            parent = source.get(path[:-1], 0) if len(path) > 1 else trees[s].num_sampled
+            expected_prob = source.get(path, 0) / parent if parent else 0.0
+            assert merged.source_probs[i, s] == pytest.approx(expected_prob)
+    assert merged.num_sampled == sum(t.num_sampled for t in trees)
+
+
+def test_one_source_at_weight_one_is_that_source():
+    tree = counted_tree([[1, 2, 3], [1, 2, 4], [1, 5], [6]], budget=10)
+    merged = merge_trees([tree], [1.0], budget=10)
+    assert (merged.paths(), merged.counts.tolist()) == (tree.paths(), tree.counts.tolist())
+    np.testing.assert_allclose(merged.scores, tree.scores, rtol=1e-12)
+
+
+def test_agreeing_sources_score_above_each_and_a_weight_discounts_per_token():
+    a = counted_tree([[1, 2], [3, 4]], budget=10)  # 1 -> 0.5, (1, 2) -> 0.5
+    b = counted_tree([[1, 2], [5, 6]], budget=10)
+    both = merge_trees([a, b], [1.0, 1.0], budget=10)
+    scores = dict(zip(both.paths(), both.scores))
+    assert scores[(1,)] == pytest.approx(0.75) and scores[(3,)] == pytest.approx(0.5)
+    halved = merge_trees([a], [0.5], budget=10)
+    expected = {(1,): 0.25, (3,): 0.25, (1, 2): 0.125, (3, 4): 0.125}
+    assert dict(zip(halved.paths(), halved.scores)) == pytest.approx(expected)
+    chain = merge_trees([counted_tree([[7, 8, 9]], budget=10)], [0.5], budget=10)
+    assert chain.scores.tolist() == pytest.approx([0.5, 0.25, 0.125])  # w ** depth
+
+
+def test_merge_refuses_bad_weights():
+    tree = counted_tree([[1]], budget=1)
+    with pytest.raises(ValueError, match="one weight per source"):
+        merge_trees([tree, tree], [1.0], budget=4)
+    with pytest.raises(ValueError, match="non-negative"):
+        merge_trees([tree], [-1.0], budget=4)
+    with pytest.raises(ValueError, match="at least one source"):
+        merge_trees([], [], budget=4)
+
+
+def test_empty_sources_merge_to_an_empty_tree():
+    merged = merge_trees([DraftTree.empty(), DraftTree.empty()], [1.0, 1.0], budget=8)
+    assert len(merged) == 0 and merged.source_probs.shape == (0, 2)
+
+
+# ---- calibration --------------------------------------------------------------------------------
+
+
+def test_only_tried_nodes_count():
+    """Under a rejected node nothing was tried: the chain 1-2-3 with nothing accepted teaches
+    only that node 1 failed."""
+    calibration = SourceCalibration(1, prior=1.0, strength=1.0, decay=1.0)
+    chain = merge_trees([counted_tree([[1, 2, 3]], budget=3)], calibration.weights, budget=3)
+    calibration.observe(chain, [])
+    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([0.0], [1.0])
+    assert calibration.weights.tolist() == [0.5]  # (0 + 1 * 1) / (1 + 1)
+    calibration.observe(chain, [0, 1])  # 1 and 2 accepted, 3 tried and rejected
+    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([2.0], [4.0])
+
+
+def test_calibration_learns_each_sources_acceptance_rate():
+    """Simulated verifier: after the context, the next token is a1 with probability 0.5, b1 with
+    0.25; down a's chain each next token matches with 0.5, down b's with 0.9. Both sources claim
+    certainty (one continuation each). The weights converge to each source's accepted / tried."""
+    rng = np.random.default_rng(0)
+    a = counted_tree([[10, 11, 12, 13]], budget=4)
+    b = counted_tree([[20, 21, 22, 23]], budget=4)
+    calibration = SourceCalibration(2, prior=1.0, strength=4.0, decay=1.0)
+    for _ in range(3000):
+        tree = merge_trees([a, b], calibration.weights, budget=8)
+        u = rng.random()
+        chain, rate = (a, 0.5) if u < 0.5 else (b, 0.9) if u < 0.75 else (None, 0.0)
+        accepted = []
+        if chain is not None:
+            depth = 1
+            while depth < 4 and rng.random() < rate:
+                depth += 1
+            by_path = {p: i for i, p in enumerate(tree.paths())}
+            accepted = [by_path[tuple(chain.tokens[:d])] for d in range(1, depth + 1)]
+        calibration.observe(tree, accepted)
+    # E[accepted] / E[tried] per source: a: tried 1 + 0.5 (1 + 0.5 + 0.25), accepted 0.5 (1 + ...)
+    expected_a = 0.5 * (1 + 0.5 + 0.25 + 0.125) / (1 + 0.5 * (1 + 0.5 + 0.25))
+    expected_b = 0.25 * (1 + 0.9 + 0.81 + 0.729) / (1 + 0.25 * (1 + 0.9 + 0.81))
+    np.testing.assert_allclose(calibration.weights, [expected_a, expected_b], atol=0.04)
+
+
+def test_calibration_refuses_trees_without_source_probabilities():
+    calibration = SourceCalibration(2)
+    with pytest.raises(ValueError, match="source_probs for 2 sources"):
+        calibration.observe(counted_tree([[1]], budget=1), [])
+    merged = merge_trees([counted_tree([[1]], budget=1)] * 2, [1.0, 1.0], budget=1)
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        calibration.observe(merged, [1])
+
+
+def test_request_and_output_store_drafts_verified_on_a_real_model():
+    """The whole path with real parts: two sources merged, verified by a tiny model, observed.
+    The model's own greedy continuation is put in the store, so the store's branch is accepted."""
+    model = tiny_causal_lm("llama")
+    prompt = [5, 6, 7, 8, 5, 6]
+    with torch.inference_mode():
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):].tolist()
+    store = OutputStore(max_tokens=1000)
+    store.add(prompt[-2:] + greedy)
+    config = DraftConfig(budget=16, max_depth=4)
+    trees = [RequestMatcher().draft(prompt, config), store.draft(prompt, config)]
+    calibration = SourceCalibration(2)
+    tree = merge_trees(trees, calibration.weights, config.budget)
+
+    cache = new_cache(model)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+    verdict = verify_trees(model, cache, CacheRows.full(1, len(prompt) - 1), [prompt], [tree])[0]
+    assert list(verdict.accepted_tokens) == greedy[: len(verdict.accepted_tokens)]
+    assert len(verdict.accepted_tokens) == 4
+    calibration.observe(tree, verdict.keep[1:] - 1)
+    # the store proposed all 4 accepted tokens; the request's (7, 8, ...) branch was tried at the root
+    assert calibration.observed[1] == 4
+    assert calibration.weights[1] > calibration.weights[0]
