@@ -38,34 +38,50 @@ DEFAULT_MAX_CANDIDATES = 1024
 
 
 @numba.njit(nogil=True, cache=True)
-def _match_ranges(tokens, sa, query_reversed, ranges):
+def _match_ranges(tokens, sa, single_token_ranges, query_reversed, ranges):
     """Fill ``ranges[j]`` with the rank range [lo, hi) of the last j+1 context tokens and return
     how many tokens matched (the loop stops at the first miss).
 
+    ``single_token_ranges[t]`` memoizes the first step, the one over the whole array, for token
+    ``t``: ``lo << 32 | (hi - lo)``, -1 while unknown. One 8-byte store, so threads that race to
+    fill an entry write the same value and never expose half of it.
+
     Within a range that shares its first ``depth`` tokens, the next tokens are sorted, so each
-    step is two binary searches for the token among ``R[sa[r] + depth]``, R = tokens[::-1]."""
+    step is a binary search for the first and one past the last rank holding the token among
+    ``R[sa[r] + depth]``, R = tokens[::-1]. The two searches run in lockstep: on an index far
+    larger than the CPU caches every probe is a cache miss, and two independent probes per
+    iteration let the CPU wait for both misses at once."""
     lo, hi = 0, sa.shape[0]
     for depth in range(query_reversed.shape[0]):
         token = query_reversed[depth]
+        if depth == 0 and single_token_ranges[token] >= 0:
+            packed = single_token_ranges[token]
+            lo, hi = packed >> 32, (packed >> 32) + (packed & 0xFFFFFFFF)
+            if lo == hi:
+                return 0
+            ranges[0, 0], ranges[0, 1] = lo, hi
+            continue
         last = tokens.shape[0] - 1 - depth  # R[r + depth] == tokens[last - r]
-        a, b = lo, hi
-        while a < b:
-            mid = (a + b) >> 1
-            if tokens[last - sa[mid]] < token:
-                a = mid + 1
-            else:
-                b = mid
-        first = a
-        b = hi
-        while a < b:
-            mid = (a + b) >> 1
-            if tokens[last - sa[mid]] <= token:
-                a = mid + 1
-            else:
-                b = mid
-        if first == a:
+        a_lo, a_hi = lo, hi  # first rank with key >= token lies in [a_lo, a_hi]
+        b_lo, b_hi = lo, hi  # first rank with key > token lies in [b_lo, b_hi]
+        while a_lo < a_hi or b_lo < b_hi:
+            if a_lo < a_hi:
+                mid = (a_lo + a_hi) >> 1
+                if tokens[last - sa[mid]] < token:
+                    a_lo = mid + 1
+                else:
+                    a_hi = mid
+            if b_lo < b_hi:
+                mid = (b_lo + b_hi) >> 1
+                if tokens[last - sa[mid]] <= token:
+                    b_lo = mid + 1
+                else:
+                    b_hi = mid
+        if depth == 0 and b_lo < (1 << 32):  # shards past 2^32 tokens: not memoized
+            single_token_ranges[token] = (a_lo << 32) | (b_lo - a_lo)
+        if a_lo == b_lo:
             return depth
-        lo, hi = first, a
+        lo, hi = a_lo, b_lo
         ranges[depth, 0], ranges[depth, 1] = lo, hi
     return query_reversed.shape[0]
 
@@ -89,12 +105,13 @@ class _Shard:
 
     tokens: np.ndarray
     sa: np.ndarray
+    single_token_ranges: np.ndarray  # int64 [vocab], filled as tokens are first queried
 
     def match_ranges(self, query_reversed: np.ndarray) -> np.ndarray:
         """int64 [j, 2] rank ranges of the longest prefix of ``query_reversed`` (the context read
         backwards, int64): row i is the range for the last i+1 context tokens."""
         ranges = np.empty((query_reversed.shape[0], 2), dtype=np.int64)
-        return ranges[: _match_ranges(self.tokens, self.sa, query_reversed, ranges)]
+        return ranges[: _match_ranges(self.tokens, self.sa, self.single_token_ranges, query_reversed, ranges)]
 
     def continuations(self, ranks: np.ndarray, out: np.ndarray) -> None:
         """Fill ``out`` [len(ranks), length] with the tokens following each match."""
@@ -125,7 +142,10 @@ class Datastore:
             raise fmt.IndexFormatError(f"index {path} has no shards")
         shards = [
             # plain ndarray views of the memory maps: np.memmap's subclass hooks cost more than the search
-            _Shard(*(np.asarray(a) for a in fmt.open_shard(path, entry, manifest, full_check=verify)))
+            _Shard(
+                *(np.asarray(a) for a in fmt.open_shard(path, entry, manifest, full_check=verify)),
+                single_token_ranges=np.full(manifest.tokenizer.vocab_size, -1, dtype=np.int64),
+            )
             for entry in manifest.shards
         ]
         log.info("opened %s: %d tokens in %d shards", path, manifest.num_tokens, len(shards))

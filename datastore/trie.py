@@ -39,6 +39,10 @@ def _group_children(rows, perm, depth, start, stop, sep, heap, span):
     """Sort ``perm[start:stop]`` by the token in column ``depth`` and push one heap key per group
     of equal real tokens: the children of the node whose rows these are."""
     k = rows.shape[0]
+    if stop - start == 1:  # one row (most nodes of a small tree): its next token is the only child
+        if rows[perm[start], depth] != sep:
+            heapq.heappush(heap, (k - 1) * span + depth * k + start)
+        return
     keys = np.empty(stop - start, dtype=rows.dtype)
     for i in range(stop - start):
         keys[i] = rows[perm[start + i], depth]
