@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from datastore.errors import first_line
 
@@ -48,12 +48,9 @@ class Prompt:
     messages: tuple[dict, ...] | None = None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="rest-generate",
-        description="Greedy generation with retrieval-based speculative decoding (REST). Output is "
-        "token-identical to plain greedy decoding; the datastore only changes the speed.",
-    )
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every generation CLI takes: where drafts come from, the model, the draft tree,
+    the length of a reply, verbosity (shared by ``rest-generate`` and ``rest-chat``)."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--datastore",
@@ -62,15 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     source.add_argument(
         "--no-draft", action="store_true", help="plain greedy decoding through the same loop (baseline)"
-    )
-    prompts = parser.add_mutually_exclusive_group(required=True)
-    prompts.add_argument("--prompt", metavar="TEXT", help="one raw-text prompt")
-    prompts.add_argument(
-        "--prompts",
-        metavar="FILE.jsonl",
-        type=Path,
-        help='one prompt per line: {"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} '
-        "(rendered with the tokenizer's chat template and a generation prompt)",
     )
     parser.add_argument(
         "--model",
@@ -92,10 +80,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft tree depth in tokens (default: %(default)s)",
     )
     parser.add_argument(
-        "--json", action="store_true", help="print one JSON object per prompt on stdout instead of text"
+        "-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rest-generate",
+        description="Greedy generation with retrieval-based speculative decoding (REST). Output is "
+        "token-identical to plain greedy decoding; the datastore only changes the speed.",
+        epilog="For an interactive chat that streams the replies, run rest-chat (python -m drafter.chat).",
+    )
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", metavar="TEXT", help="one raw-text prompt")
+    prompts.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        type=Path,
+        help='one prompt per line: {"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} '
+        "(rendered with the tokenizer's chat template and a generation prompt)",
     )
     parser.add_argument(
-        "-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr"
+        "--chat",
+        action="store_true",
+        help="render raw-text prompts as one user message with the tokenizer's chat template",
+    )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt on stdout instead of text"
     )
     return parser
 
@@ -136,6 +148,13 @@ def _is_message(message: object) -> bool:
         and isinstance(message.get("role"), str)
         and isinstance(message.get("content"), str)
     )
+
+
+def as_chat(prompt: Prompt) -> Prompt:
+    """A raw-text prompt as one user message (chat prompts unchanged)."""
+    if prompt.messages is not None:
+        return prompt
+    return Prompt(messages=({"role": "user", "content": prompt.text},))
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
@@ -191,15 +210,12 @@ def result_record(result: GenerationResult, text: str) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> None:
-    """Everything after argument parsing; raises on errors."""
+def load_parts(args: argparse.Namespace):
+    """(tokenizer, model, drafter or None) for the parsed ``add_model_arguments``; the drafter is
+    opened first (a bad datastore fails before the slow model load) and checked against the
+    tokenizer. The caller closes the drafter."""
     from datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
-    from datastore.types import DraftConfig
-    from drafter.generate import generate
     from drafter.model import load_model
-
-    config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
-    prompts = [Prompt(text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
 
     drafter = None if args.no_draft else open_drafter(args.datastore)
     try:
@@ -208,8 +224,32 @@ def run(args: argparse.Namespace) -> None:
         if drafter is not None:
             check_tokenizer(drafter, tokenizer_fingerprint(tokenizer))
         model = load_model(args.model, device=args.device)
-        elapsed = time.perf_counter() - started
-        log.info("loaded %s on %s in %.1f s", type(model).__name__, model.device, elapsed)
+    except BaseException:
+        if drafter is not None:
+            drafter.close()
+        raise
+    log.info("loaded %s on %s in %.1f s", type(model).__name__, model.device, time.perf_counter() - started)
+    return tokenizer, model, drafter
+
+
+def draft_config(args: argparse.Namespace):
+    """The ``DraftConfig`` of the parsed ``add_model_arguments``."""
+    from datastore.types import DraftConfig
+
+    return DraftConfig(budget=args.budget, max_depth=args.max_depth)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Everything after argument parsing; raises on errors."""
+    from drafter.generate import generate
+
+    config = draft_config(args)
+    prompts = [Prompt(text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
+    if args.chat:
+        prompts = [as_chat(prompt) for prompt in prompts]
+
+    tokenizer, model, drafter = load_parts(args)
+    try:
         for number, prompt in enumerate(prompts, start=1):
             result = generate(
                 model,
@@ -235,18 +275,23 @@ def run(args: argparse.Namespace) -> None:
             drafter.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_cli(prog: str, args: argparse.Namespace, body: Callable[[argparse.Namespace], None]) -> int:
+    """Set up logging for ``args.verbose``, run ``body(args)``; a library or user error becomes one
+    line on stderr and exit code 2."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for name in ("drafter", "datastore"):  # this project's loggers only, not every library's
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
-        run(args)
+        body(args)
     except (CliError, OSError, ValueError) as exc:  # TokenizerMismatchError is a ValueError
         log.debug("failed", exc_info=True)
-        print(f"rest-generate: error: {first_line(exc)}", file=sys.stderr)
+        print(f"{prog}: error: {first_line(exc)}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("rest-generate", build_parser().parse_args(argv), run)
 
 
 if __name__ == "__main__":
