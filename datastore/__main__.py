@@ -1,6 +1,7 @@
 """``rest-datastore``: serve an index over gRPC, describe or verify it, draft from it by hand.
 
     rest-datastore serve  --index DIR [--host 127.0.0.1] [--port 50051] [--workers 8]
+                          [--outputs-max-tokens 1000000] [--outputs-dir DIR]
     rest-datastore info   --index DIR | --server HOST:PORT
     rest-datastore verify --index DIR
     rest-datastore draft  --index DIR | --server HOST:PORT  --tokens 1,2,3 | --text "..." [--tokenizer SPEC]
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 # gRPC's C core would log a failed bind itself, before our one-line error; it reads this when grpc
 # is first imported, so it is set before the imports below (GRPC_VERBOSITY=debug still wins)
@@ -69,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
                            help="request threads (default: $REST_WORKERS or %(default)s)")
     serve_cmd.add_argument("--max-context-tokens", type=int, default=DEFAULT_SERVER.max_context_tokens,
                            help="longest context a request may carry (default: %(default)s)")
+    serve_cmd.add_argument("--outputs-max-tokens", type=int,
+                           default=env("REST_OUTPUTS_MAX_TOKENS", str(DEFAULT_SERVER.outputs_max_tokens)),
+                           help="size of the store of recent outputs that clients add (AddOutput) and that "
+                           "drafts like the index; the oldest outputs are evicted beyond it; 0 keeps none "
+                           "(default: $REST_OUTPUTS_MAX_TOKENS or %(default)s)")
+    serve_cmd.add_argument("--outputs-dir", type=Path, default=env("REST_OUTPUTS_DIR"),
+                           help="keep the output store in this directory (an append-only log, fsynced "
+                           "before each AddOutput is answered) so it survives restarts (default: "
+                           "$REST_OUTPUTS_DIR, else in memory only)")
     serve_cmd.set_defaults(run=run_serve)
 
     info_cmd = sub.add_parser("info", help="print the index summary as JSON")
@@ -108,7 +119,12 @@ def _open(args: argparse.Namespace):
 
 def run_serve(args: argparse.Namespace) -> None:
     config = ServerConfig(
-        host=args.host, port=args.port, workers=args.workers, max_context_tokens=args.max_context_tokens
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        max_context_tokens=args.max_context_tokens,
+        outputs_max_tokens=args.outputs_max_tokens,
+        outputs_dir=Path(args.outputs_dir) if args.outputs_dir else None,
     )
     # the one stdout line: scripts (and tests) wait for it to learn the bound port
     serve(_need_index(args), config, ready=lambda address: print(f"listening on {address}", flush=True))

@@ -1,8 +1,8 @@
-"""The gRPC client of the datastore service (``rest-datastore serve``); it is a ``Drafter``.
+"""The gRPC client of the datastore service (``rest-datastore serve``); it is a ``SourceDrafter``.
 
-It returns the same trees as an in-process ``Datastore`` on the same index: both sides convert
-through ``datastore.wire``. Only the last ``n_max`` context tokens are sent, since the server never
-looks further back.
+It returns the same trees as an in-process ``LocalDrafter`` on the same index and outputs: both
+sides convert through ``datastore.wire``. Only the last ``n_max`` context tokens are sent, since
+the server never looks further back; one call per step answers both the index and the output store.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import grpc
 
 from datastore import wire
 from datastore.tokenizer import require_tokenizer
-from datastore.types import DraftConfig, DraftTree, IndexInfo
+from datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_proto.v1 import datastore_pb2 as pb
 from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
 
@@ -55,8 +55,9 @@ class DatastoreClient:
         return f"no connection within {self.timeout:g} s"
 
     def _call(self, rpc, request):
-        """One RPC; INVALID_ARGUMENT -> ValueError, unreachable -> ConnectionError, else RuntimeError,
-        each with the server's message."""
+        """One RPC; INVALID_ARGUMENT -> ValueError, unreachable -> ConnectionError, else RuntimeError
+        (e.g. FAILED_PRECONDITION: an output sent to a server that keeps none), each with the
+        server's message."""
         try:
             return rpc(request, timeout=self.timeout)
         except grpc.RpcError as exc:
@@ -75,6 +76,29 @@ class DatastoreClient:
         """One call for all contexts; trees in the order of ``contexts``."""
         reply = self._call(self._stub.DraftBatch, wire.draft_batch_request(contexts, config))
         return [wire.tree_from_message(t) for t in reply.trees]
+
+    def draft_sources(self, context: Sequence[int], config: DraftConfig = DraftConfig()) -> SourceTrees:
+        """The index's and the output store's trees for ``context``, in one call."""
+        reply = self._call(self._stub.Draft, wire.draft_request(context, config, include_outputs=True))
+        return SourceTrees(wire.tree_from_message(reply.tree), wire.tree_from_message(reply.outputs))
+
+    def draft_sources_batch(
+        self, contexts: Sequence[Sequence[int]], config: DraftConfig = DraftConfig()
+    ) -> list[SourceTrees]:
+        """``draft_sources`` for every context, in one call; in the order of ``contexts``."""
+        reply = self._call(self._stub.DraftBatch, wire.draft_batch_request(contexts, config, include_outputs=True))
+        trees = [wire.tree_from_message(t) for t in reply.trees]
+        # a server without an output store answers no output trees: all empty
+        outputs = [wire.tree_from_message(t) for t in reply.outputs] or [DraftTree.empty()] * len(trees)
+        if len(outputs) != len(trees):
+            raise RuntimeError(f"datastore at {self.address} answered {len(outputs)} output trees for {len(trees)} contexts")
+        return [SourceTrees(index, output) for index, output in zip(trees, outputs)]
+
+    def add_output(self, tokens: Sequence[int]) -> int:
+        """Store one generation in the server's output store; returns its sequence number once
+        stored (durable on a server with ``--outputs-dir``). ``RuntimeError`` when the server
+        keeps no outputs."""
+        return self._call(self._stub.AddOutput, wire.add_output_request(tokens)).seq
 
     def info(self) -> IndexInfo:
         return wire.info_from_message(self._call(self._stub.Info, pb.InfoRequest()))

@@ -29,20 +29,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numba
 import numpy as np
 
 from datastore.types import DraftTree
-
-
-def conditional_probs(tree: DraftTree) -> np.ndarray:
-    """float64 [n]: each node's probability given its parent, score / parent score (0 under a
-    parent of score 0); = count / parent count for a tree of counts."""
-    parent_scores = np.where(tree.parents >= 0, tree.scores[tree.parents], 1.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        probs = np.where(parent_scores > 0, tree.scores / parent_scores, 0.0)
-    if np.any(probs > 1 + 1e-9):
-        raise ValueError("a node's score exceeds its parent's: not a tree of counts or acceptance estimates")
-    return np.minimum(probs, 1.0)
 
 
 def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarray, budget: int) -> DraftTree:
@@ -53,6 +43,9 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
              (see module docstring), ``source_probs`` [n, S] the sources' own conditional
              probabilities, ``counts`` the summed counts, ``num_matches`` / ``num_sampled`` the
              sums and ``match_len`` the longest match. Ties go to the earlier BFS node.
+
+    It runs every decoding step, so the work is one compiled pass (``_merge``), not a numpy
+    call per tree level.
     """
     weights = np.asarray(weights, dtype=np.float64)
     if not trees:
@@ -63,50 +56,18 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
         raise ValueError(f"weights must be finite and non-negative, got {weights.tolist()}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-
-    # All sources' nodes in one array, grouped by depth (each source is in BFS order already).
-    sizes = np.array([len(t) for t in trees])
-    offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    tokens = np.concatenate([t.tokens for t in trees]).astype(np.int64)
-    depths = np.concatenate([t.depths for t in trees])
-    parents = np.concatenate([np.where(t.parents >= 0, t.parents + o, -1) for t, o in zip(trees, offsets)])
-    by_depth = np.argsort(depths, kind="stable")
-    levels = np.searchsorted(depths[by_depth], np.arange(1, depths.max(initial=0) + 2))
-
-    # Merged ids level by level: np.unique over (merged parent, token) keys deduplicates the
-    # paths, and its sorted order (parent's BFS index, then token) is exactly BFS order.
-    radix = int(tokens.max(initial=0)) + 1
-    merged = np.empty(tokens.size, dtype=np.int64)
-    keys = []
-    for lo, hi in zip(levels[:-1], levels[1:]):
-        at = by_depth[lo:hi]
-        merged_parent = np.where(parents[at] >= 0, merged[parents[at]], -1)
-        level_keys, inverse = np.unique((merged_parent + 1) * radix + tokens[at], return_inverse=True)
-        merged[at] = sum(k.size for k in keys) + inverse.reshape(-1)
-        keys.append(level_keys)
-    bounds = np.cumsum([0] + [k.size for k in keys])  # merged depth d holds ids [bounds[d-1], bounds[d])
-    flat_keys = np.concatenate(keys) if keys else np.zeros(0, np.int64)
-    merged_tokens, merged_parents = flat_keys % radix, flat_keys // radix - 1
-    num_nodes = flat_keys.size
-
-    source_probs = np.zeros((num_nodes, len(trees)))
-    source = np.repeat(np.arange(len(trees)), sizes)
-    source_probs[merged, source] = np.concatenate([conditional_probs(t) for t in trees])
-    path_probs = np.minimum(1.0, source_probs * weights)  # calibrated per-token, then down the paths
-    scores = np.empty(num_nodes)
-    for depth, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]), start=1):
-        up = merged_parents[lo:hi]
-        if depth > 1:
-            path_probs[lo:hi] *= path_probs[up]
-        scores[lo:hi] = 1.0 - np.prod(1.0 - path_probs[lo:hi], axis=1)
-        if depth > 1:  # exact in theory; the minimum keeps rounding from breaking monotonicity
-            np.minimum(scores[lo:hi], scores[up], out=scores[lo:hi])
-    counts = np.zeros(num_nodes, dtype=np.int64)
-    np.add.at(counts, merged, np.concatenate([t.counts for t in trees]))
-
-    union = DraftTree(
-        merged_tokens,
-        merged_parents,
+    tokens, parents, counts, scores, source_probs = _merge(
+        np.concatenate([t.tokens for t in trees]),
+        np.concatenate([t.parents for t in trees]),
+        np.concatenate([t.counts for t in trees]),
+        np.concatenate([t.scores for t in trees]),
+        np.array([len(t) for t in trees], dtype=np.int64),
+        weights,
+        budget,
+    )
+    return DraftTree(
+        tokens,
+        parents,
         counts,
         match_len=max(t.match_len for t in trees),
         num_matches=sum(t.num_matches for t in trees),
@@ -114,11 +75,112 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
         scores=scores,
         source_probs=source_probs,
     )
-    if num_nodes <= budget:
-        return union
-    # A parent scores at least its child and precedes it in BFS order, so it always ranks first
-    # and the kept set is prefix-closed.
-    return union.subset(np.sort(np.lexsort((np.arange(num_nodes), -scores))[:budget]))
+
+
+@numba.njit(nogil=True, cache=True)
+def _merge(tokens, parents, counts, scores, sizes, weights, budget):
+    """The merge on the sources' nodes concatenated (each source in BFS order, ``parents``
+    local to its source): (tokens int32, parents int32, counts int64, scores float64,
+    source_probs float64 [n, S]) of the kept nodes in BFS order."""
+    n, num_sources = tokens.shape[0], weights.shape[0]
+    root = n  # the slot of the root in ``first_child``
+
+    # 1. The union trie, nodes numbered as first seen. A source lists parents before children,
+    #    so a node's parent is always placed before the node itself.
+    merged = np.empty(n, np.int64)  # source node -> trie node
+    source = np.empty(n, np.int64)
+    cond = np.empty(n, np.float64)  # the node's probability given its parent, under its source
+    node_token = np.empty(n, np.int64)
+    node_parent = np.empty(n, np.int64)
+    first_child = np.full(n + 1, -1, np.int64)
+    next_sibling = np.full(n, -1, np.int64)
+    m = 0
+    offset = 0
+    for s in range(num_sources):
+        for i in range(offset, offset + sizes[s]):
+            source[i] = s
+            local = parents[i]
+            parent_score = scores[local + offset] if local >= 0 else 1.0
+            cond[i] = scores[i] / parent_score if parent_score > 0 else 0.0
+            if cond[i] > 1 + 1e-9:
+                raise ValueError("a node's score exceeds its parent's: not a tree of counts or acceptance estimates")
+            up = merged[local + offset] if local >= 0 else root
+            child = first_child[up]
+            while child != -1 and node_token[child] != tokens[i]:
+                child = next_sibling[child]
+            if child == -1:
+                child = m
+                m += 1
+                node_token[child] = tokens[i]
+                node_parent[child] = up if up != root else -1
+                next_sibling[child] = first_child[up]
+                first_child[up] = child
+            merged[i] = child
+        offset += sizes[s]
+
+    # 2. BFS order, siblings by ascending token.
+    order = np.empty(m, np.int64)  # BFS index -> trie node
+    siblings = np.empty(m, np.int64)
+    head, tail, node = 0, 0, root
+    while True:
+        k = 0
+        child = first_child[node]
+        while child != -1:
+            siblings[k] = child
+            k += 1
+            child = next_sibling[child]
+        if k > 0:
+            group = siblings[:k]
+            order[tail : tail + k] = group[np.argsort(node_token[group])]
+            tail += k
+        if head == tail:
+            break
+        node = order[head]
+        head += 1
+    bfs = np.empty(m, np.int64)  # trie node -> BFS index
+    bfs[order] = np.arange(m)
+
+    # 3. Per node: counts summed, each source's conditional probability, the noisy-OR score of
+    #    the weighted per-source path probabilities (parents come first in BFS order).
+    bfs_parent = np.full(m, -1, np.int64)
+    for b in range(m):
+        if node_parent[order[b]] >= 0:
+            bfs_parent[b] = bfs[node_parent[order[b]]]
+    node_counts = np.zeros(m, np.int64)
+    probs = np.zeros((m, num_sources), np.float64)
+    for i in range(n):
+        b = bfs[merged[i]]
+        node_counts[b] += counts[i]
+        probs[b, source[i]] = max(probs[b, source[i]], min(cond[i], 1.0))
+    path = np.empty((m, num_sources), np.float64)
+    node_scores = np.empty(m, np.float64)
+    for b in range(m):
+        up = bfs_parent[b]
+        miss = 1.0
+        for s in range(num_sources):
+            p = min(1.0, weights[s] * probs[b, s])
+            if up >= 0:
+                p *= path[up, s]
+            path[b, s] = p
+            miss *= 1.0 - p
+        # exact in theory; the minimum keeps rounding from breaking monotonicity
+        node_scores[b] = min(1.0 - miss, node_scores[up]) if up >= 0 else 1.0 - miss
+
+    # 4. The best ``budget`` nodes. A parent scores at least its child and precedes it in BFS
+    #    order, so a stable sort ranks it first and the kept set is prefix-closed.
+    if m <= budget:
+        keep = np.arange(m)
+    else:
+        keep = np.sort(np.argsort(-node_scores, kind="mergesort")[:budget])
+    new_index = np.full(m, -1, np.int64)
+    new_index[keep] = np.arange(keep.shape[0])
+    out_parents = np.empty(keep.shape[0], np.int32)
+    out_tokens = np.empty(keep.shape[0], np.int32)
+    for j in range(keep.shape[0]):
+        up = bfs_parent[keep[j]]
+        out_parents[j] = new_index[up] if up >= 0 else -1
+        out_tokens[j] = node_token[order[keep[j]]]
+    return out_tokens, out_parents, node_counts[keep], node_scores[keep], probs[keep]
 
 
 class SourceCalibration:

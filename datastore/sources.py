@@ -35,11 +35,13 @@ from datastore.types import MAX_DEPTH, DraftConfig, DraftTree
 log = logging.getLogger(__name__)
 
 SEP = 0xFFFFFFFF  # document separator: larger than every token id, as top_c_tree needs
+DEFAULT_OUTPUTS_MAX_TOKENS = 1_000_000  # an output store's default size (4 MB of tokens + 16 MB of table)
 _MIN_TAIL = 4096  # unsorted bigram entries a lookup scans before they are merged into the table
 
 
-def token_array(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
-    """uint32 [n] from a 1-D sequence of token ids in [0, SEP); ``ValueError`` naming ``what``."""
+def token_array(values: Sequence[int] | np.ndarray, what: str, limit: int = SEP) -> np.ndarray:
+    """uint32 [n] from a 1-D sequence of token ids in [0, limit) (limit <= SEP); ``ValueError``
+    naming ``what``."""
     array = np.asarray(values)
     if array.ndim != 1:
         raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {array.shape}")
@@ -47,9 +49,9 @@ def token_array(values: Sequence[int] | np.ndarray, what: str) -> np.ndarray:
         return np.zeros(0, np.uint32)
     if not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"{what} must hold integer token ids, got {array.dtype}")
-    bad = array[(array < 0) | (array >= SEP)]
+    bad = array[(array < 0) | (array >= limit)]
     if bad.size:
-        raise ValueError(f"{what} token id {int(bad[0])} is outside [0, {SEP})")
+        raise ValueError(f"{what} token id {int(bad[0])} is outside [0, {limit})")
     return array.astype(np.uint32)
 
 
@@ -325,16 +327,25 @@ class OutputStore:
     ``directory`` every document is appended to a log and fsynced before ``add`` returns, and
     opening replays the log (same documents, same evictions), so a restart loses nothing that
     was acknowledged. Evicted data stays in memory and in the log until it outweighs the live
-    data; then both are rewritten with the live documents only (amortized O(1) per token)."""
+    data; then both are rewritten with the live documents only (amortized O(1) per token).
+    With ``vocab_size``, ``add`` refuses token ids outside the vocabulary."""
 
     def __init__(
-        self, max_tokens: int, directory: str | Path | None = None, *, max_candidates: int = DEFAULT_MAX_CANDIDATES
+        self,
+        max_tokens: int,
+        directory: str | Path | None = None,
+        *,
+        vocab_size: int | None = None,
+        max_candidates: int = DEFAULT_MAX_CANDIDATES,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be positive, got {max_candidates}")
+        if vocab_size is not None and not 1 <= vocab_size <= SEP:
+            raise ValueError(f"vocab_size must be in [1, {SEP}], got {vocab_size}")
         self.max_tokens, self.max_candidates = max_tokens, max_candidates
+        self.vocab_size = SEP if vocab_size is None else vocab_size
         self._lock = threading.Lock()
         self._index = _BigramIndex()
         self._documents: deque[_Document] = deque()  # live documents, oldest first
@@ -359,7 +370,7 @@ class OutputStore:
 
     def add(self, tokens: Sequence[int] | np.ndarray) -> int:
         """Store ``tokens`` as one document; returns its sequence number once it is durable."""
-        array = token_array(tokens, "tokens")
+        array = token_array(tokens, "tokens", self.vocab_size)
         if array.size == 0:
             raise ValueError("tokens is empty: a document needs at least one token")
         if array.size > self.max_tokens:
@@ -428,3 +439,21 @@ class OutputStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_outputs_options(max_tokens: int, directory: str | Path | None) -> None:
+    """Raise ``ValueError`` unless ``max_tokens`` >= 0 (0: keep no outputs) and a ``directory``
+    comes with a store to keep in it."""
+    if max_tokens < 0:
+        raise ValueError(f"outputs_max_tokens must be non-negative (0: keep no outputs), got {max_tokens}")
+    if directory is not None and max_tokens == 0:
+        raise ValueError("outputs_dir is set but outputs_max_tokens is 0 (no outputs are kept)")
+
+
+def open_output_store(
+    max_tokens: int, directory: str | Path | None = None, *, vocab_size: int | None = None
+) -> OutputStore | None:
+    """The output store a drafter or server is configured with: ``max_tokens`` tokens, persistent
+    in ``directory`` if given; None for ``max_tokens`` 0."""
+    check_outputs_options(max_tokens, directory)
+    return OutputStore(max_tokens, directory, vocab_size=vocab_size) if max_tokens else None

@@ -130,7 +130,9 @@ class DraftTree:
 
     @classmethod
     def empty(cls) -> "DraftTree":
-        return cls(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64))
+        """The tree of no nodes ("no match"): one shared instance (trees are immutable), since
+        sources answer it on most steps and building a tree costs tens of microseconds."""
+        return _EMPTY_TREE
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -185,6 +187,18 @@ class DraftTree:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+_EMPTY_TREE = DraftTree(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64))
+
+
+@dataclass(frozen=True)
+class SourceTrees:
+    """One context's trees from a datastore's shared sources, answered together (one RPC per
+    step): the static ``index`` and the store of recent ``outputs`` (empty when it keeps none)."""
+
+    index: DraftTree
+    outputs: DraftTree
 
 
 @dataclass(frozen=True)

@@ -39,17 +39,24 @@ def config_from_message(params: pb.DraftParams) -> DraftConfig:
     )
 
 
+def _token_list(tokens: Sequence[int] | np.ndarray, field: str) -> list[int]:
+    """``tokens`` as a list of ints the wire can carry (uint32), or ``ValueError`` naming ``field``."""
+    array = np.asarray(tokens)
+    if array.ndim != 1:
+        raise ValueError(f"{field} must be a 1-D sequence of token ids, got shape {array.shape}")
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{field} must hold integer token ids, got {array.dtype}")
+    if array.size and array.min() < 0:
+        raise ValueError(f"{field} token id {int(array.min())} is negative")
+    return array.tolist()
+
+
 def context_to_message(context: Sequence[int] | np.ndarray, n_max: int) -> pb.Context:
     """The last ``n_max`` tokens of ``context``: the server never looks further back."""
     tokens = np.asarray(context)
     if tokens.ndim != 1:
         raise ValueError(f"context must be a 1-D sequence of token ids, got shape {tokens.shape}")
-    tail = tokens[-n_max:]
-    if tail.size and not np.issubdtype(tail.dtype, np.integer):
-        raise ValueError(f"context must hold integer token ids, got {tail.dtype}")
-    if tail.size and tail.min() < 0:
-        raise ValueError(f"context token id {int(tail.min())} is negative")
-    return pb.Context(tokens=tail.tolist())
+    return pb.Context(tokens=_token_list(tokens[-n_max:], "context"))
 
 
 def context_from_message(message: pb.Context, vocab_size: int, max_tokens: int, field: str = "context") -> np.ndarray:
@@ -66,14 +73,34 @@ def context_from_message(message: pb.Context, vocab_size: int, max_tokens: int, 
     return tokens
 
 
-def draft_request(context: Sequence[int] | np.ndarray, config: DraftConfig) -> pb.DraftRequest:
-    return pb.DraftRequest(context=context_to_message(context, config.n_max), params=params_to_message(config))
-
-
-def draft_batch_request(contexts: Sequence[Sequence[int]], config: DraftConfig) -> pb.DraftBatchRequest:
-    return pb.DraftBatchRequest(
-        contexts=[context_to_message(c, config.n_max) for c in contexts], params=params_to_message(config)
+def draft_request(
+    context: Sequence[int] | np.ndarray, config: DraftConfig, include_outputs: bool = False
+) -> pb.DraftRequest:
+    return pb.DraftRequest(
+        context=context_to_message(context, config.n_max),
+        params=params_to_message(config),
+        include_outputs=include_outputs,
     )
+
+
+def draft_batch_request(
+    contexts: Sequence[Sequence[int]], config: DraftConfig, include_outputs: bool = False
+) -> pb.DraftBatchRequest:
+    return pb.DraftBatchRequest(
+        contexts=[context_to_message(c, config.n_max) for c in contexts],
+        params=params_to_message(config),
+        include_outputs=include_outputs,
+    )
+
+
+def add_output_request(tokens: Sequence[int] | np.ndarray) -> pb.AddOutputRequest:
+    return pb.AddOutputRequest(tokens=_token_list(tokens, "tokens"))
+
+
+def output_from_message(request: pb.AddOutputRequest) -> np.ndarray:
+    """int64 [n] token ids of an output to store; the ``OutputStore`` checks them (non-empty,
+    within its size and the vocabulary) with the same messages in and out of process."""
+    return np.array(request.tokens, dtype=np.int64)
 
 
 def parse_draft_request(request: pb.DraftRequest, vocab_size: int, max_tokens: int) -> tuple[np.ndarray, DraftConfig]:
@@ -97,11 +124,15 @@ def parse_draft_batch_request(
 
 
 def tree_to_message(tree: DraftTree) -> pb.DraftTree:
+    """Every field, the scores twice: exact (``scores``) and as float32 (``scores_f32``, for
+    readers that predate the exact field)."""
+    scores = tree.scores.tolist()
     return pb.DraftTree(
         tokens=tree.tokens.tolist(),
         parents=tree.parents.tolist(),
         counts=tree.counts.tolist(),
-        scores=tree.scores.tolist(),
+        scores_f32=scores,
+        scores=scores,
         match_len=tree.match_len,
         num_matches=tree.num_matches,
         num_sampled=tree.num_sampled,
@@ -109,8 +140,9 @@ def tree_to_message(tree: DraftTree) -> pb.DraftTree:
 
 
 def tree_from_message(message: pb.DraftTree) -> DraftTree:
-    """The tree a message carries (``scores`` is derived from counts, so it is not read back).
-    Raises ``ValueError`` when the arrays do not form a BFS-ordered tree."""
+    """The tree a message carries, its exact scores included (derived from counts when a writer
+    predating ``scores`` sent none). Raises ``ValueError`` when the arrays do not form a
+    BFS-ordered tree or the scores are not one valid score per node."""
     return DraftTree(
         np.array(message.tokens, dtype=np.int32),
         np.array(message.parents, dtype=np.int32),
@@ -118,6 +150,7 @@ def tree_from_message(message: pb.DraftTree) -> DraftTree:
         message.match_len,
         message.num_matches,
         message.num_sampled,
+        scores=np.array(message.scores, dtype=np.float64) if message.scores else None,
     )
 
 

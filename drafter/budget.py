@@ -120,6 +120,8 @@ def select_tree(tree: DraftTree, cost: VerifyCost, max_depth: int | None = None)
     ranked = candidates[np.lexsort((candidates, -tree.scores[candidates]))]  # a parent before its children
     gain = 1.0 + np.concatenate(([0.0], np.cumsum(tree.scores[ranked])))  # [k + 1]: keeping the top 0..k
     best = int(np.argmax(gain / cost(1 + np.arange(ranked.size + 1))))
+    if best == len(tree):
+        return tree  # all of it: no copy
     return tree.subset(np.sort(ranked[:best]))
 
 

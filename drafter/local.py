@@ -1,4 +1,4 @@
-"""The in-process draft source: an opened index, no network."""
+"""The in-process draft source: an opened index and a store of recent outputs, no network."""
 
 from __future__ import annotations
 
@@ -6,24 +6,42 @@ from pathlib import Path
 from typing import Sequence
 
 from datastore.index import Datastore
+from datastore.sources import DEFAULT_OUTPUTS_MAX_TOKENS, OutputStore, check_outputs_options, open_output_store
 from datastore.tokenizer import require_tokenizer
-from datastore.types import DraftConfig, DraftTree, IndexInfo
+from datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 
 
 class LocalDrafter:
-    """``Drafter`` over a ``Datastore`` in this process; returns the same trees as the gRPC service."""
+    """``SourceDrafter`` over a ``Datastore`` and an optional ``OutputStore`` in this process;
+    returns the same trees as the gRPC service. Owns both (``close`` closes them)."""
 
-    def __init__(self, datastore: Datastore) -> None:
+    def __init__(self, datastore: Datastore, outputs: OutputStore | None = None) -> None:
         self.datastore = datastore
+        self.outputs = outputs
 
     @classmethod
-    def open(cls, path: str | Path, *, expected_fingerprint: str | None = None, **kwargs) -> "LocalDrafter":
-        """Open the index at ``path`` (``kwargs`` go to ``Datastore.open``); with
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        expected_fingerprint: str | None = None,
+        outputs_max_tokens: int = DEFAULT_OUTPUTS_MAX_TOKENS,
+        outputs_dir: str | Path | None = None,
+        **kwargs,
+    ) -> "LocalDrafter":
+        """Open the index at ``path`` (``kwargs`` go to ``Datastore.open``) with an output store of
+        ``outputs_max_tokens`` tokens (0: none), persistent in ``outputs_dir`` if given; with
         ``expected_fingerprint`` (the model's ``tokenizer_fingerprint``), an index built with another
         tokenizer is refused with ``TokenizerMismatchError``."""
-        drafter = cls(Datastore.open(path, **kwargs))
-        require_tokenizer(drafter, expected_fingerprint)
-        return drafter
+        check_outputs_options(outputs_max_tokens, outputs_dir)
+        datastore = Datastore.open(path, **kwargs)
+        try:
+            require_tokenizer(datastore, expected_fingerprint)
+            outputs = open_output_store(outputs_max_tokens, outputs_dir, vocab_size=datastore.vocab_size)
+        except BaseException:
+            datastore.close()
+            raise
+        return cls(datastore, outputs)
 
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
         return self.datastore.draft(context, config)
@@ -31,10 +49,24 @@ class LocalDrafter:
     def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
         return self.datastore.draft_batch(contexts, config)
 
+    def draft_sources(self, context: Sequence[int], config: DraftConfig) -> SourceTrees:
+        outputs = DraftTree.empty() if self.outputs is None else self.outputs.draft(context, config)
+        return SourceTrees(self.datastore.draft(context, config), outputs)
+
+    def draft_sources_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[SourceTrees]:
+        return [self.draft_sources(context, config) for context in contexts]
+
+    def add_output(self, tokens: Sequence[int]) -> int:
+        if self.outputs is None:
+            raise RuntimeError("this drafter keeps no outputs (it was opened with outputs_max_tokens=0)")
+        return self.outputs.add(tokens)
+
     def info(self) -> IndexInfo:
         return self.datastore.info()
 
     def close(self) -> None:
+        if self.outputs is not None:
+            self.outputs.close()
         self.datastore.close()
 
     def __enter__(self) -> "LocalDrafter":

@@ -1,7 +1,8 @@
-"""The remote draft source: the datastore service's gRPC client already implements ``Drafter``.
+"""The remote draft source: the datastore service's gRPC client already implements ``SourceDrafter``.
 
 ``RemoteDrafter("127.0.0.1:50051")`` returns the same trees as ``LocalDrafter.open(index)`` on the
-same index; see ``datastore.client.DatastoreClient`` for timeouts and errors.
+same index (and, from ``draft_sources``, the same output-store trees once both were given the same
+outputs); see ``datastore.client.DatastoreClient`` for timeouts and errors.
 """
 
 from datastore.client import DatastoreClient as RemoteDrafter

@@ -29,17 +29,28 @@ def test_generated_imports_use_the_rest_proto_name():
 
 @st.composite
 def trees(draw):
+    """Valid trees: a child's count at most its parent's and all at most num_sampled; scores
+    derived from counts, or explicit (as merged trees carry) and never growing down a path."""
     n = draw(st.integers(0, 40))
     parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
     tokens = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
-    counts = draw(st.lists(st.integers(0, 2**63 - 1), min_size=n, max_size=n))
+    num_sampled = draw(st.integers(0, 2**63 - 1))
+    counts: list[int] = []
+    for parent in parents:
+        counts.append(draw(st.integers(0, counts[parent] if parent >= 0 else num_sampled)))
+    scores = None
+    if draw(st.booleans()):
+        scores = []
+        for parent in parents:
+            scores.append(draw(st.floats(0, scores[parent] if parent >= 0 else 1)))
     return DraftTree(
         np.array(tokens, np.int32),
         np.array(parents, np.int32),
         np.array(counts, np.int64),
         match_len=draw(st.integers(0, MAX_SUFFIX)),
-        num_matches=draw(st.integers(0, 2**63 - 1)),
-        num_sampled=draw(st.integers(0, 2**63 - 1)),
+        num_matches=draw(st.integers(num_sampled, 2**63 - 1)),
+        num_sampled=num_sampled,
+        scores=scores,
     )
 
 
@@ -48,8 +59,20 @@ def trees(draw):
 def test_tree_round_trips_through_serialized_message(tree):
     data = wire.tree_to_message(tree).SerializeToString()
     message = pb.DraftTree.FromString(data)
-    assert wire.tree_from_message(message) == tree
-    np.testing.assert_array_equal(np.array(message.scores, np.float32), tree.scores.astype(np.float32))
+    assert wire.tree_from_message(message) == tree  # scores included, exactly
+    np.testing.assert_array_equal(np.array(message.scores_f32, np.float32), tree.scores.astype(np.float32))
+
+
+def test_tree_from_a_writer_without_exact_scores_derives_them():
+    """A message from a writer that predates field 8 (only counts and the float32 field 4)."""
+    old = pb.DraftTree(tokens=[5, 6], parents=[-1, 0], counts=[3, 1], scores_f32=[0.75, 0.25], num_sampled=4)
+    tree = wire.tree_from_message(pb.DraftTree.FromString(old.SerializeToString()))
+    np.testing.assert_array_equal(tree.scores, [0.75, 0.25])
+
+
+def test_explicit_scores_of_the_wrong_length_are_refused():
+    with pytest.raises(ValueError, match="scores"):
+        wire.tree_from_message(pb.DraftTree(tokens=[1, 2], parents=[-1, 0], counts=[1, 1], scores=[0.5]))
 
 
 def test_empty_tree_is_the_default_message():
@@ -133,6 +156,22 @@ def test_request_round_trip_sends_only_the_last_n_max_tokens():
 def test_client_refuses_contexts_the_wire_cannot_carry(context):
     with pytest.raises(ValueError, match="context"):
         wire.context_to_message(context, n_max=16)
+
+
+def test_draft_requests_ask_for_outputs_only_when_told():
+    config = DraftConfig()
+    assert not wire.draft_request([1, 2], config).include_outputs
+    assert wire.draft_request([1, 2], config, include_outputs=True).include_outputs
+    assert wire.draft_batch_request([[1, 2]], config, include_outputs=True).include_outputs
+
+
+def test_add_output_request_round_trips_and_refuses_what_the_wire_cannot_carry():
+    request = pb.AddOutputRequest.FromString(wire.add_output_request(np.array([7, 0, 49151])).SerializeToString())
+    assert wire.output_from_message(request).tolist() == [7, 0, 49151]
+    with pytest.raises(ValueError, match="tokens token id -1 is negative"):
+        wire.add_output_request([3, -1])
+    with pytest.raises(ValueError, match="integer token ids"):
+        wire.add_output_request([0.5])
 
 
 def test_info_round_trips():

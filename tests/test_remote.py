@@ -1,4 +1,5 @@
-"""RemoteDrafter against a real server: the same trees as the in-process engine, and clear errors."""
+"""RemoteDrafter against a real server: the same trees as the in-process engine (index and output
+store), and clear errors."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 
 from datastore.index import Datastore
 from datastore.server import DatastoreServer, ServerConfig
-from datastore.types import DraftConfig
+from datastore.sources import OutputStore
+from datastore.types import DraftConfig, SourceTrees
 from datastore.tokenizer import TokenizerMismatchError, check_tokenizer
-from drafter.base import Drafter
+from drafter.base import Drafter, SourceDrafter
 from drafter.local import LocalDrafter
 from drafter.remote import RemoteDrafter
 from tests.helpers import CORPUS_VOCAB as VOCAB
@@ -38,10 +40,21 @@ def store(index):
         yield store
 
 
+# outputs: recurring phrases of their own plus stretches of the corpus, so both sources match
+OUTPUTS = [doc[5:60] for doc in DOCS[::7]] + np.random.default_rng(11).integers(0, UNSEEN, (20, 30)).tolist()
+OUTPUTS_MAX_TOKENS = 1500  # the first outputs are evicted by the last ones
+
+
 @pytest.fixture(scope="module")
-def server(store):
+def outputs():
+    with OutputStore(OUTPUTS_MAX_TOKENS, vocab_size=VOCAB) as outputs:
+        yield outputs
+
+
+@pytest.fixture(scope="module")
+def server(store, outputs):
     # the smallest context limit a server may have: the client must send only the tail
-    with DatastoreServer(store, ServerConfig(port=0, workers=2, max_context_tokens=64)) as server:
+    with DatastoreServer(store, ServerConfig(port=0, workers=2, max_context_tokens=64), outputs) as server:
         yield server
 
 
@@ -77,6 +90,61 @@ def test_batch_equals_local_trees(store, remote):
 def test_most_cases_draft_something(store):
     """Guards the equality test against vacuity (all trees empty)."""
     assert sum(len(store.draft(c, config)) > 0 for c, config in CASES) >= len(CASES) // 2
+
+
+@pytest.fixture(scope="module")
+def local_and_remote_with_outputs(index, remote):
+    """A LocalDrafter and the remote one, both handed OUTPUTS in the same order (the server's
+    store is its own, filled over AddOutput)."""
+    with LocalDrafter.open(index, outputs_max_tokens=OUTPUTS_MAX_TOKENS) as local:
+        for seq, output in enumerate(OUTPUTS):
+            assert local.add_output(output) == remote.add_output(np.array(output)) == seq
+        yield local, remote
+
+
+def test_remote_source_trees_equal_local_source_trees(local_and_remote_with_outputs):
+    local, remote = local_and_remote_with_outputs
+    found = 0
+    for context, config in CASES:
+        trees = remote.draft_sources(context, config)
+        assert trees == local.draft_sources(context, config)
+        assert trees.index == remote.draft(context, config)
+        found += len(trees.outputs) > 0
+    assert found >= len(CASES) // 4  # guards against vacuity: the output store drafts too
+    for config in CONFIGS:
+        contexts = [c for c, cfg in CASES if cfg == config]
+        assert remote.draft_sources_batch(contexts, config) == local.draft_sources_batch(contexts, config)
+
+
+def test_drafters_are_source_drafters(store, remote):
+    assert isinstance(remote, SourceDrafter)
+    local = LocalDrafter(store)  # not closed: the store belongs to the module
+    assert isinstance(local, SourceDrafter)
+    trees = local.draft_sources(CASES[0][0], DraftConfig())
+    assert isinstance(trees, SourceTrees) and len(trees.outputs) == 0  # no output store
+
+
+def test_bad_outputs_are_value_errors_with_the_same_message(local_and_remote_with_outputs):
+    local, remote = local_and_remote_with_outputs
+    for bad, message in (([1, VOCAB], r"token id 500 is outside \[0, 500\)"), ([], "empty"),
+                         ([1] * (OUTPUTS_MAX_TOKENS + 1), "exceeds the store's max_tokens=1500")):
+        with pytest.raises(ValueError, match=message) as remote_error:
+            remote.add_output(bad)
+        with pytest.raises(ValueError, match=message) as local_error:
+            local.add_output(bad)
+        assert str(remote_error.value) == str(local_error.value)
+
+
+def test_outputs_to_a_drafter_without_a_store_are_refused(store, index):
+    with DatastoreServer(store, ServerConfig(port=0, workers=1)) as server, RemoteDrafter(server.address) as remote:
+        with pytest.raises(RuntimeError, match="FAILED_PRECONDITION: this server keeps no outputs"):
+            remote.add_output([1, 2])
+        trees = remote.draft_sources_batch([CASES[0][0]] * 2, DraftConfig())
+        assert [len(t.outputs) for t in trees] == [0, 0] and len(trees[0].index) > 0
+    with LocalDrafter.open(index, outputs_max_tokens=0) as local, pytest.raises(RuntimeError, match="keeps no outputs"):
+        local.add_output([1, 2])
+    with pytest.raises(ValueError, match="outputs_max_tokens is 0"):
+        LocalDrafter.open(index, outputs_max_tokens=0, outputs_dir=index / "outputs")
 
 
 def test_context_types(store, remote):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import signal
@@ -23,7 +24,8 @@ from datastore import wire
 from datastore.__main__ import main as cli
 from datastore.index import Datastore
 from datastore.server import SERVICE_NAME, DatastoreServer, ServerConfig
-from datastore.types import DraftConfig
+from datastore.sources import OutputStore
+from datastore.types import DraftConfig, DraftTree
 from rest_proto.v1 import datastore_pb2 as pb
 from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
 from tests.helpers import CORPUS_VOCAB as VOCAB
@@ -184,11 +186,72 @@ def test_a_busy_port_is_refused(store, server):
 
 
 @pytest.mark.parametrize(
-    "field, value", [("port", 70000), ("workers", 0), ("max_context_tokens", 10), ("grace_seconds", -1)]
+    "field, value",
+    [("port", 70000), ("workers", 0), ("max_context_tokens", 10), ("grace_seconds", -1), ("outputs_max_tokens", -1)],
 )
 def test_server_config_is_validated(field, value):
     with pytest.raises(ValueError, match=field):
         ServerConfig(**{field: value})
+
+
+# ---- the output store ---------------------------------------------------------------------------
+
+OUTPUT = [7, 8, 9, 10, 11, 7, 8, 12]
+
+
+@pytest.fixture
+def outputs_stub(store):
+    """A stub of a server with an empty output store of 100 tokens, and the store."""
+    with (
+        OutputStore(100, vocab_size=VOCAB) as outputs,
+        DatastoreServer(store, ServerConfig(port=0), outputs) as server,
+        grpc.insecure_channel(server.address) as channel,
+    ):
+        yield pb_grpc.DatastoreStub(channel), outputs
+
+
+def test_added_outputs_are_drafted_in_the_same_reply_as_the_index(index, store, outputs_stub):
+    stub, outputs = outputs_stub
+    assert stub.AddOutput(pb.AddOutputRequest(tokens=OUTPUT)).seq == 0
+    assert stub.AddOutput(pb.AddOutputRequest(tokens=[1, 2, 3])).seq == 1
+    context = [*index[1][0][:10], 7, 8]
+    config = DraftConfig(budget=16)
+    reply = stub.Draft(wire.draft_request(context, config, include_outputs=True))
+    assert wire.tree_from_message(reply.tree) == store.draft(context, config)
+    drafted = wire.tree_from_message(reply.outputs)
+    assert drafted == outputs.draft(context, config)
+    assert drafted.paths() == [(9,), (12,)] + [tuple(OUTPUT[2:k]) for k in range(4, 9)]  # both 7 8 of OUTPUT
+    assert not stub.Draft(wire.draft_request(context, config)).HasField("outputs")  # only when asked for
+    batch = stub.DraftBatch(wire.draft_batch_request([context, [1, 2]], config, include_outputs=True))
+    assert [wire.tree_from_message(t) for t in batch.outputs] == [drafted, outputs.draft([1, 2], config)]
+    assert len(stub.DraftBatch(wire.draft_batch_request([context], config)).outputs) == 0
+
+
+BAD_OUTPUTS = {
+    "empty": ([], "tokens is empty"),
+    "out of vocabulary": ([1, VOCAB], r"tokens token id 500 is outside \[0, 500\)"),
+    "longer than the store": ([1] * 101, "a document of 101 tokens exceeds the store's max_tokens=100"),
+}
+
+
+@pytest.mark.parametrize("tokens, message", BAD_OUTPUTS.values(), ids=BAD_OUTPUTS.keys())
+def test_bad_output_is_invalid_argument_and_the_server_keeps_serving(outputs_stub, tokens, message):
+    stub, outputs = outputs_stub
+    with pytest.raises(grpc.RpcError) as err:
+        stub.AddOutput(pb.AddOutputRequest(tokens=tokens))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, err.value.details())
+    assert len(outputs) == 0
+    assert stub.AddOutput(pb.AddOutputRequest(tokens=OUTPUT)).seq == 0
+
+
+def test_a_server_without_output_store_refuses_outputs_and_drafts_none(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.AddOutput(pb.AddOutputRequest(tokens=OUTPUT))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--outputs-max-tokens 0" in err.value.details()
+    reply = stub.Draft(wire.draft_request([7, 8], DraftConfig(), include_outputs=True))
+    assert wire.tree_from_message(reply.outputs) == DraftTree.empty()
 
 
 # ---- the CLI ------------------------------------------------------------------------------------
@@ -221,6 +284,64 @@ def test_serve_prints_its_address_and_exits_cleanly_on_sigterm(index):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _start_server(argv: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """A `rest-datastore serve` process and the address it printed."""
+    proc = subprocess.Popen([_console_script(), "serve", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    line = [None]
+    reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(30)
+    if not (line[0] and line[0].startswith("listening on ")):
+        proc.kill()
+        raise AssertionError(f"no address printed: {line[0]!r} {proc.communicate()[1]}")
+    return proc, line[0].split()[-1]
+
+
+def _stop_server(proc: subprocess.Popen) -> str:
+    """SIGTERM, a clean exit, and its stderr."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.stderr.read()
+
+
+def test_outputs_survive_a_restart_with_an_outputs_dir(index, tmp_path):
+    """Acknowledged outputs are on disk: a restarted server (directory from $REST_OUTPUTS_DIR the
+    second time) drafts from them and goes on counting."""
+    directory = tmp_path / "outputs"
+    proc, address = _start_server(["--index", str(index[0]), "--port", "0", "--outputs-dir", str(directory)])
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.DatastoreStub(channel)
+            assert [stub.AddOutput(pb.AddOutputRequest(tokens=t)).seq for t in (OUTPUT, [3, 4, 5])] == [0, 1]
+            request = wire.draft_request([7, 8], DraftConfig(), include_outputs=True)
+            before = wire.tree_from_message(stub.Draft(request).outputs)
+        assert len(before) == 7
+    finally:
+        stderr = _stop_server(proc)
+    assert "Traceback" not in stderr
+    env = {**os.environ, "REST_OUTPUTS_DIR": str(directory)}
+    proc, address = _start_server(["--index", str(index[0]), "--port", "0"], env=env)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.DatastoreStub(channel)
+            assert wire.tree_from_message(stub.Draft(request).outputs) == before
+            assert stub.AddOutput(pb.AddOutputRequest(tokens=[6])).seq == 2
+    finally:
+        _stop_server(proc)
+
+
+def test_cli_refuses_an_outputs_dir_without_outputs(index, tmp_path, capsys):
+    argv = ["serve", "--index", str(index[0]), "--outputs-max-tokens", "0", "--outputs-dir", str(tmp_path)]
+    assert cli(argv) == 1
+    assert capsys.readouterr().err == "rest-datastore: error: outputs_dir is set but outputs_max_tokens is 0 " \
+        "(no outputs are kept)\n"
 
 
 def test_cli_serve_reads_the_environment(monkeypatch, tmp_path, capsys):

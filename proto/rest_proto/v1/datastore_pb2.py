@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drest_proto/v1/datastore.proto\x12\x11rest.datastore.v1\"N\n\x0b\x44raftParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\r\n\x05n_max\x18\x03 \x01(\r\x12\r\n\x05n_min\x18\x04 \x01(\r\"\x19\n\x07\x43ontext\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"k\n\x0c\x44raftRequest\x12+\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x1a.rest.datastore.v1.Context\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.rest.datastore.v1.DraftParams\"q\n\x11\x44raftBatchRequest\x12,\n\x08\x63ontexts\x18\x01 \x03(\x0b\x32\x1a.rest.datastore.v1.Context\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.rest.datastore.v1.DraftParams\"\x89\x01\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x04\x12\x0e\n\x06scores\x18\x04 \x03(\x02\x12\x11\n\tmatch_len\x18\x05 \x01(\r\x12\x13\n\x0bnum_matches\x18\x06 \x01(\x04\x12\x13\n\x0bnum_sampled\x18\x07 \x01(\x04\"8\n\nDraftReply\x12*\n\x04tree\x18\x01 \x01(\x0b\x32\x1c.rest.datastore.v1.DraftTree\">\n\x0f\x44raftBatchReply\x12+\n\x05trees\x18\x01 \x03(\x0b\x32\x1c.rest.datastore.v1.DraftTree\"\r\n\x0bInfoRequest\"@\n\x05Shard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x15\n\rnum_documents\x18\x03 \x01(\x04\"\xc3\x01\n\tInfoReply\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x16\n\x0etokenizer_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x15\n\rnum_documents\x18\x06 \x01(\x04\x12(\n\x06shards\x18\x07 \x03(\x0b\x32\x18.rest.datastore.v1.Shard2\xf8\x01\n\tDatastore\x12I\n\x05\x44raft\x12\x1f.rest.datastore.v1.DraftRequest\x1a\x1d.rest.datastore.v1.DraftReply\"\x00\x12X\n\nDraftBatch\x12$.rest.datastore.v1.DraftBatchRequest\x1a\".rest.datastore.v1.DraftBatchReply\"\x00\x12\x46\n\x04Info\x12\x1e.rest.datastore.v1.InfoRequest\x1a\x1c.rest.datastore.v1.InfoReply\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drest_proto/v1/datastore.proto\x12\x11rest.datastore.v1\"N\n\x0b\x44raftParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\r\n\x05n_max\x18\x03 \x01(\r\x12\r\n\x05n_min\x18\x04 \x01(\r\"\x19\n\x07\x43ontext\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"\x84\x01\n\x0c\x44raftRequest\x12+\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x1a.rest.datastore.v1.Context\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.rest.datastore.v1.DraftParams\x12\x17\n\x0finclude_outputs\x18\x03 \x01(\x08\"\x8a\x01\n\x11\x44raftBatchRequest\x12,\n\x08\x63ontexts\x18\x01 \x03(\x0b\x32\x1a.rest.datastore.v1.Context\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.rest.datastore.v1.DraftParams\x12\x17\n\x0finclude_outputs\x18\x03 \x01(\x08\"\x9d\x01\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x04\x12\x12\n\nscores_f32\x18\x04 \x03(\x02\x12\x11\n\tmatch_len\x18\x05 \x01(\r\x12\x13\n\x0bnum_matches\x18\x06 \x01(\x04\x12\x13\n\x0bnum_sampled\x18\x07 \x01(\x04\x12\x0e\n\x06scores\x18\x08 \x03(\x01\"g\n\nDraftReply\x12*\n\x04tree\x18\x01 \x01(\x0b\x32\x1c.rest.datastore.v1.DraftTree\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1c.rest.datastore.v1.DraftTree\"m\n\x0f\x44raftBatchReply\x12+\n\x05trees\x18\x01 \x03(\x0b\x32\x1c.rest.datastore.v1.DraftTree\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.rest.datastore.v1.DraftTree\"\"\n\x10\x41\x64\x64OutputRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"\x1d\n\x0e\x41\x64\x64OutputReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\r\n\x0bInfoRequest\"@\n\x05Shard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x15\n\rnum_documents\x18\x03 \x01(\x04\"\xc3\x01\n\tInfoReply\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x16\n\x0etokenizer_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x15\n\rnum_documents\x18\x06 \x01(\x04\x12(\n\x06shards\x18\x07 \x03(\x0b\x32\x18.rest.datastore.v1.Shard2\xcf\x02\n\tDatastore\x12I\n\x05\x44raft\x12\x1f.rest.datastore.v1.DraftRequest\x1a\x1d.rest.datastore.v1.DraftReply\"\x00\x12X\n\nDraftBatch\x12$.rest.datastore.v1.DraftBatchRequest\x1a\".rest.datastore.v1.DraftBatchReply\"\x00\x12\x46\n\x04Info\x12\x1e.rest.datastore.v1.InfoRequest\x1a\x1c.rest.datastore.v1.InfoReply\"\x00\x12U\n\tAddOutput\x12#.rest.datastore.v1.AddOutputRequest\x1a!.rest.datastore.v1.AddOutputReply\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +35,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTPARAMS']._serialized_end=130
   _globals['_CONTEXT']._serialized_start=132
   _globals['_CONTEXT']._serialized_end=157
-  _globals['_DRAFTREQUEST']._serialized_start=159
-  _globals['_DRAFTREQUEST']._serialized_end=266
-  _globals['_DRAFTBATCHREQUEST']._serialized_start=268
-  _globals['_DRAFTBATCHREQUEST']._serialized_end=381
-  _globals['_DRAFTTREE']._serialized_start=384
-  _globals['_DRAFTTREE']._serialized_end=521
-  _globals['_DRAFTREPLY']._serialized_start=523
-  _globals['_DRAFTREPLY']._serialized_end=579
-  _globals['_DRAFTBATCHREPLY']._serialized_start=581
-  _globals['_DRAFTBATCHREPLY']._serialized_end=643
-  _globals['_INFOREQUEST']._serialized_start=645
-  _globals['_INFOREQUEST']._serialized_end=658
-  _globals['_SHARD']._serialized_start=660
-  _globals['_SHARD']._serialized_end=724
-  _globals['_INFOREPLY']._serialized_start=727
-  _globals['_INFOREPLY']._serialized_end=922
-  _globals['_DATASTORE']._serialized_start=925
-  _globals['_DATASTORE']._serialized_end=1173
+  _globals['_DRAFTREQUEST']._serialized_start=160
+  _globals['_DRAFTREQUEST']._serialized_end=292
+  _globals['_DRAFTBATCHREQUEST']._serialized_start=295
+  _globals['_DRAFTBATCHREQUEST']._serialized_end=433
+  _globals['_DRAFTTREE']._serialized_start=436
+  _globals['_DRAFTTREE']._serialized_end=593
+  _globals['_DRAFTREPLY']._serialized_start=595
+  _globals['_DRAFTREPLY']._serialized_end=698
+  _globals['_DRAFTBATCHREPLY']._serialized_start=700
+  _globals['_DRAFTBATCHREPLY']._serialized_end=809
+  _globals['_ADDOUTPUTREQUEST']._serialized_start=811
+  _globals['_ADDOUTPUTREQUEST']._serialized_end=845
+  _globals['_ADDOUTPUTREPLY']._serialized_start=847
+  _globals['_ADDOUTPUTREPLY']._serialized_end=876
+  _globals['_INFOREQUEST']._serialized_start=878
+  _globals['_INFOREQUEST']._serialized_end=891
+  _globals['_SHARD']._serialized_start=893
+  _globals['_SHARD']._serialized_end=957
+  _globals['_INFOREPLY']._serialized_start=960
+  _globals['_INFOREPLY']._serialized_end=1155
+  _globals['_DATASTORE']._serialized_start=1158
+  _globals['_DATASTORE']._serialized_end=1493
 # @@protoc_insertion_point(module_scope)

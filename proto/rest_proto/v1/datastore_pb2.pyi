@@ -25,50 +25,72 @@ class Context(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("context", "params")
+    __slots__ = ("context", "params", "include_outputs")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     context: Context
     params: DraftParams
-    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ...) -> None: ...
+    include_outputs: bool
+    def __init__(self, context: _Optional[_Union[Context, _Mapping]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., include_outputs: _Optional[bool] = ...) -> None: ...
 
 class DraftBatchRequest(_message.Message):
-    __slots__ = ("contexts", "params")
+    __slots__ = ("contexts", "params", "include_outputs")
     CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     contexts: _containers.RepeatedCompositeFieldContainer[Context]
     params: DraftParams
-    def __init__(self, contexts: _Optional[_Iterable[_Union[Context, _Mapping]]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ...) -> None: ...
+    include_outputs: bool
+    def __init__(self, contexts: _Optional[_Iterable[_Union[Context, _Mapping]]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., include_outputs: _Optional[bool] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("tokens", "parents", "counts", "scores", "match_len", "num_matches", "num_sampled")
+    __slots__ = ("tokens", "parents", "counts", "scores_f32", "match_len", "num_matches", "num_sampled", "scores")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
-    SCORES_FIELD_NUMBER: _ClassVar[int]
+    SCORES_F32_FIELD_NUMBER: _ClassVar[int]
     MATCH_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_MATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
-    scores: _containers.RepeatedScalarFieldContainer[float]
+    scores_f32: _containers.RepeatedScalarFieldContainer[float]
     match_len: int
     num_matches: int
     num_sampled: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., scores: _Optional[_Iterable[float]] = ..., match_len: _Optional[int] = ..., num_matches: _Optional[int] = ..., num_sampled: _Optional[int] = ...) -> None: ...
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., scores_f32: _Optional[_Iterable[float]] = ..., match_len: _Optional[int] = ..., num_matches: _Optional[int] = ..., num_sampled: _Optional[int] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("tree",)
+    __slots__ = ("tree", "outputs")
     TREE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     tree: DraftTree
-    def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
+    outputs: DraftTree
+    def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., outputs: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
 
 class DraftBatchReply(_message.Message):
-    __slots__ = ("trees",)
+    __slots__ = ("trees", "outputs")
     TREES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
-    def __init__(self, trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ...) -> None: ...
+    outputs: _containers.RepeatedCompositeFieldContainer[DraftTree]
+    def __init__(self, trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ...) -> None: ...
+
+class AddOutputRequest(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AddOutputReply(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -49,6 +49,11 @@ class DatastoreStub:
                 request_serializer=rest__proto_dot_v1_dot_datastore__pb2.InfoRequest.SerializeToString,
                 response_deserializer=rest__proto_dot_v1_dot_datastore__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.AddOutput = channel.unary_unary(
+                '/rest.datastore.v1.Datastore/AddOutput',
+                request_serializer=rest__proto_dot_v1_dot_datastore__pb2.AddOutputRequest.SerializeToString,
+                response_deserializer=rest__proto_dot_v1_dot_datastore__pb2.AddOutputReply.FromString,
+                _registered_method=True)
 
 
 class DatastoreServicer:
@@ -76,6 +81,16 @@ class DatastoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddOutput(self, request, context):
+        """Stores one generation in the output store (evicting the oldest whole generations beyond the
+        store's size) and answers once it is stored; with a persistent store (`rest-datastore serve
+        --outputs-dir`), once it is on disk, so an acknowledged output survives a restart.
+        A server started with --outputs-max-tokens 0 keeps no outputs: FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DatastoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +108,11 @@ def add_DatastoreServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=rest__proto_dot_v1_dot_datastore__pb2.InfoRequest.FromString,
                     response_serializer=rest__proto_dot_v1_dot_datastore__pb2.InfoReply.SerializeToString,
+            ),
+            'AddOutput': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddOutput,
+                    request_deserializer=rest__proto_dot_v1_dot_datastore__pb2.AddOutputRequest.FromString,
+                    response_serializer=rest__proto_dot_v1_dot_datastore__pb2.AddOutputReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +196,33 @@ class Datastore:
             '/rest.datastore.v1.Datastore/Info',
             rest__proto_dot_v1_dot_datastore__pb2.InfoRequest.SerializeToString,
             rest__proto_dot_v1_dot_datastore__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rest.datastore.v1.Datastore/AddOutput',
+            rest__proto_dot_v1_dot_datastore__pb2.AddOutputRequest.SerializeToString,
+            rest__proto_dot_v1_dot_datastore__pb2.AddOutputReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,356 @@
+"""End to end, side by side: plain decoding, Hugging Face ``generate``, paper REST and the adaptive drafter.
+
+    python -m benchmarks.e2e --prompts 40 --max-new-tokens 128 --sets humaneval,sharegpt --modes plain,hf,paper,new
+
+Two prompt sets, each with its own index: the first N HumanEval prompts (raw code to complete)
+with the ``python-stdlib`` index, and the first user turn of the first N held-out ShareGPT
+conversations (rendered with the chat template; never in the index, which is built with
+``--skip-last``) with the ``sharegpt`` index. Greedy decoding, N new tokens. Modes:
+
+- ``plain``: the REST loop without drafts (one token per step), the reference output;
+- ``hf``: ``model.generate`` (greedy);
+- ``paper``: REST as published: the static index only, a fixed tree of ``--budget`` nodes;
+- ``new``: ``AdaptiveDrafter``: index + the request's own text + recent outputs, merged by
+  calibrated acceptance scores, sized each step by the measured verification cost t(n). Its output
+  store starts empty and receives every ``new``-mode output of the run (``add_output`` after each
+  prompt), as a service would; its calibration carries over from prompt to prompt within a set.
+
+For every prompt the modes run back to back (interleaved), so drift in machine speed hits all of
+them alike. Per mode: mean accepted length (new tokens / verification steps), mean verified
+tokens per step (tree nodes + 1), median per-prompt tokens/s, the median of per-prompt speed
+ratios against plain, draft time per step, and how many outputs equal plain decoding (every
+output must: the run exits with status 1 otherwise). Prints one JSON object, saves it under
+benchmarks/results/, and plots accepted length and speed per mode (needs matplotlib).
+
+The verification cost t(n) comes from ``drafter.budget.load_or_measure`` (cached per model,
+device and dtype); measure it on the machine that runs the benchmark, quiet, with
+``python -m drafter.budget measure`` or ``--remeasure``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from benchmarks.data import humaneval_inputs
+from build_index.corpora import CorpusSpec, held_out_records
+from datastore.format import read_manifest
+from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+from datastore.types import DraftConfig, DraftTree, IndexInfo
+from drafter.adaptive import AdaptiveDrafter
+from drafter.base import Drafter
+from drafter.budget import VerifyCost, load_or_measure
+from drafter.generate import GenerationResult, generate
+from drafter.local import LocalDrafter
+from drafter.model import load_model
+
+log = logging.getLogger("benchmarks.e2e")
+
+RESULTS = Path(__file__).parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("plain", "hf", "paper", "new")
+SETS = ("humaneval", "sharegpt")
+# each set's default index and the build command that makes it when it is missing
+INDEXES = {
+    "humaneval": (REPO / "indexes/python-stdlib", ["--corpus", "python-stdlib"]),
+    "sharegpt": (REPO / "indexes/bench/sharegpt", ["--corpus", "sharegpt", "--skip-last", "400"]),
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--sets", default=",".join(SETS), help="comma-separated, of %(default)s")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs)")
+    p.add_argument("--humaneval-index", type=Path, default=INDEXES["humaneval"][0], help="default: %(default)s")
+    p.add_argument("--sharegpt-index", type=Path, default=INDEXES["sharegpt"][0],
+                   help="a sharegpt index built with --skip-last; its held-out conversations give the prompts "
+                   "(default: %(default)s)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024,
+                   help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)")
+    p.add_argument("--budget", type=int, default=64, help="paper mode's tree size; the new mode's candidates (default 64)")
+    p.add_argument("--max-depth", type=int, default=10)
+    p.add_argument("--model", default=None, help="model spec (default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--remeasure", action="store_true", help="measure t(n) again instead of using the cached cost")
+    p.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
+    p.add_argument("--plot", type=Path, default=RESULTS / "e2e.png")
+    args = p.parse_args(argv)
+    args.sets, args.modes = args.sets.split(","), args.modes.split(",")
+    if not args.sets or set(args.sets) - set(SETS):
+        p.error(f"--sets must be a comma-separated subset of {','.join(SETS)}, got {','.join(args.sets)}")
+    if set(args.modes) - set(MODES):
+        p.error(f"--modes must be a comma-separated subset of {','.join(MODES)}, got {','.join(args.modes)}")
+    args.modes = [m for m in MODES if m in args.modes or m == "plain"]  # plain is the reference
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        p.error("--prompts and --max-new-tokens must be positive")
+    return args
+
+
+# ---- prompts and indexes ----------------------------------------------------------------------
+
+
+def ensure_index(path: Path, build_args: list[str]) -> Path:
+    """``path``, built with ``build_index`` first when it holds no index."""
+    if not (path / "manifest.json").exists():
+        log.warning("no index at %s: building it (build_index %s)", path, " ".join(build_args))
+        subprocess.run([sys.executable, "-m", "build_index", *build_args, "--out", str(path), "--quiet"], check=True)
+    return path
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    """``text`` as one user turn, rendered with the chat template and a generation prompt."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)
+    return list(rendered["input_ids"])
+
+
+def sharegpt_prompts(tokenizer, index: Path, count: int, max_tokens: int) -> list[list[int]]:
+    """The first user turn of each held-out conversation of ``index`` (the ones its build skipped),
+    in corpus order, rendered; the first ``count`` of at most ``max_tokens`` tokens."""
+    spec = CorpusSpec.from_dict(read_manifest(index).corpus["spec"])
+    if spec.skip_last == 0:
+        raise SystemExit(f"{index} holds every conversation: build it with --skip-last N to hold prompts out")
+    prompts = []
+    for record in held_out_records(spec):
+        text = next((turn.text for turn in record.turns if turn.role == "user" and turn.text.strip()), None)
+        ids = chat_prompt(tokenizer, text) if text is not None else []
+        if 0 < len(ids) <= max_tokens:
+            prompts.append(ids)
+            if len(prompts) == count:
+                return prompts
+    raise SystemExit(f"{index}: only {len(prompts)} held-out conversations have a first user turn of at most "
+                     f"{max_tokens} tokens; {count} wanted")
+
+
+# ---- modes ------------------------------------------------------------------------------------
+
+
+class TreeSizes:
+    """A ``Drafter`` that forwards to ``drafter`` and records the size of every tree it answers
+    (the loop asks once per step at batch size 1)."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter, self.sizes = drafter, []
+
+    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
+        tree = self.drafter.draft(context, config)
+        self.sizes.append(len(tree))
+        return tree
+
+    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
+        return [self.draft(context, config) for context in contexts]
+
+    def info(self) -> IndexInfo:
+        return self.drafter.info()
+
+    def close(self) -> None:
+        pass  # the wrapped drafter belongs to the caller
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One mode on one prompt."""
+
+    output_ids: list[int]
+    seconds: float
+    steps: int
+    verified_tokens: int  # tokens fed to the verifier over all steps (tree nodes + 1 per step)
+    draft_seconds: float
+
+    def row(self, reference: "Run") -> dict:
+        new = len(self.output_ids)
+        return {
+            "new_tokens": new,
+            "steps": self.steps,
+            "mean_accepted": new / self.steps,
+            "verified_per_step": self.verified_tokens / self.steps,
+            "tokens_per_second": new / self.seconds,
+            "speed_vs_plain": (new / self.seconds) / (len(reference.output_ids) / reference.seconds),
+            "draft_ms_per_step": 1e3 * self.draft_seconds / self.steps,
+            "same_as_plain": self.output_ids == reference.output_ids,
+        }
+
+
+def loop_run(model, ids: list[int], drafter: Drafter | None, max_new_tokens: int, config: DraftConfig) -> Run:
+    recorder = TreeSizes(drafter) if drafter is not None else None
+    result: GenerationResult = generate(model, ids, recorder, max_new_tokens=max_new_tokens, config=config)
+    nodes = sum(recorder.sizes) if recorder is not None else 0
+    return Run(result.output_ids, result.seconds, result.steps, result.steps + nodes, result.draft_seconds)
+
+
+def hf_run(model, ids: list[int], max_new_tokens: int) -> Run:
+    input_ids = torch.tensor([ids], device=model.device)
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                            max_new_tokens=max_new_tokens)
+    sync()
+    seconds = time.perf_counter() - start
+    new = output[0, len(ids):].tolist()
+    return Run(new, seconds, len(new), len(new), 0.0)
+
+
+def run_set(name: str, prompts: list[list[int]], base: LocalDrafter, model, cost: VerifyCost,
+            args: argparse.Namespace) -> dict:
+    """Every mode on every prompt of one set, interleaved; per-prompt rows and per-mode summaries."""
+    config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
+    adaptive = AdaptiveDrafter(base, cost=cost, config=config)  # one per set: outputs and calibration carry over
+    runs: dict[str, Callable[[list[int]], Run]] = {
+        "plain": lambda ids: loop_run(model, ids, None, args.max_new_tokens, config),
+        "hf": lambda ids: hf_run(model, ids, args.max_new_tokens),
+        "paper": lambda ids: loop_run(model, ids, base, args.max_new_tokens, config),
+        "new": lambda ids: loop_run(model, ids, adaptive, args.max_new_tokens, config),
+    }
+    warm = prompts[0][: min(len(prompts[0]), 32)]  # compiled kernels, caches, allocator; no outputs added
+    loop_run(model, warm, AdaptiveDrafter(base, cost=cost, config=config), 8, config)
+    for mode in args.modes:
+        if mode != "new":
+            runs[mode](warm)
+    rows: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for i, ids in enumerate(prompts):
+        reference = runs["plain"](ids)
+        for mode in args.modes:
+            run = reference if mode == "plain" else runs[mode](ids)
+            rows[mode].append({"prompt": i, "prompt_tokens": len(ids), **run.row(reference)})
+            if mode == "new":
+                adaptive.add_output(run.output_ids)
+        log.info("%s %d/%d: %s", name, i + 1, len(prompts), ", ".join(
+            f"{mode} {rows[mode][-1]['mean_accepted']:.2f} tok/step x{rows[mode][-1]['speed_vs_plain']:.2f}"
+            for mode in args.modes))
+    return {
+        "index": str(base.datastore.path),
+        "prompts": len(prompts),
+        "modes": {mode: summarize(mode_rows) for mode, mode_rows in rows.items()},
+        "new_mode_source_weights": dict(zip(adaptive.sources, adaptive.calibration.weights.round(4).tolist())),
+        "per_prompt": rows,
+    }
+
+
+def summarize(rows: list[dict]) -> dict:
+    tokens, steps = sum(r["new_tokens"] for r in rows), sum(r["steps"] for r in rows)
+    return {
+        "mean_accepted": tokens / steps,  # all new tokens / all verification steps
+        "mean_verified_per_step": sum(r["verified_per_step"] * r["steps"] for r in rows) / steps,
+        "median_tokens_per_second": statistics.median(r["tokens_per_second"] for r in rows),
+        "median_speed_vs_plain": statistics.median(r["speed_vs_plain"] for r in rows),
+        "median_draft_ms_per_step": statistics.median(r["draft_ms_per_step"] for r in rows),
+        "same_as_plain": sum(r["same_as_plain"] for r in rows),
+    }
+
+
+def targets(report: dict) -> dict:
+    """The issue's targets, checked on this run's figures (None where a needed mode did not run)."""
+    out = {}
+    for name, result in report["sets"].items():
+        modes = result["modes"]
+        new, paper = modes.get("new"), modes.get("paper")
+        if new and paper:
+            out[f"{name}: new accepted length >= 1.15x paper"] = new["mean_accepted"] >= 1.15 * paper["mean_accepted"]
+            out[f"{name}: new verifies no more tokens per step than paper"] = (
+                new["mean_verified_per_step"] <= paper["mean_verified_per_step"])
+        if new:
+            floor = 1.2 if name == "humaneval" else 1.0
+            out[f"{name}: new median speed >= {floor}x plain"] = new["median_speed_vs_plain"] >= floor
+    out["every output equals plain decoding"] = all(
+        mode["same_as_plain"] == result["prompts"] for result in report["sets"].values() for mode in result["modes"].values())
+    return out
+
+
+def plot(report: dict, path: Path) -> bool:
+    """Bar charts of mean accepted length and median speed vs plain, per set and mode; False
+    (and a warning) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+        return False
+    sets = list(report["sets"])
+    modes = [m for m in MODES if any(m in report["sets"][s]["modes"] for s in sets)]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / len(modes)
+    for axis, key, title in ((axes[0], "mean_accepted", "mean accepted length (tokens / step)"),
+                             (axes[1], "median_speed_vs_plain", "speed vs plain decoding (median)")):
+        for j, mode in enumerate(modes):
+            values = [report["sets"][s]["modes"].get(mode, {}).get(key, 0.0) for s in sets]
+            bars = axis.bar([i + (j - (len(modes) - 1) / 2) * width for i in range(len(sets))], values, width, label=mode)
+            axis.bar_label(bars, fmt="%.2f", fontsize=7)
+        axis.set_xticks(range(len(sets)), sets)
+        axis.set_title(title)
+        axis.axhline(1.0, color="gray", linewidth=0.5)
+    axes[0].legend()
+    figure.suptitle(f"{report['config']['model']}, greedy, {report['config']['max_new_tokens']} new tokens, "
+                    f"{report['hardware']['device']}", fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model), load_tokenizer(args.model)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    cost = load_or_measure(model, remeasure=args.remeasure)
+    report = {
+        "benchmark": "e2e",
+        "command": "python -m benchmarks.e2e " + " ".join(sys.argv[1:] if argv is None else argv),
+        "config": {"model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)", "greedy": True,
+                   "prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
+                   "max_depth": args.max_depth, "max_prompt_tokens_sharegpt": args.max_prompt_tokens,
+                   "modes": args.modes,
+                   "new_mode": "AdaptiveDrafter(sources=index,request,outputs, cost=measured t(n)); its output "
+                   "store starts empty and gets each new-mode output after its prompt (add_output); its "
+                   "calibration carries over between prompts of a set",
+                   "humaneval_prompts": "raw code to complete", "sharegpt_prompts":
+                   "first user turn of held-out conversations, chat template"},
+        "hardware": {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
+                     "torch_threads": torch.get_num_threads(), "device": str(model.device)},
+        "verify_cost": {"sizes": list(cost.sizes), "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds],
+                        "one_token_ms": 1e3 * cost.seconds[0], "key": dataclasses.asdict(cost.key)},
+        "date": time.strftime("%Y-%m-%d"),
+        "sets": {},
+    }
+    for name in args.sets:
+        index = args.humaneval_index if name == "humaneval" else args.sharegpt_index
+        ensure_index(index, INDEXES[name][1])
+        if name == "humaneval":
+            prompts = humaneval_inputs(tokenizer, args.prompts)
+        else:
+            prompts = sharegpt_prompts(tokenizer, index, args.prompts, args.max_prompt_tokens)
+        with LocalDrafter.open(index, expected_fingerprint=fingerprint) as base:
+            report["sets"][name] = run_set(name, prompts, base, model, cost, args)
+    report["targets"] = targets(report)
+    report["plot"] = str(args.plot) if plot(report, args.plot) else None
+    text = json.dumps(report, indent=2)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+    print(text)
+    if not report["targets"]["every output equals plain decoding"]:
+        log.error("some outputs differ from plain decoding (see same_as_plain)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""The adaptive drafter: every source merged into one scored tree, sized for this hardware.
+
+Each step it drafts candidates from the static index and the store of recent outputs (one call to
+the base drafter, one RPC when remote) and from the request's own text (``RequestMatcher``),
+merges them into one tree scored by estimated acceptance (``datastore.merge``: per-source path
+probabilities, calibrated weights, noisy-OR) and keeps the part that maximizes expected tokens per
+second of verification, (1 + sum of kept scores) / t(1 + kept) (``drafter.budget.select_tree``,
+Sequoia's hardware-aware size; NOTES section 4). On a CPU where a 64-token verification costs 4x
+a 1-token step (section 8) that is a small tree, or none at all.
+
+The decoding loop (``drafter.generate``) needs no change: it only calls ``draft``. What the
+verifier accepted is read from the next call's context -- the tokens appended since the last
+call are the accepted path of the previous tree and the verifier's bonus token -- and credited to
+the sources (``SourceCalibration.observe``) before drafting again. A context that does not extend
+the previous one is a new request: it gets a new matcher (the calibration carries over). Outputs
+enter the output store only through ``add_output``, called by whoever finished a generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from datastore.merge import SourceCalibration, merge_trees
+from datastore.sources import RequestMatcher
+from datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from drafter.base import Drafter, SourceDrafter
+from drafter.budget import VerifyCost, select_tree
+
+SOURCES = ("index", "request", "outputs")
+
+
+def accepted_nodes(tree: DraftTree, appended: Sequence[int]) -> np.ndarray:
+    """int64 [k]: the nodes of ``tree`` on the longest path from the root that ``appended`` (the
+    tokens committed since ``tree`` was drafted) follows, root first: the nodes the verifier
+    accepted. The token after them, the verifier's own, matches no child by construction."""
+    path: list[int] = []
+    node = -1
+    for token in appended:
+        child = np.flatnonzero((tree.parents == node) & (tree.tokens == token))
+        if child.size == 0:
+            break
+        node = int(child[0])
+        path.append(node)
+    return np.array(path, dtype=np.int64)
+
+
+def _token_list(context: Sequence[int] | np.ndarray) -> list[int]:
+    """A copy of ``context`` (the loop's list changes in place after the call)."""
+    return context.tolist() if isinstance(context, np.ndarray) else list(context)
+
+
+@dataclasses.dataclass
+class _Request:
+    """One request being decoded: its context and the tree answered at the last call, and the
+    matcher over its own tokens (None when the request source is off)."""
+
+    matcher: RequestMatcher | None
+    context: list[int] = dataclasses.field(default_factory=list)
+    tree: DraftTree = dataclasses.field(default_factory=DraftTree.empty)
+
+    def continued_by(self, context: list[int]) -> bool:
+        """Whether ``context`` is this request one step later (strictly longer, same prefix)."""
+        return len(context) > len(self.context) and context[: len(self.context)] == self.context
+
+
+class AdaptiveDrafter:
+    """A ``Drafter`` that merges the ``sources`` (any of "index", "request", "outputs") into one
+    scored tree and, with a ``cost``, verifies only the part that pays on this hardware.
+
+    base         where the index and outputs trees come from: a ``SourceDrafter`` (``LocalDrafter``,
+                 ``RemoteDrafter``); a plain ``Drafter`` does when "outputs" is not a source
+    cost         the measured verification cost (``drafter.budget.load_or_measure``); None keeps
+                 the ``budget`` best-scored nodes (no hardware-aware size)
+    config       how each source drafts its candidates (budget 64 per source and for the merge)
+    calibration  per-source weights, learned from what the verifier accepts; default: prior 1
+                 for every source. Shared by all rows and requests.
+
+    ``draft(context, config)``: the loop's ``config`` caps the verified tree (``budget`` nodes,
+    ``max_depth`` levels) on top of the candidates' own config. Rows of ``draft_batch`` keep
+    their own request state, matched to the previous call's rows by context, so rows may finish
+    and leave the batch. Not thread-safe: one per decoding loop.
+    """
+
+    def __init__(
+        self,
+        base: Drafter,
+        *,
+        cost: VerifyCost | None,
+        config: DraftConfig = DraftConfig(),
+        sources: Sequence[str] = SOURCES,
+        calibration: SourceCalibration | None = None,
+    ) -> None:
+        self.sources = tuple(sources)
+        unknown = sorted(set(self.sources) - set(SOURCES))
+        if unknown or not self.sources or len(set(self.sources)) != len(self.sources):
+            raise ValueError(f"sources must be distinct names among {', '.join(SOURCES)}, got {list(sources)}")
+        if "outputs" in self.sources and not isinstance(base, SourceDrafter):
+            raise TypeError(f"drafting from outputs needs a SourceDrafter base (LocalDrafter, RemoteDrafter), "
+                            f"got {type(base).__name__}")
+        self.calibration = calibration if calibration is not None else SourceCalibration(len(self.sources))
+        if self.calibration.prior.size != len(self.sources):
+            raise ValueError(f"calibration has {self.calibration.prior.size} sources, expected {len(self.sources)}")
+        self.base, self.cost, self.config = base, cost, config
+        self._requests: list[_Request] = []  # one per row of the last call, in row order
+
+    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
+        return self.draft_batch([context], config)[0]
+
+    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
+        rows = [_token_list(context) for context in contexts]
+        requests = self._follow(rows)
+        candidates = dataclasses.replace(
+            self.config, budget=min(self.config.budget, config.budget), max_depth=min(self.config.max_depth, config.max_depth)
+        )
+        shared = self._shared_sources(rows, candidates)
+        trees = []
+        for request, row, base_trees in zip(requests, rows, shared):
+            by_source = {"index": base_trees.index, "outputs": base_trees.outputs}
+            if request.matcher is not None:
+                by_source["request"] = request.matcher.draft(row, candidates)
+            merged = merge_trees([by_source[s] for s in self.sources], self.calibration.weights, candidates.budget)
+            request.tree = merged if self.cost is None else select_tree(merged, self.cost)
+            request.context = row
+            trees.append(request.tree)
+        return trees
+
+    def _follow(self, rows: list[list[int]]) -> list[_Request]:
+        """Each row's request: the previous call's row it continues (in order; crediting what the
+        verifier accepted of that row's tree), or a new one."""
+        previous, self._requests = self._requests, []
+        after = 0  # rows keep their order, so row i continues a previous row after row i-1's
+        for row in rows:
+            found = next((k for k in range(after, len(previous)) if previous[k].continued_by(row)), None)
+            if found is None:
+                request = _Request(RequestMatcher() if "request" in self.sources else None)
+            else:
+                request, after = previous[found], found + 1
+                if len(request.tree):
+                    self.calibration.observe(request.tree, accepted_nodes(request.tree, row[len(request.context) :]))
+            self._requests.append(request)
+        return self._requests
+
+    def _shared_sources(self, rows: list[list[int]], config: DraftConfig) -> list[SourceTrees]:
+        """The index and outputs trees per row, in one call to the base (empty where off)."""
+        empty = DraftTree.empty()
+        if "outputs" in self.sources:
+            if len(rows) == 1:
+                return [self.base.draft_sources(rows[0], config)]
+            return self.base.draft_sources_batch(rows, config)
+        if "index" in self.sources:
+            index = [self.base.draft(rows[0], config)] if len(rows) == 1 else self.base.draft_batch(rows, config)
+            return [SourceTrees(tree, empty) for tree in index]
+        return [SourceTrees(empty, empty)] * len(rows)
+
+    def add_output(self, tokens: Sequence[int]) -> int:
+        """Store a finished generation in the base's output store (later requests draft from it);
+        returns its sequence number."""
+        if not isinstance(self.base, SourceDrafter):
+            raise TypeError(f"{type(self.base).__name__} keeps no outputs")
+        return self.base.add_output(tokens)
+
+    def info(self) -> IndexInfo:
+        return self.base.info()
+
+    def close(self) -> None:
+        self.base.close()
+
+    def __enter__(self) -> "AdaptiveDrafter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""The adaptive drafter on real parts: a real index and output store, the real request matcher,
+merge and selection; crediting what the verifier accepted; the decoding loop unchanged and its
+output identical to plain greedy decoding (tiny random models, and SmolLM2 on the stdlib index)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.data import humaneval_inputs
+from datastore.merge import SourceCalibration
+from datastore.types import DraftConfig, DraftTree
+from drafter.adaptive import AdaptiveDrafter, accepted_nodes
+from drafter.budget import CostKey, VerifyCost
+from drafter.generate import generate
+from drafter.local import LocalDrafter
+from tests.helpers import MODEL_VOCAB, tiny_causal_lm, tree_from_paths, write_index
+
+KEY = CostKey("synthetic", "", 0, "test", "float32")
+# what this project measured on its CPU (NOTES section 8): 1.9x at 8 tokens, 4x at 64
+CPU_COST = VerifyCost(KEY, 512, (1, 2, 4, 8, 16, 32, 64), (1.0, 1.15, 1.4, 1.9, 2.0, 2.5, 4.0))
+PROHIBITIVE = VerifyCost(KEY, 512, (1, 2), (1.0, 100.0))  # one extra token costs 100 steps: nothing pays
+CONFIG = DraftConfig(budget=64, max_depth=10)
+
+# index documents (token ids < MODEL_VOCAB): after (1, 2) come 3 4 5 / 3 4 6 / 7 8
+DOCS = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 1, 2, 7, 8], list(range(20, 60))]
+
+
+@pytest.fixture
+def index(tmp_path):
+    return write_index(tmp_path / "idx", DOCS, MODEL_VOCAB)
+
+
+@pytest.fixture
+def base(index):
+    with LocalDrafter.open(index) as base:
+        yield base
+
+
+def test_accepted_nodes_follow_the_committed_tokens_down_the_tree():
+    tree = tree_from_paths([(3, 4, 5), (3, 4, 6), (7, 8)])  # BFS: 3 7 | 4 8 | 5 6
+    paths = tree.paths()
+    assert [paths[i] for i in accepted_nodes(tree, [3, 4, 6, 99])] == [(3,), (3, 4), (3, 4, 6)]
+    assert [paths[i] for i in accepted_nodes(tree, [7, 5])] == [(7,)]  # 5 is no child of 7: the bonus token
+    assert accepted_nodes(tree, [5]).size == 0
+    assert accepted_nodes(DraftTree.empty(), [3]).size == 0
+
+
+def test_calibration_observes_the_nodes_the_verifier_accepted(base):
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("index",))
+    tree = drafter.draft([30, 1, 2], CONFIG)
+    paths = tree.paths()
+    assert set(paths) == {(3,), (7,), (3, 4), (7, 8), (3, 4, 5), (3, 4, 6)}
+    conditional = {p: float(tree.source_probs[i, 0]) for i, p in enumerate(paths)}
+    assert conditional[(3,)] == pytest.approx(2 / 3) and conditional[(3, 4, 6)] == pytest.approx(1 / 2)
+    assert drafter.calibration.observed.tolist() == [0.0]  # nothing verified yet
+
+    # the verifier accepted 3 4 6 and added its own token 11: the next call's context says so
+    drafter.draft([30, 1, 2, 3, 4, 6, 11], CONFIG)
+    # tried = the root's children (3, 7) and the children of accepted nodes (4; 5, 6; none under 6)
+    tried = [(3,), (7,), (3, 4), (3, 4, 5), (3, 4, 6)]
+    assert drafter.calibration.observed.tolist() == [3.0]
+    assert drafter.calibration.predicted.tolist() == [pytest.approx(sum(conditional[p] for p in tried))]
+
+
+def test_a_context_that_does_not_continue_the_last_is_a_new_request(base):
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("index",))
+    drafter.draft([30, 1, 2], CONFIG)
+    drafter.draft([31, 1, 2, 3], CONFIG)  # another prompt: no credit
+    drafter.draft([31, 1, 2, 3], CONFIG)  # the same context again: not one step later either
+    assert drafter.calibration.observed.tolist() == [0.0] and drafter.calibration.predicted.tolist() == [0.0]
+
+
+def test_batch_rows_keep_their_own_request_as_rows_finish(base):
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("request",))
+    row_a, row_b = [40, 41, 42, 43, 40, 41], [50, 51, 52, 50, 51]
+    trees = drafter.draft_batch([row_a, row_b], CONFIG)
+    assert (42,) in trees[0].paths() and (52,) in trees[1].paths()  # each row copies from itself
+    assert trees[1].paths() == [(52,), (52, 50), (52, 50, 51)]
+    # row a finished; row b accepted 52 50 and got the bonus token 77: credited to row b's tree
+    drafter.draft_batch([row_b + [52, 50, 77]], CONFIG)
+    assert drafter.calibration.observed.tolist() == [2.0]
+    assert drafter.calibration.predicted.tolist() == [3.0]  # tried 52, 50 and 51, each certain
+
+
+def test_request_source_drafts_a_repeated_identifier_from_the_prompt(base):
+    """REST cannot copy from the prompt (NOTES section 1); the request source does."""
+    identifier = [200, 201, 202, 203, 204]  # in no index document
+    prompt = [60, 61, *identifier, 62, 63, 64, *identifier[:2]]
+    drafter = AdaptiveDrafter(base, cost=CPU_COST, config=CONFIG)
+    assert len(base.draft(prompt, CONFIG)) == 0  # the index has nothing
+    tree = drafter.draft(prompt, CONFIG)
+    assert (202, 203, 204) in tree.paths()
+
+
+def test_outputs_source_drafts_from_added_outputs(base):
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("index", "outputs"))
+    assert len(drafter.draft([70, 300, 301], CONFIG)) == 0
+    assert drafter.add_output([300, 301, 302, 303]) == 0
+    assert (302, 303) in drafter.draft([71, 300, 301], CONFIG).paths()
+
+
+def test_selection_verifies_nothing_when_nothing_pays(base):
+    context = [30, 1, 2]
+    assert len(AdaptiveDrafter(base, cost=None, config=CONFIG).draft(context, CONFIG)) == 6
+    assert len(AdaptiveDrafter(base, cost=CPU_COST, config=CONFIG).draft(context, CONFIG)) > 0
+    assert len(AdaptiveDrafter(base, cost=PROHIBITIVE, config=CONFIG).draft(context, CONFIG)) == 0
+
+
+def test_the_loops_config_caps_the_tree(base):
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG)
+    tree = drafter.draft([30, 1, 2], DraftConfig(budget=3, max_depth=2))
+    assert len(tree) == 3 and tree.max_depth <= 2
+
+
+def test_bad_arguments_are_refused(base):
+    with pytest.raises(ValueError, match="sources must be distinct names among index, request, outputs"):
+        AdaptiveDrafter(base, cost=None, sources=("index", "corpus"))
+    with pytest.raises(ValueError, match="calibration has 2 sources, expected 3"):
+        AdaptiveDrafter(base, cost=None, calibration=SourceCalibration(2))
+
+
+@pytest.mark.parametrize("cost", [None, CPU_COST], ids=["budget", "cost"])
+def test_batched_greedy_generation_equals_plain_decoding(base, cost):
+    model = tiny_causal_lm("llama")
+    prompts = [[5, 6, 7, 8, 5, 6], [1, 2, 3], [20, 21, 22, 23, 24, 25, 26]]
+    expected = generate(model, prompts, None, max_new_tokens=24).output_ids
+    drafter = AdaptiveDrafter(base, cost=cost, config=CONFIG)
+    result = generate(model, prompts, drafter, max_new_tokens=24, config=CONFIG)
+    assert result.output_ids == expected
+    assert result.mean_accepted > 1  # a random tiny model repeats itself: the request source drafts it
+
+
+@pytest.mark.slow
+def test_greedy_generation_on_smollm2_equals_plain_and_learns_from_outputs(smollm2, stdlib_index):
+    """On real parts: SmolLM2, the stdlib index, two HumanEval prompts. The second time a prompt
+    is decoded, its first output is in the output store and drafts most of it."""
+    model, tokenizer = smollm2
+    with LocalDrafter.open(stdlib_index) as local:
+        drafter = AdaptiveDrafter(local, cost=CPU_COST, config=CONFIG)
+        for ids in humaneval_inputs(tokenizer, 2):
+            plain = generate(model, ids, None, max_new_tokens=32)
+            first = generate(model, ids, drafter, max_new_tokens=32, config=CONFIG)
+            assert first.output_ids == plain.output_ids
+            drafter.add_output(first.output_ids)
+            again = generate(model, torch.tensor([ids]), drafter, max_new_tokens=32, config=CONFIG)
+            assert again.output_ids == plain.output_ids
+            assert again.mean_accepted > max(2.0, first.mean_accepted)
+        assert len(local.outputs) == 2
+        assert np.all(drafter.calibration.predicted > 0)  # every source was tried and credited
