@@ -13,7 +13,6 @@ hardware, figures) on stdout, saved under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -26,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from benchmarks.data import humaneval_inputs
+from benchmarks.data import humaneval_inputs, save_report
 from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from datastore.types import DraftConfig
 from drafter.generate import BatchGenerationResult, GenerationResult, generate
@@ -185,10 +184,7 @@ def main(argv=None) -> int:
         "all_rows_identical_to_plain": all(r["rows_identical_to_plain"] == r["rows"] for r in results),
         "per_batch_size": results,
     }
-    text = json.dumps(report, indent=2)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(text)
+    save_report(report, args.out)
     return 0
 
 

@@ -1,10 +1,11 @@
-"""Evaluation prompts shipped by packages, so benchmarks and tests run offline."""
+"""Evaluation prompts shipped by packages (so benchmarks and tests run offline) and report saving."""
 
 from __future__ import annotations
 
 import gzip
 import json
 from importlib.resources import files
+from pathlib import Path
 
 
 def humaneval_prompts(n: int | None = None) -> list[str]:
@@ -25,3 +26,12 @@ def humaneval_inputs(tokenizer, n: int | None = None, *, chat: bool = False) -> 
             for prompt in humaneval_prompts(n)
         ]
     return [tokenizer(prompt).input_ids for prompt in humaneval_prompts(n)]
+
+
+def save_report(report: dict, path: Path, echo: bool = True) -> None:
+    """Write a benchmark's JSON report to ``path`` (creating its folder) and, with ``echo``, print it."""
+    text = json.dumps(report, indent=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    if echo:
+        print(text)

@@ -18,7 +18,6 @@ Prints one JSON object and saves it under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from benchmarks.data import humaneval_inputs
+from benchmarks.data import humaneval_inputs, save_report
 from datastore.index import Datastore
 from datastore.tokenizer import load_tokenizer
 from datastore.types import DraftConfig
@@ -119,10 +118,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "results": results,
     }
-    text = json.dumps(report, indent=2)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(text + "\n")
-    print(text)
+    save_report(report, out_path)
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import platform
@@ -44,7 +43,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from benchmarks.data import humaneval_inputs
+from benchmarks.data import humaneval_inputs, save_report
 from build_index.corpora import CorpusSpec, held_out_records
 from datastore.format import read_manifest
 from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -342,10 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["sets"][name] = run_set(name, prompts, base, model, cost, args)
     report["targets"] = targets(report)
     report["plot"] = str(args.plot) if plot(report, args.plot) else None
-    text = json.dumps(report, indent=2)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(text)
+    save_report(report, args.out)
     if not report["targets"]["every output equals plain decoding"]:
         log.error("some outputs differ from plain decoding (see same_as_plain)")
         return 1

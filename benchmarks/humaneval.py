@@ -10,7 +10,6 @@ the index; the two outputs must be identical (the run fails otherwise). Prints o
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.data import humaneval_inputs
+from benchmarks.data import humaneval_inputs, save_report
 from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from datastore.types import DraftConfig
 from datastore.tokenizer import check_tokenizer
@@ -95,10 +94,7 @@ def main(argv=None) -> int:
         "median_plain_ms_per_step": statistics.median(r["plain_ms_per_step"] for r in rows),
         "per_prompt": rows,
     }
-    text = json.dumps(report, indent=2)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text + "\n")
-    print(text)
+    save_report(report, args.out)
     return 0
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.data import save_report
 from build_index.corpora import CorpusSpec, held_out_records, iter_records
 from build_index.writer import IndexWriter
 from datastore.index import Datastore
@@ -749,8 +750,7 @@ def main(argv=None) -> int:
     if not args.skip_growth:
         report["growth"] = benchmark_growth(args.workdir / "sharegpt", query_sets["sharegpt"], args)
     report["targets"] = evaluate_targets(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    save_report(report, args.out, echo=False)
     print(format_table(report))
     log.info("saved %s", args.out)
     return 0
