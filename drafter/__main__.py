@@ -80,6 +80,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="draft tree depth in tokens (default: %(default)s)",
     )
     parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="draft from the index, the request's own text and recent outputs, merged by calibrated "
+        "acceptance scores, and verify the tree size that pays on this hardware (the verify cost is "
+        "measured once per model, device and dtype and cached; --budget caps the candidates)",
+    )
+    parser.add_argument(
         "-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr"
     )
 
@@ -229,7 +236,23 @@ def load_parts(args: argparse.Namespace):
             drafter.close()
         raise
     log.info("loaded %s on %s in %.1f s", type(model).__name__, model.device, time.perf_counter() - started)
+    if args.adaptive and drafter is not None:
+        from drafter.adaptive import AdaptiveDrafter
+        from drafter.budget import load_or_measure
+
+        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(model), config=draft_config(args))
     return tokenizer, model, drafter
+
+
+def remember_output(drafter, output_ids: list[int]) -> None:
+    """Add a finished generation to the drafter's store of recent outputs, where it has one."""
+    add_output = getattr(drafter, "add_output", None)
+    if add_output is None or not output_ids:
+        return
+    try:
+        add_output(output_ids)
+    except RuntimeError as exc:  # a server started with --outputs-max-tokens 0
+        log.debug("output not stored: %s", exc)
 
 
 def draft_config(args: argparse.Namespace):
@@ -258,6 +281,7 @@ def run(args: argparse.Namespace) -> None:
                 max_new_tokens=args.max_new_tokens,
                 config=config,
             )
+            remember_output(drafter, result.output_ids)
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
             if args.json:
                 print(json.dumps(result_record(result, text), ensure_ascii=False), flush=True)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from drafter.__main__ import Prompt, add_model_arguments, draft_config, encode_prompt, load_parts, run_cli
+from drafter.__main__ import Prompt, add_model_arguments, draft_config, encode_prompt, load_parts, remember_output, run_cli
 
 if TYPE_CHECKING:
     from transformers.generation import BaseStreamer
@@ -73,6 +73,7 @@ class ChatSession:
         result = generate(
             self.model, ids, self.drafter, max_new_tokens=self.max_new_tokens, config=self.config, streamer=streamer
         )
+        remember_output(self.drafter, result.output_ids)
         text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
         self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
         return Reply(text, result, len(ids))

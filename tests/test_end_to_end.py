@@ -136,3 +136,23 @@ def test_drafts_equal_brute_force_on_the_real_index(stdlib_index):
                 exact += 1
     assert exact >= 20
 
+
+
+def test_rest_generate_adaptive_cli_equals_plain(stdlib_index, reference, tmp_path):
+    """--adaptive: merged sources sized by the verify cost, measured on first use into
+    $REST_CACHE_DIR; the output is still plain greedy decoding, and a second prompt runs."""
+    prompt_ids, expected = next(iter(reference.values()))
+    prompt = next(iter(reference))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text((json.dumps({"prompt": prompt}) + "\n") * 2)
+    run = subprocess.run(
+        [sys.executable, "-m", "drafter", "--datastore", str(stdlib_index), "--prompts", str(prompts),
+         "--max-new-tokens", str(NEW_TOKENS), "--adaptive", "--json"],
+        capture_output=True, text=True,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "REST_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert run.returncode == 0, run.stderr
+    first, second = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
+    assert first["output_ids"] == second["output_ids"] == expected
+    assert second["steps"] < first["steps"]  # the first output is in the store: the second copies it
+    assert list((tmp_path / "cache" / "verify-cost").glob("*.json"))
