@@ -208,9 +208,15 @@ def test_interrupt_leaves_no_index(tmp_path, tiny_tokenizer):
     proc = subprocess.Popen([sys.executable, "-m", "build_index", *map(str, args)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     deadline = time.monotonic() + 120
-    while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # the writer's temporary directory: tokenization is about to start
-    time.sleep(1.0)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    # the writer's temporary directory and both tokenizer workers: tokenization is under way (a
+    # signal while the pool is still spawning its processes is not the case under test)
+    while proc.poll() is None and time.monotonic() < deadline and not (
+        leftovers(tmp_path) and len(children.read_text().split()) >= 2
+    ):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the build finished before it could be interrupted"
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
