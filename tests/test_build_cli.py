@@ -205,8 +205,11 @@ def test_interrupt_leaves_no_index(tmp_path, tiny_tokenizer):
     out = tmp_path / "idx"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     args = ["--corpus", "sharegpt", "--tokenizer", tiny_tokenizer, "--out", out, "--workers", 2, "--quiet"]
+    # A child inherits an ignored SIGINT (e.g. from a test runner started in the background), and
+    # Python keeps ignoring it: start the build as a terminal would, with SIGINT at its default.
     proc = subprocess.Popen([sys.executable, "-m", "build_index", *map(str, args)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     deadline = time.monotonic() + 120
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
     # the writer's temporary directory and both tokenizer workers: tokenization is under way (a
