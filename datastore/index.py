@@ -113,9 +113,10 @@ class _Shard:
         ranges = np.empty((query_reversed.shape[0], 2), dtype=np.int64)
         return ranges[: _match_ranges(self.tokens, self.sa, self.single_token_ranges, query_reversed, ranges)]
 
-    def continuations(self, ranks: np.ndarray, out: np.ndarray) -> None:
-        """Fill ``out`` [len(ranks), length] with the tokens following each match."""
-        _continuations(self.tokens, self.sa, ranks, self.tokens.dtype.type(np.iinfo(self.tokens.dtype).max), out)
+    def continuations(self, ranks: np.ndarray, sep: int, out: np.ndarray) -> None:
+        """Fill ``out`` [len(ranks), length] with the tokens following each match, ``sep`` (the
+        index's separator) from a document's end on."""
+        _continuations(self.tokens, self.sa, ranks, self.tokens.dtype.type(sep), out)
 
 
 class Datastore:
@@ -203,7 +204,7 @@ class Datastore:
         offsets = np.concatenate(([0], np.cumsum(sizes)))
         for i, (shard, (lo, _)) in enumerate(hits):
             first, last = np.searchsorted(picked, offsets[i : i + 2])
-            shard.continuations(picked[first:last] - offsets[i] + lo, continuations[first:last])
+            shard.continuations(picked[first:last] - offsets[i] + lo, self._sep, continuations[first:last])
         tokens, parents, counts = top_c_tree(continuations, self._sep, config.budget)
         return DraftTree(tokens, parents, counts, match_len, num_matches, picked.size)
 
