@@ -10,6 +10,11 @@ pending token is every node's ancestor. Position ids are the row's token count p
 had been decoded one token at a time. A padding position sees its row's cache and itself, and no
 position sees it.
 
+When every row's tree is a chain filling the block and every row's cache is whole (no left
+padding, no holes), that mask is plain causal attention; ``TreeInputs.causal`` says so, and the
+verifier then lets the model build its own causal mask (its native decoding path, which fused
+attention kernels serve best) instead of passing a custom one.
+
 Everything is built on the host in numpy (the trees arrive there from the drafter) and crosses to
 the device as ONE packed int64 copy; the float mask is expanded on the device.
 """
@@ -63,6 +68,8 @@ class TreeInputs:
     cache_start   int64 [B, 1]     the row's cached tokens are slots [cache_start, cache_end)
     cache_end     int64 [B, 1]
     past_length   int              S, slots in the KV cache (the same for every row)
+    causal        bool             the mask is plain causal attention over the whole cache: every
+                                   row is a chain of q - 1 nodes on a cache without padding or holes
     host          int64 [B, q, 6 + q] the same values on the host, packed (see ``paths``)
     """
 
@@ -74,6 +81,7 @@ class TreeInputs:
     cache_start: torch.Tensor
     cache_end: torch.Tensor
     past_length: int
+    causal: bool
     host: np.ndarray
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -98,6 +106,12 @@ class TreeInputs:
         # Ancestors come before descendants in flat order, so row-major selection is path order.
         ids = np.broadcast_to(self.host[row, 1:, _IDS], on_path.shape)
         return positions, ids[on_path].reshape(positions.shape[0], depth)
+
+
+def is_chain(tree: DraftTree) -> bool:
+    """Whether every node of ``tree`` is the previous node's only child (BFS order makes that
+    ``parents == [-1, 0, 1, ...]``)."""
+    return bool(np.array_equal(tree.parents, np.arange(-1, len(tree) - 1)))
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -168,5 +182,7 @@ def build_tree_inputs(
         cache_start=on_device[:, :1, _CACHE_START],
         cache_end=on_device[:, :1, _CACHE_END],
         past_length=rows.length,
+        causal=bool(np.all(rows.start == 0) and np.all(rows.end == rows.length))
+        and all(len(tree) == q - 1 and is_chain(tree) for tree in trees),
         host=packed,
     )

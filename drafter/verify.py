@@ -66,10 +66,12 @@ class Verification:
 
 
 def tree_logits(model: PreTrainedModel, cache: DynamicCache, inputs: TreeInputs) -> torch.Tensor:
-    """One forward over the flattened trees; appends q slots to ``cache``. float [B, q, V]."""
+    """One forward over the flattened trees; appends q slots to ``cache``. float [B, q, V].
+
+    Chains on whole caches (``inputs.causal``) take the model's own causal path, no custom mask."""
     output = model(
         input_ids=inputs.input_ids,
-        attention_mask=inputs.attention_mask(model.dtype),
+        attention_mask=None if inputs.causal else inputs.attention_mask(model.dtype),
         position_ids=inputs.position_ids,
         past_key_values=cache,
         use_cache=True,

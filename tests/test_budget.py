@@ -24,8 +24,8 @@ from tests.helpers import tiny_causal_lm
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
 
 
-def cost_curve(seconds: list[float]) -> VerifyCost:
-    return VerifyCost(KEY, 0, tuple(range(1, len(seconds) + 1)), tuple(seconds))
+def cost_curve(seconds: list[float], chain_seconds: list[float] = ()) -> VerifyCost:
+    return VerifyCost(KEY, 0, tuple(range(1, len(seconds) + 1)), tuple(seconds), tuple(chain_seconds))
 
 
 @st.composite
@@ -45,14 +45,24 @@ def rate(tree: DraftTree, kept: list[int], cost: VerifyCost) -> float:
     return (1 + tree.scores[kept].sum()) / float(cost(1 + len(kept)))
 
 
+def is_root_path(tree: DraftTree, kept: set[int]) -> bool:
+    """Whether ``kept`` is one path down from the root (a chain, verified on the causal path)."""
+    return all(sum(1 for j in kept if tree.parents[j] == parent) <= 1 for parent in [-1, *kept])
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     tree=scored_trees(),
-    seconds=st.lists(st.floats(0.5, 5.0), min_size=1, max_size=12),
+    times=st.lists(st.tuples(st.floats(0.5, 5.0), st.floats(0.5, 5.0)), min_size=1, max_size=12),
     max_depth=st.none() | st.integers(1, 4),
 )
-def test_select_tree_is_the_best_prefix_closed_subset(tree, seconds, max_depth):
-    cost = cost_curve(seconds)
+def test_select_tree_is_the_best_prefix_closed_subset(tree, times, max_depth):
+    """Exhaustive search: every prefix-closed subset at the tree cost, and every root path also at
+    the chain cost."""
+    tree_cost = cost_curve([t for t, _ in times])
+    chain_times = [times[0][0]] + [c for _, c in times[1:]]  # no draft: one step, one time
+    cost = cost_curve([t for t, _ in times], chain_times)
+    chain_cost = cost_curve(chain_times)
     chosen = select_tree(tree, cost, max_depth)
     best = 0.0
     for size in range(len(tree) + 1):
@@ -61,11 +71,25 @@ def test_select_tree_is_the_best_prefix_closed_subset(tree, seconds, max_depth):
             if all(tree.parents[i] < 0 or tree.parents[i] in kept for i in kept) and (
                 max_depth is None or all(tree.depths[i] <= max_depth for i in kept)
             ):
-                best = max(best, rate(tree, list(subset), cost))
-    chosen_rate = (1 + chosen.scores.sum()) / float(cost(1 + len(chosen)))
+                best = max(best, rate(tree, list(subset), tree_cost))
+                if is_root_path(tree, kept):
+                    best = max(best, rate(tree, list(subset), chain_cost))
+    chosen_rate = rate(chosen, list(range(len(chosen))), tree_cost)
+    if is_root_path(chosen, set(range(len(chosen)))):
+        chosen_rate = max(chosen_rate, rate(chosen, list(range(len(chosen))), chain_cost))
     assert chosen_rate == pytest.approx(best, rel=1e-12)
     assert set(chosen.paths()) <= set(tree.paths())
     assert max_depth is None or chosen.max_depth <= max_depth
+
+
+def test_a_cheap_causal_path_picks_the_deep_chain_over_the_bushy_tree():
+    #            1 (0.9) - 3 (0.8) - 4 (0.7)
+    #            2 (0.6)
+    tree = DraftTree(np.array([1, 2, 3, 4]), np.array([-1, -1, 0, 2]), np.ones(4), scores=np.array([0.9, 0.6, 0.8, 0.7]))
+    same = cost_curve([1.0, 1.2, 1.4, 1.6, 1.8])
+    assert select_tree(tree, same).paths() == [(1,), (2,), (1, 3), (1, 3, 4)]  # all of it
+    cheap_chains = cost_curve([1.0, 1.2, 1.4, 1.6, 1.8], [1.0, 1.1, 1.2, 1.3, 1.4])
+    assert select_tree(tree, cheap_chains).paths() == [(1,), (1, 3), (1, 3, 4)]
 
 
 def test_nothing_is_drafted_when_no_draft_pays_for_itself():
@@ -86,7 +110,11 @@ def test_cost_interpolates_extrapolates_and_never_decreases():
     np.testing.assert_allclose(cost(np.array([1, 2, 4, 6, 8, 12])), [1.0, 1.5, 2.5, 2.5, 2.5, 2.5])
     steep = VerifyCost(KEY, 0, (1, 2), (1.0, 3.0))
     assert float(steep(5)) == pytest.approx(9.0)  # continues the last segment
-    assert VerifyCost.from_json(cost.to_json()) == cost
+    assert float(steep.chain(5)) == pytest.approx(9.0)  # chains not measured: they cost what trees cost
+    chains = VerifyCost(KEY, 0, (1, 4, 8), (1.0, 2.5, 2.0), (1.0, 2.0, 3.0))
+    np.testing.assert_allclose(chains.chain(np.array([2, 4, 16])), [4 / 3, 2.0, 5.0])
+    for each in (cost, chains):
+        assert VerifyCost.from_json(each.to_json()) == each
 
 
 @pytest.mark.parametrize(
@@ -97,6 +125,9 @@ def test_cost_interpolates_extrapolates_and_never_decreases():
 def test_cost_refuses_bad_measurements(sizes, seconds, message):
     with pytest.raises(ValueError, match=message):
         VerifyCost(KEY, 0, sizes, seconds)
+    if len(seconds) == len(sizes) and sizes[0] == 1 and sizes == tuple(sorted(set(sizes))):
+        with pytest.raises(ValueError, match="chain_seconds must be one positive time per size"):
+            VerifyCost(KEY, 0, sizes, (1.0,) * len(sizes), seconds)
 
 
 # ---- measuring on a real model --------------------------------------------------------------
@@ -109,7 +140,8 @@ def test_measure_on_a_tiny_model_and_cache_the_result(tmp_path):
     model = tiny_causal_lm("llama")
     cost = measure_verify_cost(model, **MEASURE)
     assert cost.sizes == (1, 2, 4, 8) and cost.context_length == 32
-    assert all(s > 0 for s in cost.seconds)
+    assert all(s > 0 for s in cost.seconds) and len(cost.chain_seconds) == 4 and all(s > 0 for s in cost.chain_seconds)
+    assert cost.chain_seconds[0] == cost.seconds[0]  # no draft: the same step, timed once
     assert (cost.key.device, cost.key.dtype, cost.key.parameters) == (
         f"cpu-{platform.machine()}-{torch.get_num_threads()}threads",
         "float32",
@@ -124,6 +156,10 @@ def test_measure_on_a_tiny_model_and_cache_the_result(tmp_path):
     assert VerifyCost.from_json(files[0].read_text()) == again
     files[0].write_text("{not json")  # a damaged cache file is measured again, not fatal
     assert load_or_measure(model, directory=tmp_path, **MEASURE).sizes == MEASURE["sizes"]
+    stale = json.loads(files[0].read_text())
+    del stale["chain_seconds"]  # written before chains were timed: measured again
+    files[0].write_text(json.dumps(stale))
+    assert load_or_measure(model, directory=tmp_path, **MEASURE).chain_seconds
     with pytest.raises(ValueError, match="start at 1"):
         measure_verify_cost(model, sizes=(2, 4))
     other = tiny_causal_lm("qwen2")  # another model: another file

@@ -111,6 +111,22 @@ def test_batch_inputs_pad_trees_and_hide_padding_and_holes(batch, holes: int) ->
         assert torch.equal(mask[b, 0] == 0, allowed)
 
 
+@settings(max_examples=100, deadline=None)
+@given(batch=st.lists(st.tuples(trees(max_nodes=6), st.integers(0, 2), st.integers(1, 4)), min_size=1, max_size=3),
+       chains=st.booleans())
+def test_causal_exactly_when_the_mask_is_plain_causal(batch, chains: bool) -> None:
+    """``TreeInputs.causal`` (the verifier then drops the custom mask) holds iff every row's mask
+    is ordinary causal attention over the whole cache."""
+    if chains:  # make chains likely: hypothesis rarely draws them
+        batch = [(tree_from_paths([[7] * len(tree)] if len(tree) else []), pad, tokens) for tree, pad, tokens in batch]
+    start = np.array([pad for _, pad, _ in batch])
+    rows = CacheRows(start, start + np.array([tokens for _, _, tokens in batch]))
+    inputs = build_tree_inputs([0] * len(batch), [tree for tree, _, _ in batch], rows, "cpu")
+    q, past = inputs.input_ids.shape[1], rows.length
+    causal = torch.ones(q, past + q, dtype=torch.bool).tril(diagonal=past)
+    assert inputs.causal == bool(((inputs.attention_mask(torch.float32) == 0) == causal).all())
+
+
 def test_padded_prefill_mask_is_causal_after_each_rows_start() -> None:
     mask = padded_prefill_mask(torch.tensor([0, 2]), 4, torch.float32) == 0
     causal = torch.tril(torch.ones(4, 4, dtype=torch.bool))
@@ -147,3 +163,20 @@ def test_tree_forward_equals_per_path_forward(family: str, attn: str) -> None:
         assert torch.allclose(logits[b, 0], plain_last_logits(model, prefix), atol=1e-5)
         for i, path in enumerate(tree.paths(), start=1):
             assert torch.allclose(logits[b, i], plain_last_logits(model, prefix + list(path)), atol=1e-5), path
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@torch.inference_mode()
+def test_chain_takes_the_causal_path_with_the_same_logits(family: str, attn: str) -> None:
+    """A chain on a whole cache is verified without a custom mask, and every position still gets
+    the logits of its own prefix decoded plainly."""
+    model = tiny_causal_lm(family, attn)
+    prefix, chain = [3, 1, 4, 1, 5], [9, 2, 6, 5]
+    cache = new_cache(model)
+    rows = prefill(model, cache, [prefix])
+    inputs = build_tree_inputs([prefix[-1]], [tree_from_paths([chain])], rows, "cpu")
+    assert inputs.causal
+    logits = tree_logits(model, cache, inputs)
+    for i in range(len(chain) + 1):
+        assert torch.allclose(logits[0, i], plain_last_logits(model, prefix + chain[:i]), atol=1e-5), i
