@@ -6,13 +6,16 @@ count / root count; SuffixDecoding, NOTES section 6), and the expected number of
 yields is the sum of its nodes' path probabilities (Sequoia, section 4) -- so nodes are selected
 by that score, and ``drafter.budget.select_tree`` sizes the tree from it.
 
-Sources are not equally trustworthy: a request whose suffix occurred twice claims certainty it
-has not earned. Each source therefore has a weight, learned by ``SourceCalibration`` from the
-acceptance actually observed, that scales its per-token probability: node i under source s gets
-P_s(i) = prod over the path of min(1, w_s * c(node) / c(parent)). The weight is per token, not per
-node, because acceptance is a sequence of per-token trials: a source that is overconfident is
-overconfident at every depth, and w^depth captures the decay with depth that one factor per
-node cannot.
+Sources are not equally trustworthy, and neither is every ratio: a suffix that occurred once
+claims certainty it has not earned (on held-out ShareGPT, index nodes with ratio 1 from a single
+occurrence were accepted 37% of the time, those above 0.9 from many occurrences 79%). Each
+source therefore has a weight per *sample class* -- the parent count c(parent) in powers of two:
+1, 2-3, 4-7, ... -- learned by ``SourceCalibration`` from the acceptance actually observed, that
+scales its per-token probability: node i under source s gets
+P_s(i) = prod over the path of min(1, w_s[class(c(parent))] * c(node) / c(parent)). The weight
+is per token, not per node, because acceptance is a sequence of per-token trials: a source that
+is overconfident is overconfident at every depth, and the product captures the decay with depth
+that one factor per node cannot.
 
 Sources combine by noisy-OR, p = 1 - prod_s (1 - P_s):
 - a node only one source proposes keeps exactly that source's probability (so a one-source merge
@@ -35,14 +38,22 @@ import numpy as np
 from datastore.types import DraftTree
 
 
+def sample_class(samples: np.ndarray, classes: int) -> np.ndarray:
+    """int64: the sample class of parent counts ``samples`` (>= 1): floor(log2), capped at
+    ``classes - 1`` (1 -> 0, 2-3 -> 1, 4-7 -> 2, ...)."""
+    return np.minimum(np.floor(np.log2(np.maximum(samples, 1))), classes - 1).astype(np.int64)
+
+
 def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarray, budget: int) -> DraftTree:
     """The ``budget`` best-scored nodes of the union of ``trees`` (one per source), in BFS order.
 
-    weights  float [S], >= 0: each source's per-token calibration (``SourceCalibration.weights``)
+    weights  float [S] or [S, K], >= 0: each source's per-token calibration, per sample class
+             when 2-D (``SourceCalibration.weights``; ``sample_class``); [S] is one class
     returns  a tree whose ``scores`` are the noisy-OR of the weighted per-source path probabilities
              (see module docstring), ``source_probs`` [n, S] the sources' own conditional
-             probabilities, ``counts`` the summed counts, ``num_matches`` / ``num_sampled`` the
-             sums and ``match_len`` the longest match. Ties go to the earlier BFS node.
+             probabilities and ``source_samples`` [n, S] the parent counts behind them, ``counts``
+             the summed counts, ``num_matches`` / ``num_sampled`` the sums and ``match_len`` the
+             longest match. Ties go to the earlier BFS node.
 
     It runs every decoding step, so the work is one compiled pass (``_merge``), not a numpy
     call per tree level.
@@ -50,18 +61,22 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
     weights = np.asarray(weights, dtype=np.float64)
     if not trees:
         raise ValueError("merge_trees needs at least one source tree")
-    if weights.shape != (len(trees),):
-        raise ValueError(f"weights must hold one weight per source ({len(trees)}), got shape {weights.shape}")
+    if weights.ndim == 1:
+        weights = weights[:, None]
+    if weights.ndim != 2 or weights.shape[0] != len(trees) or weights.shape[1] < 1:
+        raise ValueError(f"weights must hold one weight (or one per sample class) per source ({len(trees)}), "
+                         f"got shape {weights.shape}")
     if not np.all(weights >= 0) or not np.all(np.isfinite(weights)):
         raise ValueError(f"weights must be finite and non-negative, got {weights.tolist()}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    tokens, parents, counts, scores, source_probs = _merge(
+    tokens, parents, counts, scores, source_probs, source_samples = _merge(
         np.concatenate([t.tokens for t in trees]),
         np.concatenate([t.parents for t in trees]),
         np.concatenate([t.counts for t in trees]),
         np.concatenate([t.scores for t in trees]),
         np.array([len(t) for t in trees], dtype=np.int64),
+        np.array([t.num_sampled for t in trees], dtype=np.int64),
         weights,
         budget,
     )
@@ -74,15 +89,16 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
         num_sampled=sum(t.num_sampled for t in trees),
         scores=scores,
         source_probs=source_probs,
+        source_samples=source_samples,
     )
 
 
 @numba.njit(nogil=True, cache=True)
-def _merge(tokens, parents, counts, scores, sizes, weights, budget):
+def _merge(tokens, parents, counts, scores, sizes, num_sampled, weights, budget):
     """The merge on the sources' nodes concatenated (each source in BFS order, ``parents``
     local to its source): (tokens int32, parents int32, counts int64, scores float64,
-    source_probs float64 [n, S]) of the kept nodes in BFS order."""
-    n, num_sources = tokens.shape[0], weights.shape[0]
+    source_probs float64 [n, S], source_samples int64 [n, S]) of the kept nodes in BFS order."""
+    n, num_sources, classes = tokens.shape[0], weights.shape[0], weights.shape[1]
     root = n  # the slot of the root in ``first_child``
 
     # 1. The union trie, nodes numbered as first seen. A source lists parents before children,
@@ -90,6 +106,7 @@ def _merge(tokens, parents, counts, scores, sizes, weights, budget):
     merged = np.empty(n, np.int64)  # source node -> trie node
     source = np.empty(n, np.int64)
     cond = np.empty(n, np.float64)  # the node's probability given its parent, under its source
+    samples = np.empty(n, np.int64)  # the parent's count under its source
     node_token = np.empty(n, np.int64)
     node_parent = np.empty(n, np.int64)
     first_child = np.full(n + 1, -1, np.int64)
@@ -101,6 +118,7 @@ def _merge(tokens, parents, counts, scores, sizes, weights, budget):
             source[i] = s
             local = parents[i]
             parent_score = scores[local + offset] if local >= 0 else 1.0
+            samples[i] = counts[local + offset] if local >= 0 else num_sampled[s]
             cond[i] = scores[i] / parent_score if parent_score > 0 else 0.0
             if cond[i] > 1 + 1e-9:
                 raise ValueError("a node's score exceeds its parent's: not a tree of counts or acceptance estimates")
@@ -148,17 +166,20 @@ def _merge(tokens, parents, counts, scores, sizes, weights, budget):
             bfs_parent[b] = bfs[node_parent[order[b]]]
     node_counts = np.zeros(m, np.int64)
     probs = np.zeros((m, num_sources), np.float64)
-    for i in range(n):
+    node_samples = np.zeros((m, num_sources), np.int64)
+    for i in range(n):  # a source proposes each path once (its tree is a trie)
         b = bfs[merged[i]]
         node_counts[b] += counts[i]
-        probs[b, source[i]] = max(probs[b, source[i]], min(cond[i], 1.0))
+        probs[b, source[i]] = min(cond[i], 1.0)
+        node_samples[b, source[i]] = samples[i]
     path = np.empty((m, num_sources), np.float64)
     node_scores = np.empty(m, np.float64)
     for b in range(m):
         up = bfs_parent[b]
         miss = 1.0
         for s in range(num_sources):
-            p = min(1.0, weights[s] * probs[b, s])
+            k = min(int(np.floor(np.log2(max(node_samples[b, s], 1)))), classes - 1)  # sample_class
+            p = min(1.0, weights[s, k] * probs[b, s])
             if up >= 0:
                 p *= path[up, s]
             path[b, s] = p
@@ -180,51 +201,70 @@ def _merge(tokens, parents, counts, scores, sizes, weights, budget):
         up = bfs_parent[keep[j]]
         out_parents[j] = new_index[up] if up >= 0 else -1
         out_tokens[j] = node_token[order[keep[j]]]
-    return out_tokens, out_parents, node_counts[keep], node_scores[keep], probs[keep]
+    return out_tokens, out_parents, node_counts[keep], node_scores[keep], probs[keep], node_samples[keep]
 
 
 class SourceCalibration:
-    """Per-source weights for ``merge_trees``, learned from the acceptance actually observed.
+    """Per-source, per-sample-class weights for ``merge_trees``, learned from the acceptance
+    actually observed.
 
     Over the verified nodes the verifier actually tried -- children of the root and of accepted
-    nodes -- a source's *observed* is how many it accepted among those it proposed, and its
-    *predicted* the sum of its own conditional probabilities for them. The weight is the running
-    ratio (observed + strength * prior) / (predicted + strength): the prior holds it while
-    evidence is thin, and both sums decay by ``decay`` per step so it follows drift (roughly the
-    last 1 / (1 - decay) steps count). One per decoding loop; not thread-safe.
+    nodes -- a (source, sample class) cell's *observed* is how many it accepted among those it
+    proposed, and its *predicted* the sum of its own conditional probabilities for them. The
+    weight is the running ratio (observed + strength * prior) / (predicted + strength): the prior
+    holds it while evidence is thin, and all sums decay by ``decay`` per step so it follows
+    drift (roughly the last 1 / (1 - decay) steps count). ``classes`` sample classes (parent
+    counts 1, 2-3, 4-7, ..., the last open-ended); 1 gives one weight per source. One per
+    decoding loop; not thread-safe.
     """
 
     def __init__(
-        self, num_sources: int, prior: float | Sequence[float] = 1.0, strength: float = 4.0, decay: float = 0.98
+        self,
+        num_sources: int,
+        prior: float | Sequence[float] = 1.0,
+        strength: float = 4.0,
+        decay: float = 0.995,
+        classes: int = 8,
     ) -> None:
-        if num_sources < 1:
-            raise ValueError(f"need at least one source, got {num_sources}")
+        if num_sources < 1 or classes < 1:
+            raise ValueError(f"need at least one source and one class, got {num_sources} and {classes}")
         self.prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), (num_sources,)).copy()
         if not np.all(self.prior >= 0):
             raise ValueError(f"priors must be non-negative, got {self.prior.tolist()}")
         if not strength > 0 or not 0 < decay <= 1:
             raise ValueError(f"strength must be > 0 and decay in (0, 1], got {strength} and {decay}")
         self.strength, self.decay = strength, decay
-        self.observed = np.zeros(num_sources)
-        self.predicted = np.zeros(num_sources)
+        self.observed = np.zeros((num_sources, classes))
+        self.predicted = np.zeros((num_sources, classes))
+
+    @property
+    def num_sources(self) -> int:
+        return int(self.prior.size)
 
     @property
     def weights(self) -> np.ndarray:
-        """float64 [S]: each source's current per-token weight."""
-        return (self.observed + self.strength * self.prior) / (self.predicted + self.strength)
+        """float64 [S, K]: each source's current per-token weight per sample class."""
+        return (self.observed + self.strength * self.prior[:, None]) / (self.predicted + self.strength)
 
     def observe(self, tree: DraftTree, accepted: Sequence[int] | np.ndarray) -> None:
         """Learn from one verified ``tree`` (from ``merge_trees``, possibly cut by
         ``select_tree``); ``accepted`` = indices of its accepted nodes (``Verification.keep[1:] - 1``)."""
-        probs = tree.source_probs
-        if probs is None or probs.shape[1] != self.prior.size:
-            raise ValueError(f"tree must carry source_probs for {self.prior.size} sources (a merge_trees result)")
+        probs, samples = tree.source_probs, tree.source_samples
+        if probs is None or samples is None or probs.shape[1] != self.num_sources:
+            raise ValueError(f"tree must carry source_probs and source_samples for {self.num_sources} sources "
+                             "(a merge_trees result)")
         accepted = np.asarray(accepted, dtype=np.int64)
         if accepted.size and (accepted.min() < 0 or accepted.max() >= len(tree)):
             raise ValueError(f"accepted node indices must be in [0, {len(tree)})")
         is_accepted = np.zeros(len(tree) + 1, dtype=bool)  # slot -1: the root, always reached
         is_accepted[accepted] = True
         is_accepted[-1] = True
-        tried = is_accepted[tree.parents]
-        self.observed = self.decay * self.observed + ((probs[tried] > 0) & is_accepted[:-1][tried, None]).sum(axis=0)
-        self.predicted = self.decay * self.predicted + probs[tried].sum(axis=0)
+        tried = np.flatnonzero(is_accepted[tree.parents])
+        node, source = np.nonzero(probs[tried] > 0)  # every (tried node, proposing source) pair
+        node = tried[node]
+        cell = source * self.observed.shape[1] + sample_class(samples[node, source], self.observed.shape[1])
+        size = self.observed.size
+        self.observed = self.decay * self.observed + np.bincount(
+            cell, weights=is_accepted[node].astype(np.float64), minlength=size).reshape(self.observed.shape)
+        self.predicted = self.decay * self.predicted + np.bincount(
+            cell, weights=probs[node, source], minlength=size).reshape(self.predicted.shape)

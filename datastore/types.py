@@ -66,6 +66,11 @@ class DraftTree:
     source_probs  float64 [n, S] or None: in a tree merged from S sources, each source's own
                              probability of the node given its parent (0 where that source did not
                              propose it); what ``datastore.merge.SourceCalibration`` learns from.
+    source_samples int64 [n, S] or None: beside ``source_probs``, how many continuations each
+                             source's probability rests on (its count of the node's parent; 0
+                             where it did not propose the node). One occurrence claiming
+                             certainty is worth less than a hundred agreeing: the calibration
+                             weighs sources per sample-size class.
     """
 
     tokens: np.ndarray
@@ -76,6 +81,7 @@ class DraftTree:
     num_sampled: int = 0
     scores: np.ndarray | None = None
     source_probs: np.ndarray | None = field(default=None, repr=False)
+    source_samples: np.ndarray | None = field(default=None, repr=False)
     depths: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +117,13 @@ class DraftTree:
             if not np.all((probs >= 0) & (probs <= 1)):
                 raise ValueError("source_probs must lie in [0, 1]")
             object.__setattr__(self, "source_probs", probs)
+        if self.source_samples is not None:
+            samples = _frozen_array(self.source_samples, np.int64)
+            if self.source_probs is None or samples.shape != self.source_probs.shape:
+                raise ValueError("source_samples must come with source_probs, in the same [n, sources] shape")
+            if np.any(samples < 0):
+                raise ValueError("source_samples must be non-negative")
+            object.__setattr__(self, "source_samples", samples)
 
     def _checked_scores(self) -> np.ndarray:
         """The explicit scores, validated, or counts / num_sampled (all 0 when nothing was sampled)."""
@@ -143,7 +156,7 @@ class DraftTree:
 
     def subset(self, keep: np.ndarray) -> "DraftTree":
         """The tree of nodes ``keep`` (ascending indices; every kept node's parent kept too), with
-        their counts, scores and source probabilities; the match statistics are unchanged."""
+        their counts, scores and source probabilities and samples; the match statistics are unchanged."""
         keep = np.asarray(keep, dtype=np.int64)
         if keep.ndim != 1 or np.any(np.diff(keep) <= 0) or (keep.size and not 0 <= keep[0] <= keep[-1] < len(self)):
             raise ValueError(f"keep must be ascending distinct node indices in [0, {len(self)})")
@@ -162,6 +175,7 @@ class DraftTree:
             self.num_sampled,
             scores=self.scores[keep],
             source_probs=None if self.source_probs is None else self.source_probs[keep],
+            source_samples=None if self.source_samples is None else self.source_samples[keep],
         )
 
     def paths(self) -> list[tuple[int, ...]]:
@@ -184,6 +198,8 @@ class DraftTree:
             and np.array_equal(self.scores, other.scores)
             and (self.source_probs is None) == (other.source_probs is None)
             and (self.source_probs is None or np.array_equal(self.source_probs, other.source_probs))
+            and (self.source_samples is None) == (other.source_samples is None)
+            and (self.source_samples is None or np.array_equal(self.source_samples, other.source_samples))
         )
 
     __hash__ = None  # type: ignore[assignment]

@@ -3,7 +3,7 @@
 Each step it drafts candidates from the static index and the store of recent outputs (one call to
 the base drafter, one RPC when remote) and from the request's own text (``RequestMatcher``),
 merges them into one tree scored by estimated acceptance (``datastore.merge``: per-source path
-probabilities, calibrated weights, noisy-OR) and keeps the part that maximizes expected tokens per
+probabilities, weights calibrated per source and sample size, noisy-OR) and keeps the part that maximizes expected tokens per
 second of verification, (1 + sum of kept scores) / t(1 + kept) (``drafter.budget.select_tree``,
 Sequoia's hardware-aware size; NOTES section 4). On a CPU where a 64-token verification costs 4x
 a 1-token step (section 8) that is a small tree, or none at all.
@@ -75,8 +75,8 @@ class AdaptiveDrafter:
     cost         the measured verification cost (``drafter.budget.load_or_measure``); None keeps
                  the ``budget`` best-scored nodes (no hardware-aware size)
     config       how each source drafts its candidates (budget 64 per source and for the merge)
-    calibration  per-source weights, learned from what the verifier accepts; default: prior 1
-                 for every source. Shared by all rows and requests.
+    calibration  per-source, per-sample-class weights, learned from what the verifier accepts;
+                 default: prior 1 everywhere. Shared by all rows and requests.
 
     ``draft(context, config)``: the loop's ``config`` caps the verified tree (``budget`` nodes,
     ``max_depth`` levels) on top of the candidates' own config. Rows of ``draft_batch`` keep
@@ -101,8 +101,8 @@ class AdaptiveDrafter:
             raise TypeError(f"drafting from outputs needs a SourceDrafter base (LocalDrafter, RemoteDrafter), "
                             f"got {type(base).__name__}")
         self.calibration = calibration if calibration is not None else SourceCalibration(len(self.sources))
-        if self.calibration.prior.size != len(self.sources):
-            raise ValueError(f"calibration has {self.calibration.prior.size} sources, expected {len(self.sources)}")
+        if self.calibration.num_sources != len(self.sources):
+            raise ValueError(f"calibration has {self.calibration.num_sources} sources, expected {len(self.sources)}")
         self.base, self.cost, self.config = base, cost, config
         self._requests: list[_Request] = []  # one per row of the last call, in row order
 

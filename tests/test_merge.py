@@ -35,19 +35,21 @@ source_trees = st.builds(
 )
 
 
-def oracle_scores(trees: list[DraftTree], weights: list[float]) -> dict[tuple[int, ...], float]:
+def oracle_scores(trees: list[DraftTree], weights: list[list[float]]) -> dict[tuple[int, ...], float]:
     """Path -> merged score, one path at a time: per source the product over the path of
-    min(1, w * count / parent count), noisy-OR over sources, then the minimum over ancestors."""
-    per_source = [dict(zip(t.paths(), t.counts / t.num_sampled)) for t in trees]
+    min(1, w[class] * count / parent count), the class being floor(log2(parent count)) capped at
+    the last, noisy-OR over sources, then the minimum over ancestors."""
+    per_source = [dict(zip(t.paths(), t.counts)) for t in trees]
     union = sorted({p for source in per_source for p in source}, key=lambda p: (len(p), p))
     combined = {}
     for path in union:
         miss = 1.0
-        for source, w in zip(per_source, weights):
+        for tree, source, w in zip(trees, per_source, weights):
             prob = 1.0
             for d in range(1, len(path) + 1):
-                parent = source.get(path[: d - 1], 1.0) if d > 1 else 1.0
-                prob *= min(1.0, w * source.get(path[:d], 0.0) / parent) if parent else 0.0
+                parent = source.get(path[: d - 1], 0) if d > 1 else tree.num_sampled
+                klass = min(int(np.log2(parent)), len(w) - 1) if parent else 0
+                prob *= min(1.0, w[klass] * source.get(path[:d], 0) / parent) if parent else 0.0
             miss *= 1.0 - prob
         combined[path] = 1.0 - miss
     return {p: min(combined[p[:d]] for d in range(1, len(p) + 1)) for p in union}
@@ -58,10 +60,12 @@ def oracle_scores(trees: list[DraftTree], weights: list[float]) -> dict[tuple[in
     trees=st.lists(source_trees, min_size=1, max_size=3),
     data=st.data(),
     budget=st.integers(0, 40),
+    classes=st.integers(1, 4),
 )
-def test_merge_scores_and_selection_match_the_path_oracle(trees, data, budget):
-    weights = data.draw(st.lists(st.floats(0.0, 3.0), min_size=len(trees), max_size=len(trees)))
-    merged = merge_trees(trees, weights, budget)
+def test_merge_scores_and_selection_match_the_path_oracle(trees, data, budget, classes):
+    weights = data.draw(st.lists(st.lists(st.floats(0.0, 3.0), min_size=classes, max_size=classes),
+                                 min_size=len(trees), max_size=len(trees)))
+    merged = merge_trees(trees, np.array(weights) if classes > 1 else [w[0] for w in weights], budget)
     expected = oracle_scores(trees, weights)
     paths = merged.paths()
     assert len(merged) == min(budget, len(expected))
@@ -75,14 +79,16 @@ def test_merge_scores_and_selection_match_the_path_oracle(trees, data, budget):
     dropped = [s for p, s in expected.items() if p not in set(paths)]
     if dropped and paths:
         assert max(dropped) <= merged.scores.min() + 1e-12
-    # counts add up over sources; each source's conditional probability is carried per node
+    # counts add up over sources; each source's conditional probability and its parent count
+    # are carried per node
     for i, path in enumerate(paths):
         sources = [dict(zip(t.paths(), t.counts)) for t in trees]
         assert merged.counts[i] == sum(s.get(path, 0) for s in sources)
         for s, source in enumerate(sources):
             parent = source.get(path[:-1], 0) if len(path) > 1 else trees[s].num_sampled
-            expected_prob = source.get(path, 0) / parent if parent else 0.0
-            assert merged.source_probs[i, s] == pytest.approx(expected_prob)
+            proposed = path in source
+            assert merged.source_probs[i, s] == pytest.approx(source[path] / parent if proposed else 0.0)
+            assert merged.source_samples[i, s] == (parent if proposed else 0)
     assert merged.num_sampled == sum(t.num_sampled for t in trees)
 
 
@@ -108,8 +114,10 @@ def test_agreeing_sources_score_above_each_and_a_weight_discounts_per_token():
 
 def test_merge_refuses_bad_weights():
     tree = counted_tree([[1]], budget=1)
-    with pytest.raises(ValueError, match="one weight per source"):
+    with pytest.raises(ValueError, match=r"one weight \(or one per sample class\) per source \(2\)"):
         merge_trees([tree, tree], [1.0], budget=4)
+    with pytest.raises(ValueError, match="per source"):
+        merge_trees([tree], np.ones((1, 2, 2)), budget=4)
     with pytest.raises(ValueError, match="non-negative"):
         merge_trees([tree], [-1.0], budget=4)
     with pytest.raises(ValueError, match="at least one source"):
@@ -127,13 +135,13 @@ def test_empty_sources_merge_to_an_empty_tree():
 def test_only_tried_nodes_count():
     """Under a rejected node nothing was tried: the chain 1-2-3 with nothing accepted teaches
     only that node 1 failed."""
-    calibration = SourceCalibration(1, prior=1.0, strength=1.0, decay=1.0)
+    calibration = SourceCalibration(1, prior=1.0, strength=1.0, decay=1.0, classes=1)
     chain = merge_trees([counted_tree([[1, 2, 3]], budget=3)], calibration.weights, budget=3)
     calibration.observe(chain, [])
-    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([0.0], [1.0])
-    assert calibration.weights.tolist() == [0.5]  # (0 + 1 * 1) / (1 + 1)
+    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([[0.0]], [[1.0]])
+    assert calibration.weights.tolist() == [[0.5]]  # (0 + 1 * 1) / (1 + 1)
     calibration.observe(chain, [0, 1])  # 1 and 2 accepted, 3 tried and rejected
-    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([2.0], [4.0])
+    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([[2.0]], [[4.0]])
 
 
 def test_calibration_learns_each_sources_acceptance_rate():
@@ -159,12 +167,28 @@ def test_calibration_learns_each_sources_acceptance_rate():
     # E[accepted] / E[tried] per source: a: tried 1 + 0.5 (1 + 0.5 + 0.25), accepted 0.5 (1 + ...)
     expected_a = 0.5 * (1 + 0.5 + 0.25 + 0.125) / (1 + 0.5 * (1 + 0.5 + 0.25))
     expected_b = 0.25 * (1 + 0.9 + 0.81 + 0.729) / (1 + 0.25 * (1 + 0.9 + 0.81))
-    np.testing.assert_allclose(calibration.weights, [expected_a, expected_b], atol=0.04)
+    np.testing.assert_allclose(calibration.weights[:, 0], [expected_a, expected_b], atol=0.04)  # one sample each
+
+
+def test_calibration_tells_one_occurrence_from_many():
+    """One source, two kinds of certainty: a continuation seen once (accepted 30% of the time)
+    and one seen 64 times out of 64 (accepted 80%). Both have ratio 1; the weights of sample
+    classes 0 (one) and 6 (64-127) converge to each rate, and the other classes keep the prior."""
+    rng = np.random.default_rng(1)
+    once, often = counted_tree([[10]], budget=1), counted_tree([[20]] * 64, budget=1)
+    calibration = SourceCalibration(1, prior=1.0, strength=4.0, decay=1.0, classes=8)
+    for step in range(4000):
+        source, rate = (once, 0.3) if step % 2 else (often, 0.8)
+        tree = merge_trees([source], calibration.weights, budget=1)
+        calibration.observe(tree, [0] if rng.random() < rate else [])
+    weights = calibration.weights[0]
+    np.testing.assert_allclose(weights[[0, 6]], [0.3, 0.8], atol=0.04)
+    assert weights[[1, 2, 3, 4, 5, 7]].tolist() == [1.0] * 6
 
 
 def test_calibration_refuses_trees_without_source_probabilities():
     calibration = SourceCalibration(2)
-    with pytest.raises(ValueError, match="source_probs for 2 sources"):
+    with pytest.raises(ValueError, match="source_probs and source_samples for 2 sources"):
         calibration.observe(counted_tree([[1]], budget=1), [])
     merged = merge_trees([counted_tree([[1]], budget=1)] * 2, [1.0, 1.0], budget=1)
     with pytest.raises(ValueError, match=r"in \[0, 1\)"):
@@ -193,5 +217,5 @@ def test_request_and_output_store_drafts_verified_on_a_real_model():
     assert len(verdict.accepted_tokens) == 4
     calibration.observe(tree, verdict.keep[1:] - 1)
     # the store proposed all 4 accepted tokens; the request's (7, 8, ...) branch was tried at the root
-    assert calibration.observed[1] == 4
-    assert calibration.weights[1] > calibration.weights[0]
+    assert calibration.observed[1].sum() == 4
+    assert calibration.weights[1, 0] > calibration.weights[0, 0]  # both rest on one occurrence
