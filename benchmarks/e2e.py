@@ -320,12 +320,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "modes": args.modes,
                    "new_mode": "AdaptiveDrafter(sources=index,request,outputs, cost=measured t(n)); its output "
                    "store starts empty and gets each new-mode output after its prompt (add_output); its "
-                   "calibration carries over between prompts of a set",
+                   "calibration (per source and sample class) carries over between prompts of a set",
                    "humaneval_prompts": "raw code to complete", "sharegpt_prompts":
                    "first user turn of held-out conversations, chat template"},
         "hardware": {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
                      "torch_threads": torch.get_num_threads(), "device": str(model.device)},
         "verify_cost": {"sizes": list(cost.sizes), "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds],
+                        "chain_relative_to_one_token": [s / cost.seconds[0] for s in cost.chain_seconds],
                         "one_token_ms": 1e3 * cost.seconds[0], "key": dataclasses.asdict(cost.key)},
         "date": time.strftime("%Y-%m-%d"),
         "sets": {},
