@@ -1,4 +1,4 @@
-"""benchmarks.e2e on a tiny setting: every mode on real parts (SmolLM2, the stdlib index), outputs
+"""benchmarks.e2e (and the replay of benchmarks.tradeoff) on a tiny setting: every mode on real parts (SmolLM2, the stdlib index), outputs
 checked against plain decoding, the new mode's output store fed; the figures themselves are not
 checked (timings on a shared test machine mean nothing)."""
 
@@ -8,6 +8,10 @@ import pytest
 
 from benchmarks.data import humaneval_inputs
 from benchmarks.e2e import MODES, parse_args, run_set, targets
+from benchmarks.tradeoff import replay
+from datastore.types import DraftConfig
+from drafter.adaptive import AdaptiveDrafter
+from drafter.generate import generate
 from drafter.local import LocalDrafter
 from tests.test_adaptive import CPU_COST
 
@@ -39,3 +43,28 @@ def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index):
     checks = targets({"sets": {"humaneval": result}})
     assert checks["every output equals plain decoding"] is True
     assert "humaneval: new median speed >= 1.2x plain" in checks
+
+
+@pytest.mark.slow
+def test_tradeoff_replay_accepts_what_the_real_loop_accepts(smollm2, stdlib_index):
+    """The offline replay (no model) gives exactly the steps of the real decoding loop, for the
+    paper drafter and for the adaptive one with its state (calibration, output store)."""
+    model, tokenizer = smollm2
+    prompts = humaneval_inputs(tokenizer, 2)
+    examples = [(ids, generate(model, ids, None, max_new_tokens=24).output_ids) for ids in prompts]
+    config = DraftConfig(budget=16)
+    for adaptive in (False, True):
+        with LocalDrafter.open(stdlib_index) as real_base, LocalDrafter.open(stdlib_index) as replay_base:
+            make = (lambda base: AdaptiveDrafter(base, cost=CPU_COST, config=config)) if adaptive else (lambda base: base)
+            real_drafter, replay_drafter = make(real_base), make(replay_base)
+            tokens = steps = 0
+            for ids, output in examples:
+                result = generate(model, ids, real_drafter, max_new_tokens=24, config=config)
+                assert result.output_ids == output
+                tokens, steps = tokens + len(output), steps + result.steps
+                if adaptive:
+                    real_drafter.add_output(output)
+            remember = replay_drafter.add_output if adaptive else None
+            replayed = replay(examples, replay_drafter, config, CPU_COST, remember)
+        assert replayed["mean_accepted"] == pytest.approx(tokens / steps), adaptive
+        assert replayed["verified_per_step"] > 1 and replayed["modeled_speed_vs_plain"] > 0

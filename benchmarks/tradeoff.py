@@ -1,0 +1,153 @@
+"""Accepted length against speed: the adaptive drafter's cost-sized trees versus fixed sizes, replayed offline.
+
+    python -m benchmarks.tradeoff --prompts 40 --max-new-tokens 128
+
+The prompt sets and indexes of ``benchmarks.e2e``. The model's plain greedy outputs are computed
+once (and cached under ``$REST_CACHE_DIR/greedy``); then every drafter is replayed against them
+without the model: at each step it drafts from the context so far, and the longest tree path the
+greedy output follows is accepted, plus one token -- exactly what the lossless verifier accepts,
+so accepted lengths equal a real run's. A step's time is modeled as t(1 + tree nodes) from the
+measured verification cost (``drafter.budget``), so speed is relative to plain decoding,
+sum of t(1) per token over sum of step times; drafting time is left out (about 1 ms a step).
+
+Drafters: ``paper`` (the index only, ``--budget`` nodes), ``adaptive`` (as in e2e: every source,
+sized each step by t(n)), and ``adaptive@k`` for each k in ``--sizes`` (every source, the k
+best-scored nodes each step, no cost-based size). Each adaptive drafter has its own output
+store, fed with each greedy output after its prompt, and its own calibration.
+
+Prints a table, and saves JSON under benchmarks/results/. Minutes, not the half hour of e2e, so
+it is the place to try drafting changes; e2e then measures the real thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from benchmarks.data import humaneval_inputs, save_report
+from benchmarks.e2e import INDEXES, RESULTS, SETS, ensure_index, sharegpt_prompts
+from datastore.tokenizer import load_tokenizer
+from datastore.types import DraftConfig
+from drafter.adaptive import AdaptiveDrafter, accepted_nodes
+from drafter.base import Drafter
+from drafter.budget import VerifyCost, cache_dir, cost_key, load_or_measure
+from drafter.generate import generate
+from drafter.local import LocalDrafter
+from drafter.model import load_model
+
+log = logging.getLogger("benchmarks.tradeoff")
+
+Example = tuple[list[int], list[int]]  # prompt, the model's greedy output
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--sets", default=",".join(SETS), help="comma-separated, of %(default)s")
+    p.add_argument("--sizes", default="2,4,8,16,32,64", help="fixed tree sizes to compare (default: %(default)s)")
+    p.add_argument("--budget", type=int, default=64, help="paper mode's tree size; the adaptive candidates (default 64)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="as in benchmarks.e2e (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=RESULTS / "tradeoff.json")
+    args = p.parse_args(argv)
+    args.sets = args.sets.split(",")
+    if not args.sets or set(args.sets) - set(SETS):
+        p.error(f"--sets must be a comma-separated subset of {','.join(SETS)}, got {','.join(args.sets)}")
+    try:
+        args.sizes = [int(k) for k in args.sizes.split(",")]
+    except ValueError:
+        p.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
+    if args.prompts < 1 or args.max_new_tokens < 1 or min(args.sizes) < 1 or max(args.sizes) > args.budget:
+        p.error("--prompts and --max-new-tokens must be positive, and --sizes in [1, --budget]")
+    return args
+
+
+def greedy_outputs(model, name: str, prompts: list[list[int]], max_new_tokens: int) -> list[Example]:
+    """Each prompt with the model's plain greedy output, from the cache when this model already
+    decoded exactly these prompts."""
+    digest = hashlib.sha256(json.dumps([str(cost_key(model).model), cost_key(model).parameters,
+                                        max_new_tokens, prompts]).encode()).hexdigest()[:16]
+    path = cache_dir() / "greedy" / f"{name}-{len(prompts)}-{digest}.json"
+    if path.exists():
+        return [(prompt, output) for prompt, output in json.loads(path.read_text())]
+    examples = []
+    for i, ids in enumerate(prompts):
+        examples.append((ids, generate(model, ids, None, max_new_tokens=max_new_tokens).output_ids))
+        log.info("%s: greedy output %d/%d", name, i + 1, len(prompts))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(examples))
+    return examples
+
+
+def replay(examples: list[Example], drafter: Drafter, config: DraftConfig, cost: VerifyCost,
+           remember: Callable[[list[int]], object] | None = None) -> dict:
+    """Mean accepted length, verified tokens per step and modeled speed against plain decoding of
+    ``drafter`` on the greedy ``examples``; ``remember`` gets each output after its prompt."""
+    tokens = steps = verified = 0
+    seconds = 0.0
+    for prompt, output in examples:
+        k = 0
+        while k < len(output):
+            tree = drafter.draft(prompt + output[:k], config)
+            # the last token is always the model's own: a path never runs past the output
+            k += min(len(accepted_nodes(tree, output[k:])), len(output) - k - 1) + 1
+            steps += 1
+            verified += 1 + len(tree)
+            seconds += float(cost(1 + len(tree)))
+        tokens += len(output)
+        if remember is not None:
+            remember(output)
+    return {"mean_accepted": tokens / steps, "verified_per_step": verified / steps,
+            "modeled_speed_vs_plain": tokens * float(cost(1)) / seconds}
+
+
+def run_set(examples: list[Example], index: Path, cost: VerifyCost, args: argparse.Namespace) -> dict:
+    config = DraftConfig(budget=args.budget)
+    results = {}
+    with LocalDrafter.open(index) as base:
+        results["paper"] = replay(examples, base, config, cost)
+    for label, size in [("adaptive", None)] + [(f"adaptive@{k}", k) for k in args.sizes]:
+        with LocalDrafter.open(index) as base:  # its own output store
+            drafter = AdaptiveDrafter(base, cost=cost if size is None else None, config=config)
+            results[label] = replay(examples, drafter, DraftConfig(budget=size or args.budget), cost, drafter.add_output)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    model, tokenizer = load_model(None), load_tokenizer(None)
+    cost = load_or_measure(model)
+    report = {
+        "benchmark": "tradeoff",
+        "command": "python -m benchmarks.tradeoff " + " ".join(sys.argv[1:] if argv is None else argv),
+        "config": {"prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
+                   "speed": "modeled: t(1) per token / t(1 + tree nodes) per step, t from drafter.budget"},
+        "verify_cost": {"sizes": list(cost.sizes), "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds]},
+        "date": time.strftime("%Y-%m-%d"),
+        "sets": {},
+    }
+    for name in args.sets:
+        index = ensure_index(INDEXES[name][0], INDEXES[name][1])
+        prompts = (humaneval_inputs(tokenizer, args.prompts) if name == "humaneval"
+                   else sharegpt_prompts(tokenizer, index, args.prompts, args.max_prompt_tokens))
+        results = run_set(greedy_outputs(model, name, prompts, args.max_new_tokens), index, cost, args)
+        report["sets"][name] = results
+        print(f"{name}: {'drafter':<14} {'accepted':>9} {'x paper':>8} {'verified':>9} {'speed':>7}")
+        for label, row in results.items():
+            print(f"{name}: {label:<14} {row['mean_accepted']:9.3f} "
+                  f"{row['mean_accepted'] / results['paper']['mean_accepted']:8.3f} "
+                  f"{row['verified_per_step']:9.2f} {row['modeled_speed_vs_plain']:7.3f}")
+    save_report(report, args.out, echo=False)
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
