@@ -2,11 +2,12 @@
 
     python -m benchmarks.draft_quality --index indexes/python-stdlib --prompts 10 --max-new-tokens 128
 
-The model's plain greedy outputs for the first N HumanEval prompts are computed once; then, for
-every drafter, the decoding loop is replayed without the model: at each step the drafter is asked
-for a tree, the longest tree path that the greedy output continues with is accepted, plus one
-token. For our engine this equals what ``benchmarks.humaneval`` measures with the real verifier
-(the verifier loses nothing); it lets drafters be compared on identical contexts. Compared:
+The model's plain greedy outputs for the first N HumanEval prompts are computed once (and cached);
+then, for every drafter, the decoding loop is replayed without the model (``benchmarks.replay``):
+at each step the drafter is asked for a tree, the longest tree path that the greedy output
+continues with is accepted, plus one token. For our engine this equals what
+``benchmarks.humaneval`` measures with the real verifier (the verifier loses nothing); it lets
+drafters be compared on identical contexts. Compared:
 
 - ours at several ``n_max`` (REST semantics: the longest matching suffix up to n_max);
 - REST's own engine ``draftretriever`` (if installed), built over the same token stream and
@@ -18,70 +19,64 @@ Prints one JSON object and saves it under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from benchmarks.data import humaneval_inputs, save_report
+from benchmarks.replay import Example, greedy_outputs, replay
 from datastore.index import Datastore
+from datastore.sources import SEP
 from datastore.tokenizer import load_tokenizer
-from datastore.types import DraftConfig
-from drafter.generate import generate
+from datastore.trie import top_c_tree
+from datastore.types import DraftConfig, DraftTree
 from drafter.model import load_model
 
 RESULTS = Path(__file__).parent / "results"
-PathsFn = Callable[[Sequence[int]], list[tuple[int, ...]]]
 
 
-def replay(outputs: list[tuple[list[int], list[int]]], paths_fn: PathsFn) -> dict:
-    """Mean accepted length (new tokens / steps) and mean tree size of ``paths_fn`` on ``outputs``."""
-    tokens = steps = 0
-    sizes, seconds = [], []
-    for prompt, out in outputs:
-        k = 0
-        while k < len(out):
-            t0 = time.perf_counter()
-            paths = paths_fn(prompt + out[:k])
-            seconds.append(time.perf_counter() - t0)
-            prefixes = {p[:d] for p in paths for d in range(1, len(p) + 1)}
-            sizes.append(len(prefixes))
-            accepted = 0
-            while accepted < len(out) - k - 1 and tuple(out[k : k + accepted + 1]) in prefixes:
-                accepted += 1
-            k += accepted + 1
-            steps += 1
-        tokens += len(out)
-    return {"mean_accepted": tokens / steps, "mean_tree_nodes": float(np.mean(sizes)),
-            "median_draft_ms": 1e3 * statistics.median(seconds)}
+def quality(examples: list[Example], drafter, config: DraftConfig) -> dict:
+    """The replay's figures under this benchmark's names: mean accepted length, mean tree nodes,
+    median draft ms."""
+    result = replay(examples, drafter, config)
+    return {"mean_accepted": result["mean_accepted"], "mean_tree_nodes": result["verified_per_step"] - 1,
+            "median_draft_ms": result["median_draft_ms"]}
 
 
-def draftretriever_paths(store: Datastore, budget: int, workdir: Path) -> PathsFn | None:
-    """REST's engine over the same documents as ``store``, queried the way REST's code does."""
-    try:
+class DraftRetriever:
+    """REST's engine over the same documents as a ``Datastore``, queried the way REST's code does;
+    ``draft`` makes its paths one tree (``top_c_tree`` keeps every distinct prefix)."""
+
+    def __init__(self, store: Datastore, budget: int, workdir: Path) -> None:
         import draftretriever
-    except ImportError:
-        return None
-    path = str(workdir / "draftretriever.idx")
-    writer = draftretriever.Writer(file_path=path, vocab_size=store.vocab_size)
-    for document in store.documents():
-        writer.add_entry(document.tolist())
-    writer.finalize()
-    reader = draftretriever.Reader(index_file_path=path)
 
-    def paths(context: Sequence[int]) -> list[tuple[int, ...]]:
+        path = str(workdir / "draftretriever.idx")
+        writer = draftretriever.Writer(file_path=path, vocab_size=store.vocab_size)
+        for document in store.documents():
+            writer.add_entry(document.tolist())
+        writer.finalize()
+        self.reader, self.budget = draftretriever.Reader(index_file_path=path), budget
+
+    def paths(self, context: Sequence[int]) -> list[list[int]]:
         for n in range(16, 1, -1):
             if len(context) >= n:
-                found = reader.search(list(context[-n:]), k=5000, choices=budget, long=10)[0]
+                found = self.reader.search(list(context[-n:]), k=5000, choices=self.budget, long=10)[0]
                 if found:
-                    return [tuple(t for t in p if t >= 0) for p in found]  # -2 pads short paths
+                    return [[t for t in p if t >= 0] for p in found]  # -2 pads short paths
         return []
 
-    return paths
+    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
+        paths = [p for p in self.paths(context) if p]
+        if not paths:
+            return DraftTree.empty()
+        rows = np.full((len(paths), max(map(len, paths))), SEP, dtype=np.uint32)
+        for row, path in zip(rows, paths):
+            row[: len(path)] = path
+        return DraftTree(*top_c_tree(rows, SEP, rows.size))
 
 
 def main(argv=None) -> int:
@@ -97,18 +92,21 @@ def main(argv=None) -> int:
     out_path = args.out or RESULTS / f"draft_quality{'_chat' if args.chat else ''}.json"
 
     model, tokenizer = load_model(None), load_tokenizer(None)
-    outputs = [(ids, generate(model, ids, None, max_new_tokens=args.max_new_tokens).output_ids)
-               for ids in humaneval_inputs(tokenizer, args.prompts, chat=args.chat)]
+    examples = greedy_outputs(model, "humaneval-chat" if args.chat else "humaneval",
+                              humaneval_inputs(tokenizer, args.prompts, chat=args.chat), args.max_new_tokens)
 
     results = {}
     with Datastore.open(args.index) as store, tempfile.TemporaryDirectory() as tmp:
         for n_max in args.n_max:
             config = DraftConfig(budget=args.budget, n_max=n_max, n_min=min(2, n_max))
-            results[f"ours_n_max_{n_max}"] = replay(outputs, lambda c, config=config: store.draft(c, config).paths())
+            results[f"ours_n_max_{n_max}"] = quality(examples, store, config)
             print(f"ours n_max={n_max}: {results[f'ours_n_max_{n_max}']}", file=sys.stderr)
-        reference = draftretriever_paths(store, args.budget, Path(tmp))
-        if reference is not None:
-            results["draftretriever"] = replay(outputs, reference)
+        try:
+            reference = DraftRetriever(store, args.budget, Path(tmp))
+        except ImportError:
+            print("draftretriever is not installed: REST's engine not compared", file=sys.stderr)
+        else:
+            results["draftretriever"] = quality(examples, reference, DraftConfig(budget=args.budget))
             print(f"draftretriever: {results['draftretriever']}", file=sys.stderr)
     report = {
         "benchmark": "draft_quality",

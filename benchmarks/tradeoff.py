@@ -4,9 +4,7 @@
 
 The prompt sets and indexes of ``benchmarks.e2e``. The model's plain greedy outputs are computed
 once (and cached under ``$REST_CACHE_DIR/greedy``); then every drafter is replayed against them
-without the model: at each step it drafts from the context so far, and the longest tree path the
-greedy output follows is accepted, plus one token -- exactly what the lossless verifier accepts,
-so accepted lengths equal a real run's. A step's time is modeled as t(1 + tree nodes) from the
+without the model (``benchmarks.replay``: accepted lengths equal a real run's). A step's time is modeled as t(1 + tree nodes) from the
 measured verification cost (``drafter.budget``), so speed is relative to plain decoding,
 sum of t(1) per token over sum of step times; drafting time is left out (about 1 ms a step).
 
@@ -22,28 +20,21 @@ it is the place to try drafting changes; e2e then measures the real thing.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from benchmarks.data import humaneval_inputs, save_report
 from benchmarks.e2e import INDEXES, RESULTS, SETS, ensure_index, sharegpt_prompts
+from benchmarks.replay import Example, greedy_outputs, replay
 from datastore.tokenizer import load_tokenizer
 from datastore.types import DraftConfig
-from drafter.adaptive import AdaptiveDrafter, accepted_nodes
-from drafter.base import Drafter
-from drafter.budget import VerifyCost, cache_dir, cost_key, load_or_measure
-from drafter.generate import generate
+from drafter.adaptive import AdaptiveDrafter
+from drafter.budget import VerifyCost, load_or_measure
 from drafter.local import LocalDrafter
 from drafter.model import load_model
-
-log = logging.getLogger("benchmarks.tradeoff")
-
-Example = tuple[list[int], list[int]]  # prompt, the model's greedy output
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -66,45 +57,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.prompts < 1 or args.max_new_tokens < 1 or min(args.sizes) < 1 or max(args.sizes) > args.budget:
         p.error("--prompts and --max-new-tokens must be positive, and --sizes in [1, --budget]")
     return args
-
-
-def greedy_outputs(model, name: str, prompts: list[list[int]], max_new_tokens: int) -> list[Example]:
-    """Each prompt with the model's plain greedy output, from the cache when this model already
-    decoded exactly these prompts."""
-    digest = hashlib.sha256(json.dumps([str(cost_key(model).model), cost_key(model).parameters,
-                                        max_new_tokens, prompts]).encode()).hexdigest()[:16]
-    path = cache_dir() / "greedy" / f"{name}-{len(prompts)}-{digest}.json"
-    if path.exists():
-        return [(prompt, output) for prompt, output in json.loads(path.read_text())]
-    examples = []
-    for i, ids in enumerate(prompts):
-        examples.append((ids, generate(model, ids, None, max_new_tokens=max_new_tokens).output_ids))
-        log.info("%s: greedy output %d/%d", name, i + 1, len(prompts))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(examples))
-    return examples
-
-
-def replay(examples: list[Example], drafter: Drafter, config: DraftConfig, cost: VerifyCost,
-           remember: Callable[[list[int]], object] | None = None) -> dict:
-    """Mean accepted length, verified tokens per step and modeled speed against plain decoding of
-    ``drafter`` on the greedy ``examples``; ``remember`` gets each output after its prompt."""
-    tokens = steps = verified = 0
-    seconds = 0.0
-    for prompt, output in examples:
-        k = 0
-        while k < len(output):
-            tree = drafter.draft(prompt + output[:k], config)
-            # the last token is always the model's own: a path never runs past the output
-            k += min(len(accepted_nodes(tree, output[k:])), len(output) - k - 1) + 1
-            steps += 1
-            verified += 1 + len(tree)
-            seconds += float(cost(1 + len(tree)))
-        tokens += len(output)
-        if remember is not None:
-            remember(output)
-    return {"mean_accepted": tokens / steps, "verified_per_step": verified / steps,
-            "modeled_speed_vs_plain": tokens * float(cost(1)) / seconds}
 
 
 def run_set(examples: list[Example], index: Path, cost: VerifyCost, args: argparse.Namespace) -> dict:

@@ -1,4 +1,4 @@
-"""benchmarks.e2e (and the replay of benchmarks.tradeoff) on a tiny setting: every mode on real parts (SmolLM2, the stdlib index), outputs
+"""benchmarks.e2e (and benchmarks.replay) on a tiny setting: every mode on real parts (SmolLM2, the stdlib index), outputs
 checked against plain decoding, the new mode's output store fed; the figures themselves are not
 checked (timings on a shared test machine mean nothing)."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.data import humaneval_inputs
 from benchmarks.e2e import MODES, parse_args, run_set, targets
-from benchmarks.tradeoff import replay
+from benchmarks.replay import replay
 from datastore.types import DraftConfig
 from drafter.adaptive import AdaptiveDrafter
 from drafter.generate import generate
