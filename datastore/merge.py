@@ -38,10 +38,12 @@ import numpy as np
 from datastore.types import DraftTree
 
 
-def sample_class(samples: np.ndarray, classes: int) -> np.ndarray:
-    """int64: the sample class of parent counts ``samples`` (>= 1): floor(log2), capped at
-    ``classes - 1`` (1 -> 0, 2-3 -> 1, 4-7 -> 2, ...)."""
-    return np.minimum(np.floor(np.log2(np.maximum(samples, 1))), classes - 1).astype(np.int64)
+@numba.vectorize(["int64(int64, int64)"], nopython=True, cache=True)
+def sample_class(samples, classes):
+    """The sample class of a parent count (>= 1): floor(log2), capped at ``classes - 1``
+    (1 -> 0, 2-3 -> 1, 4-7 -> 2, ...). A ufunc: elementwise on arrays, and callable from the
+    merge kernel."""
+    return min(int(np.floor(np.log2(max(samples, 1)))), classes - 1)
 
 
 def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarray, budget: int) -> DraftTree:
@@ -178,8 +180,7 @@ def _merge(tokens, parents, counts, scores, sizes, num_sampled, weights, budget)
         up = bfs_parent[b]
         miss = 1.0
         for s in range(num_sources):
-            k = min(int(np.floor(np.log2(max(node_samples[b, s], 1)))), classes - 1)  # sample_class
-            p = min(1.0, weights[s, k] * probs[b, s])
+            p = min(1.0, weights[s, sample_class(node_samples[b, s], classes)] * probs[b, s])
             if up >= 0:
                 p *= path[up, s]
             path[b, s] = p
