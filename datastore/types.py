@@ -42,6 +42,11 @@ class DraftConfig:
             raise ValueError(f"n_max must be in [n_min={self.n_min}, {MAX_SUFFIX}], got {self.n_max}")
 
 
+def _optional_equal(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Both absent, or both present and equal."""
+    return a is None and b is None or a is not None and b is not None and np.array_equal(a, b)
+
+
 def _frozen_array(values, dtype) -> np.ndarray:
     array = np.ascontiguousarray(values, dtype=dtype)
     array.setflags(write=False)
@@ -196,10 +201,8 @@ class DraftTree:
             and (self.match_len, self.num_matches, self.num_sampled)
             == (other.match_len, other.num_matches, other.num_sampled)
             and np.array_equal(self.scores, other.scores)
-            and (self.source_probs is None) == (other.source_probs is None)
-            and (self.source_probs is None or np.array_equal(self.source_probs, other.source_probs))
-            and (self.source_samples is None) == (other.source_samples is None)
-            and (self.source_samples is None or np.array_equal(self.source_samples, other.source_samples))
+            and _optional_equal(self.source_probs, other.source_probs)
+            and _optional_equal(self.source_samples, other.source_samples)
         )
 
     __hash__ = None  # type: ignore[assignment]

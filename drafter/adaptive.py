@@ -3,9 +3,9 @@
 Each step it drafts candidates from the static index and the store of recent outputs (one call to
 the base drafter, one RPC when remote) and from the request's own text (``RequestMatcher``),
 merges them into one tree scored by estimated acceptance (``datastore.merge``: per-source path
-probabilities, weights calibrated per source and sample size, noisy-OR) and keeps the part that maximizes expected tokens per
-second of verification, (1 + sum of kept scores) / t(1 + kept) (``drafter.budget.select_tree``,
-Sequoia's hardware-aware size; NOTES section 4). On a CPU where a 64-token verification costs 4x
+probabilities, weights calibrated per source and sample size, noisy-OR) and keeps the part that
+maximizes expected tokens per second of verification, (1 + sum of kept scores) / t(1 + kept)
+(``drafter.budget.select_tree``, Sequoia's hardware-aware size; NOTES section 4). On a CPU where a 64-token verification costs 4x
 a 1-token step (section 8) that is a small tree, or none at all.
 
 The decoding loop (``drafter.generate``) needs no change: it only calls ``draft``. What the
