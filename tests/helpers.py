@@ -142,11 +142,32 @@ def tree_from_paths(paths: Iterable[Sequence[int]], budget: int | None = None) -
 # ---- decoding-loop test doubles: real trees, streamers and stopping criteria ------------------
 
 
-class OracleTreeDrafter:
+class ScriptedDrafter:
+    """A ``Drafter`` for tests over the tiny models' vocabulary: subclasses say how to draft one
+    context (``draft``); batches draft row by row, and ``info`` names the drafter."""
+
+    name = "scripted"
+
+    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
+        raise NotImplementedError
+
+    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
+        return [self.draft(context, config) for context in contexts]
+
+    def info(self) -> IndexInfo:
+        return IndexInfo(1, self.name, f"sha256:{self.name}", MODEL_VOCAB, 0, 0, ())
+
+    def close(self) -> None:
+        pass
+
+
+class OracleTreeDrafter(ScriptedDrafter):
     """A Drafter that knows the continuations ``references`` (prompt + output, one per prompt it
     will see) and drafts real trees: the right branch cut at a random depth (0 .. max_depth), a
     wrong sibling at every level of it, a wrong token right below the cut, and a wrong child under
     each wrong node."""
+
+    name = "oracle"
 
     def __init__(self, *references: Sequence[int], seed: int = 0) -> None:
         self.references = [list(reference) for reference in references]
@@ -167,15 +188,6 @@ class OracleTreeDrafter:
             wrong = (true_next if true_next is not None else rng.randrange(MODEL_VOCAB)) + rng.randrange(1, MODEL_VOCAB)
             paths.append(right[:depth] + [wrong % MODEL_VOCAB, rng.randrange(MODEL_VOCAB)][: config.max_depth - depth])
         return tree_from_paths([p for p in paths if p], budget=config.budget)
-
-    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
-        return [self.draft(context, config) for context in contexts]
-
-    def info(self) -> IndexInfo:
-        return IndexInfo(1, "oracle", "sha256:oracle", MODEL_VOCAB, 0, 0, ())
-
-    def close(self) -> None:
-        pass
 
 
 class RecordingStreamer(BaseStreamer):

@@ -29,14 +29,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from datastore.types import DraftConfig, DraftTree, IndexInfo
+from datastore.types import DraftConfig, DraftTree
 from drafter.generate import StopConditions, decode, generate, prefill
 from drafter.kv_cache import new_cache
 from drafter.sampling import TokenChooser, prepare_generation_config, row_logits_processors
 from drafter.tree_attention import TreeInputs, build_tree_inputs
 from drafter.verify import tree_logits
-from tests.helpers import MODEL_VOCAB as VOCAB
-from tests.helpers import tiny_causal_lm, tree_from_paths
+from tests.helpers import ScriptedDrafter, tiny_causal_lm, tree_from_paths
 
 PROMPTS = ([17], [5, 17, 33, 99, 100, 7])
 NEW_TOKENS = 3
@@ -138,10 +137,12 @@ def test_exact_probabilities_are_model_generates(model: PreTrainedModel, exact) 
                 assert torch.allclose(torch.softmax(scores[0], dim=-1), probs, atol=1e-6)
 
 
-class LikelyPathsDrafter:
+class LikelyPathsDrafter(ScriptedDrafter):
     """What a good drafter proposes, from the exact distributions: under every node the two
     likeliest tokens, down to the NEW_TOKENS-th new token, plus a junk child of the root (a token
     the model cannot sample there)."""
+
+    name = "exact"
 
     def __init__(self, tables: dict[tuple[int, ...], torch.Tensor]) -> None:
         self.tables = tables
@@ -162,15 +163,6 @@ class LikelyPathsDrafter:
             frontier += [path + (t,) for t in likely]
         junk = int(self.tables[context].argmin())
         return tree_from_paths([*paths, (junk,)])
-
-    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
-        return [self.draft(context, config) for context in contexts]
-
-    def info(self) -> IndexInfo:
-        return IndexInfo(1, "exact", "sha256:exact", VOCAB, 0, 0, ())
-
-    def close(self) -> None:
-        pass
 
 
 class RestMembershipRule(TokenChooser):
