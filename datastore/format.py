@@ -26,6 +26,11 @@ rank range of the previous, shorter query, so one pass finds the longest matchin
 and the next token after each match is at ``len - rank_position``.
 
 All arrays are ``.npy`` files (little-endian, dtype in the header) and are memory-mapped at open.
+
+Every index is untrusted input: the manifest is type- and range-checked field by field and may
+name only the canonical files of this directory; open checks sizes, ``.npy`` headers and spot
+digests in O(1); ``check_shard`` checks every array's structure in O(n) (at build time, in
+``verify``, and at open on request), and the search kernels bounds-check what they read from disk.
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numba
 import numpy as np
 import pydivsufsort
 
@@ -44,10 +52,25 @@ FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 ROLES = ("tokens", "sa")
 _SPOT_BYTES = 1 << 16
+# The largest real vocabularies hold ~260k ids; 2^24 leaves 64x room while keeping every id exact
+# in the int32 of a draft tree and the per-shard memo of first-token ranges (8 bytes per id,
+# touched lazily) at most 128 MiB of address space.
+MAX_VOCAB_SIZE = 1 << 24
+# A manifest is a few hundred bytes per shard: 64 MiB is 100k+ shards, and caps what a damaged
+# or hostile one makes us read and parse.
+MAX_MANIFEST_BYTES = 64 << 20
+_MAX_COUNT = 1 << 62  # token, document and byte counts: far beyond any disk, still exact in int64
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
 
 
 class IndexFormatError(ValueError):
     """An index directory is missing, incomplete, corrupt or of another format version."""
+
+
+class IndexCorruptError(IndexFormatError):
+    """An index file's content is damaged: found by the structural check or, while drafting, by
+    a kernel's bounds checks (the server answers it with DATA_LOSS)."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -67,8 +90,12 @@ def sa_dtype(array_len: int) -> np.dtype:
     return np.dtype("<i4") if array_len < 2**31 else np.dtype("<i8")
 
 
+def shard_name(shard: int) -> str:
+    return f"shard-{shard:05d}"
+
+
 def shard_file(shard: int, role: str) -> str:
-    return f"shard-{shard:05d}.{role}.npy"
+    return f"{shard_name(shard)}.{role}.npy"
 
 
 def spot_digest(path: Path) -> str:
@@ -110,6 +137,11 @@ class ShardEntry:
     num_documents: int
     files: dict[str, FileEntry]
 
+    @property
+    def array_len(self) -> int:
+        """Length of the shard's token array: its tokens and one separator per document plus one."""
+        return self.num_tokens + self.num_documents + 1
+
 
 @dataclass(frozen=True)
 class TokenizerEntry:
@@ -147,32 +179,125 @@ class Manifest:
         return json.dumps(data, indent=2, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
-        data = json.loads(text)
+    def from_json(cls, text: str, source: str = MANIFEST) -> "Manifest":
+        """Parse and check a manifest; every problem is one ``IndexFormatError`` line
+        ``"<source>: <field>: <problem>"``."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, digit limits, deep nesting
+            raise IndexFormatError(f"{source}: not valid JSON: {exc}") from None
+        return _ManifestParser(source).manifest(data)
+
+
+def _short(value: object) -> str:
+    """``repr(value)`` cut to one short line: a hostile manifest's values go into error messages."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _json_type(value: object) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+             float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+class _ManifestParser:
+    """Checks a decoded manifest field by field: exact JSON types (a boolean is not an integer),
+    ranges, agreement between fields, and file names that are exactly the canonical ones, so a
+    damaged or hand-edited manifest can neither name a file outside the index nor ask for an
+    absurd allocation."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, problem: str) -> IndexFormatError:
+        return IndexFormatError(f"{self.source}: {where}: {problem}")
+
+    def obj(self, value: object, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+        """``value`` as a JSON object holding every ``required`` field and nothing unknown."""
+        if type(value) is not dict:
+            raise self.fail(where or "manifest", f"expected an object, got {_json_type(value)}")
+        for key in required:
+            if key not in value:
+                raise self.fail(f"{where}.{key}" if where else key, "missing")
+        unknown = sorted(set(value) - set(required) - set(optional))
+        if unknown:
+            raise self.fail(where or "manifest", f"unknown field {_short(unknown[0])}")
+        return value
+
+    def of_type(self, value: object, kind: type, where: str):
+        if type(value) is not kind:
+            raise self.fail(where, f"expected {_json_type(kind())}, got {_json_type(value)}")
+        return value
+
+    def count(self, value: object, where: str, lo: int = 0, hi: int = _MAX_COUNT) -> int:
+        if not lo <= self.of_type(value, int, where) <= hi:
+            raise self.fail(where, f"{_short(value)} is outside [{lo}, {hi}]")
+        return value
+
+    def equal(self, value: object, expected: object, where: str, why: str) -> None:
+        if value != expected or type(value) is not type(expected):
+            raise self.fail(where, f"{_short(value)} is not {expected!r} ({why})")
+
+    def manifest(self, data: object) -> Manifest:
+        # format and version first: another version's manifest may have other fields
+        if type(data) is not dict:
+            raise self.fail("manifest", f"expected an object, got {_json_type(data)}")
         if data.get("format") != FORMAT_NAME:
-            raise IndexFormatError(f"not a {FORMAT_NAME} manifest (format={data.get('format')!r})")
-        if data.get("format_version") != FORMAT_VERSION:
-            raise IndexFormatError(
-                f"index format version {data.get('format_version')} is not supported "
-                f"(this build reads version {FORMAT_VERSION}); rebuild the index with build_index"
-            )
-        shards = tuple(
-            ShardEntry(
-                s["name"],
-                int(s["num_tokens"]),
-                int(s["num_documents"]),
-                {role: FileEntry(**s["files"][role]) for role in ROLES},
-            )
-            for s in data["shards"]
+            raise self.fail("format", f"{_short(data.get('format'))}: not a {FORMAT_NAME} manifest")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION or type(version) is not int:
+            raise self.fail("format_version", f"index format version {_short(version)} is not supported "
+                            f"(this build reads version {FORMAT_VERSION}); rebuild the index with build_index")
+        data = self.obj(data, "", ("format", "format_version", "tokenizer", "token_dtype", "separator", "shards"),
+                        ("corpus", "build", "num_tokens", "num_documents"))
+        tokenizer = self.tokenizer(data["tokenizer"])
+        dtype = token_dtype(tokenizer.vocab_size)
+        self.equal(data["token_dtype"], dtype.str, "token_dtype", f"the dtype for {tokenizer.vocab_size} ids")
+        self.equal(data["separator"], separator(dtype), "separator", f"the largest {dtype.str} value")
+        shards = self.of_type(data["shards"], list, "shards")
+        if not shards:
+            raise self.fail("shards", "empty: an index has at least one shard")
+        manifest = Manifest(
+            tokenizer=tokenizer,
+            token_dtype=dtype.str,
+            separator=separator(dtype),
+            shards=tuple(self.shard(i, s) for i, s in enumerate(shards)),
+            corpus=self.of_type(data.get("corpus", {}), dict, "corpus"),
+            build=self.of_type(data.get("build", {}), dict, "build"),
         )
-        return cls(
-            tokenizer=TokenizerEntry(**data["tokenizer"]),
-            token_dtype=data["token_dtype"],
-            separator=int(data["separator"]),
-            shards=shards,
-            corpus=data.get("corpus", {}),
-            build=data.get("build", {}),
+        for total in ("num_tokens", "num_documents"):
+            if total in data:
+                self.equal(data[total], getattr(manifest, total), total, "the sum over the shards")
+        return manifest
+
+    def tokenizer(self, value: object) -> TokenizerEntry:
+        data = self.obj(value, "tokenizer", ("name", "fingerprint", "vocab_size"))
+        return TokenizerEntry(
+            self.of_type(data["name"], str, "tokenizer.name"),
+            self.of_type(data["fingerprint"], str, "tokenizer.fingerprint"),
+            self.count(data["vocab_size"], "tokenizer.vocab_size", 1, MAX_VOCAB_SIZE),
         )
+
+    def shard(self, i: int, value: object) -> ShardEntry:
+        where = f"shards[{i}]"
+        data = self.obj(value, where, ("name", "num_tokens", "num_documents", "files"))
+        self.equal(data["name"], shard_name(i), f"{where}.name", f"shard {i}'s name")
+        num_documents = self.count(data["num_documents"], f"{where}.num_documents", 1)
+        # the writer skips empty documents: every document has a token
+        num_tokens = self.count(data["num_tokens"], f"{where}.num_tokens", num_documents)
+        files = self.obj(data["files"], f"{where}.files", ROLES)
+        return ShardEntry(shard_name(i), num_tokens, num_documents,
+                          {role: self.file(files[role], i, role, f"{where}.files.{role}") for role in ROLES})
+
+    def file(self, value: object, shard: int, role: str, where: str) -> FileEntry:
+        data = self.obj(value, where, ("name", "bytes", "sha256", "spot_sha256"))
+        # only the canonical name: never a path, '..', an absolute name or another index's file
+        self.equal(data["name"], shard_file(shard, role), f"{where}.name", "the canonical file name")
+        for digest in ("sha256", "spot_sha256"):
+            if not _SHA256.fullmatch(self.of_type(data[digest], str, f"{where}.{digest}")):
+                raise self.fail(f"{where}.{digest}", "not a sha256 hex digest")
+        return FileEntry(data["name"], self.count(data["bytes"], f"{where}.bytes"), data["sha256"], data["spot_sha256"])
 
 
 def suffix_array(tokens: np.ndarray) -> np.ndarray:
@@ -191,22 +316,113 @@ def sa_length(num_tokens: int, num_documents: int) -> int:
     return num_tokens - num_documents
 
 
-def write_shard(directory: Path, shard: int, tokens: np.ndarray, sa: np.ndarray) -> ShardEntry:
-    """Write one shard's arrays, fsync them and describe them for the manifest.
+# ---- structural check -----------------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=True)
+def _scan_tokens(tokens, vocab_size, sep, counts):
+    """Return the first position holding neither a token id below ``vocab_size`` nor ``sep``
+    (-1: none); ``counts`` = (separators, positions followed by a real token, i.e. with a
+    continuation)."""
+    separators = 0
+    with_next = 0
+    for i in range(tokens.shape[0]):
+        t = tokens[i]
+        if t == sep:
+            separators += 1
+        elif t >= vocab_size:
+            return i
+        elif i + 1 < tokens.shape[0] and tokens[i + 1] != sep:
+            with_next += 1
+    counts[0], counts[1] = separators, with_next
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _scan_sa(tokens, sa, sep, seen):
+    """Return (rank, problem) of the first bad suffix-array entry, problem 0 when all are sound:
+    1 not a position with a continuation, 2 a position seen before, 3 out of order by its first
+    two tokens. ``seen`` is a zeroed bitmap of len(tokens) bits."""
+    n = tokens.shape[0]
+    prev_first, prev_second = -1, -1
+    for rank in range(sa.shape[0]):
+        r = sa[rank]
+        i = n - 1 - r  # reversed suffix r starts at tokens[i] and reads tokens[i - 1] next
+        if r < 0 or r >= n or i < 1 or i + 1 >= n or tokens[i] == sep or tokens[i + 1] == sep:
+            return rank, 1
+        if seen[r >> 3] & (1 << (r & 7)):
+            return rank, 2
+        seen[r >> 3] |= 1 << (r & 7)
+        first, second = np.int64(tokens[i]), np.int64(tokens[i - 1])
+        if first < prev_first or (first == prev_first and second < prev_second):
+            return rank, 3
+        prev_first, prev_second = first, second
+    return -1, 0
+
+
+def shard_problem(tokens: np.ndarray, sa: np.ndarray, vocab_size: int, num_documents: int) -> tuple[str, str] | None:
+    """The first structural fault of one shard's arrays as (role of the bad file, problem), None
+    if sound; O(len) time and len/8 bytes. Sound means: the token array starts and ends with the
+    separator, holds ids below ``vocab_size`` and ``num_documents + 1`` separators; the suffix
+    array is a permutation of the positions that have a continuation, ordered by their first two
+    reversed tokens (a partial sortedness check)."""
+    sep = separator(tokens.dtype)
+    for end in (0, tokens.shape[0] - 1):
+        if tokens[end] != sep:
+            return "tokens", f"token {end} = {tokens[end]} is not the separator {sep}"
+    counts = np.zeros(2, dtype=np.int64)
+    bad = _scan_tokens(tokens, vocab_size, tokens.dtype.type(sep), counts)
+    if bad >= 0:
+        return "tokens", f"token {bad} = {tokens[bad]} is outside the vocabulary [0, {vocab_size}) and not the separator {sep}"
+    separators, with_next = counts.tolist()
+    if separators != num_documents + 1:
+        return "tokens", f"{separators} separators, expected {num_documents + 1} for {num_documents} documents"
+    if with_next != sa.shape[0]:
+        return "sa", f"{sa.shape[0]} suffix-array entries for {with_next} positions with a continuation"
+    rank, problem = _scan_sa(tokens, sa, tokens.dtype.type(sep), np.zeros((tokens.shape[0] >> 3) + 1, np.uint8))
+    if not problem:
+        return None
+    what = {1: f"is not a position with a continuation in [1, {tokens.shape[0] - 1})",
+            2: "repeats an earlier entry's position",
+            3: f"is out of order after entry {rank - 1} = {sa[rank - 1] if rank else None}"}[problem]
+    return "sa", f"suffix-array entry {rank} = {sa[rank]} {what}"
+
+
+def check_shard(directory: Path, shard: ShardEntry, tokens: np.ndarray, sa: np.ndarray, vocab_size: int) -> None:
+    """Check one shard's arrays against its manifest entry and ``shard_problem``; raises
+    ``IndexCorruptError`` naming the bad file."""
+    if tokens.shape[0] != shard.array_len or sa.shape[0] != sa_length(shard.num_tokens, shard.num_documents):
+        found = ("tokens", f"{tokens.shape[0]} tokens and {sa.shape[0]} suffix-array entries do not match the "
+                 f"manifest's {shard.num_tokens} tokens in {shard.num_documents} documents")
+    else:
+        found = shard_problem(tokens, sa, vocab_size, shard.num_documents)
+    if found:
+        role, problem = found
+        raise IndexCorruptError(f"index file {directory / shard.files[role].name} is corrupt: {problem}")
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+
+def write_shard(directory: Path, shard: int, tokens: np.ndarray, sa: np.ndarray, *, vocab_size: int | None = None) -> ShardEntry:
+    """Write one shard's arrays, fsync them, check the files as read back from disk (a bad write
+    is caught before the index is published) and describe them for the manifest.
 
     tokens      [len] token dtype, documents between separators
     sa          ``suffix_array(tokens)``
+    vocab_size  ids the tokens must stay below (None: any id but the separator)
     """
-    entries = {}
     for role, array in (("tokens", tokens), ("sa", sa)):
-        path = directory / shard_file(shard, role)
-        with open(path, "wb") as f:
+        with open(directory / shard_file(shard, role), "wb") as f:
             np.save(f, array, allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())
-        entries[role] = FileEntry.of(path)
     n_docs = int(np.count_nonzero(tokens == separator(tokens.dtype))) - 1
-    return ShardEntry(f"shard-{shard:05d}", int(tokens.shape[0] - n_docs - 1), n_docs, entries)
+    entry = ShardEntry(shard_name(shard), int(tokens.shape[0] - n_docs - 1), n_docs,
+                       {role: FileEntry.of(directory / shard_file(shard, role)) for role in ROLES})
+    on_disk = _map_shard(directory, entry, tokens.dtype)
+    check_shard(directory, entry, *on_disk, separator(tokens.dtype) if vocab_size is None else vocab_size)
+    return entry
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
@@ -217,41 +433,86 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
         os.fsync(f.fileno())
 
 
+# ---- reading ----------------------------------------------------------------------------------
+
+
+def _regular_file(directory: Path, name: str) -> Path:
+    """``directory / name``, refused unless it is a regular file (a FIFO would block the read,
+    a device never ends) that stays inside ``directory`` when symlinks are resolved."""
+    path = directory / name
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise IndexFormatError(f"index file missing: {path}") from None
+    except OSError as exc:  # a symlink loop, a name too long, no permission
+        raise IndexFormatError(f"index file {path} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise IndexFormatError(f"index file {path} is not a regular file")
+    if not path.resolve().is_relative_to(directory.resolve()):
+        raise IndexFormatError(f"index file {path} is a link to {path.resolve()}, outside the index directory")
+    return path
+
+
 def read_manifest(directory: Path) -> Manifest:
-    path = Path(directory) / MANIFEST
-    if not Path(directory).is_dir():
+    """The checked manifest of the index at ``directory``; raises ``IndexFormatError``."""
+    directory = Path(directory)
+    if not directory.is_dir():
         raise IndexFormatError(f"index directory not found: {directory}")
-    if not path.is_file():
+    if not (directory / MANIFEST).exists():
         raise IndexFormatError(f"{directory} is not an index: {MANIFEST} is missing")
+    path = _regular_file(directory, MANIFEST)
+    with open(path, "rb") as f:
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise IndexFormatError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes; not a manifest we wrote")
     try:
-        return Manifest.from_json(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise IndexFormatError(f"corrupt manifest {path}: {exc}") from exc
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise IndexFormatError(f"{path}: not UTF-8 text: {exc}") from None
+    return Manifest.from_json(text, str(path))
 
 
-def _load(path: Path, entry: FileEntry, dtype: np.dtype | None, length: int | None, full_check: bool) -> np.ndarray:
-    if not path.is_file():
-        raise IndexFormatError(f"index file missing: {path}")
-    if path.stat().st_size != entry.bytes:
-        raise IndexFormatError(f"index file {path} has {path.stat().st_size} bytes, manifest says {entry.bytes}")
-    digest_ok = (file_digest(path) == entry.sha256) if full_check else (spot_digest(path) == entry.spot_sha256)
-    if not digest_ok:
-        raise IndexFormatError(f"index file {path} is corrupt (sha256 mismatch)")
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as exc:
-        raise IndexFormatError(f"index file {path} is not a valid .npy array: {exc}") from exc
-    if array.ndim != 1 or (dtype is not None and array.dtype != dtype) or (length is not None and array.shape[0] != length):
-        raise IndexFormatError(f"index file {path} holds {array.dtype}{list(array.shape)}, which the manifest does not describe")
-    return array
+def _map_array(path: Path, dtype: np.dtype, length: int) -> np.ndarray:
+    """Memory-map the 1-D ``.npy`` array at ``path`` after checking its header holds exactly
+    ``dtype[length]`` and the file is exactly that header plus that data."""
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version not in _NPY_HEADER_READERS:
+                raise ValueError(f".npy format version {version} is not one we write")
+            shape, fortran_order, header_dtype = _NPY_HEADER_READERS[version](f)
+        except (ValueError, RecursionError) as exc:  # numpy's errors for every malformed header
+            raise IndexFormatError(f"index file {path} is not a valid .npy array: {str(exc).splitlines()[0]}") from None
+        offset = f.tell()
+    if header_dtype != dtype or shape != (length,) or fortran_order:
+        raise IndexFormatError(f"index file {path} holds {header_dtype}{list(shape)}, the manifest describes {dtype}[{length}]")
+    size = path.stat().st_size
+    if size != offset + length * dtype.itemsize:
+        raise IndexFormatError(f"index file {path} has {size} bytes, its header describes {offset + length * dtype.itemsize}")
+    # a plain ndarray view of the memory map: np.memmap's subclass hooks cost more than the search
+    return np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(length,)))
 
 
-def open_shard(directory: Path, shard: ShardEntry, manifest: Manifest, full_check: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Memory-map one shard's (tokens, sa), checking sizes, digests, dtypes and lengths.
+def _map_shard(directory: Path, shard: ShardEntry, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    return (_map_array(directory / shard.files["tokens"].name, dtype, shard.array_len),
+            _map_array(directory / shard.files["sa"].name, sa_dtype(shard.array_len),
+                       sa_length(shard.num_tokens, shard.num_documents)))
 
-    ``full_check`` hashes whole files (slow for big indexes); otherwise only the spot digest."""
-    files = shard.files
-    length = shard.num_tokens + shard.num_documents + 1
-    tokens = _load(directory / files["tokens"].name, files["tokens"], np.dtype(manifest.token_dtype), length, full_check)
-    sa = _load(directory / files["sa"].name, files["sa"], sa_dtype(length), sa_length(shard.num_tokens, shard.num_documents), full_check)
+
+def open_shard(directory: Path, shard: ShardEntry, manifest: Manifest, full_check: bool = False,
+               check: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Memory-map one shard's (tokens, sa), checking file types, sizes, digests, headers and
+    lengths in O(1). ``full_check`` hashes whole files (slow for big indexes; otherwise only the
+    spot digest), ``check`` runs ``check_shard`` (O(n)). Raises ``IndexFormatError``."""
+    for role in ROLES:
+        entry = shard.files[role]
+        path = _regular_file(directory, entry.name)
+        if path.stat().st_size != entry.bytes:
+            raise IndexFormatError(f"index file {path} has {path.stat().st_size} bytes, manifest says {entry.bytes}")
+        digest_ok = (file_digest(path) == entry.sha256) if full_check else (spot_digest(path) == entry.spot_sha256)
+        if not digest_ok:
+            raise IndexCorruptError(f"index file {path} is corrupt (sha256 mismatch)")
+    tokens, sa = _map_shard(directory, shard, np.dtype(manifest.token_dtype))
+    if check:
+        check_shard(directory, shard, tokens, sa, manifest.tokenizer.vocab_size)
     return tokens, sa

@@ -20,6 +20,7 @@ draft in parallel on every core.
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,14 +38,23 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CANDIDATES = 1024
 
 
+# Kernel results: the count or status they return is negative for corruption, with the bad
+# (index, value) read from disk in ``fault``. Every value that comes from disk is bounds-checked
+# before it is used as an index, so a damaged or hostile file can never make a kernel read
+# outside its arrays (a segmentation fault in the server) or put a non-token in a draft.
+_BAD_SA_ENTRY = -1  # fault = (rank, suffix-array value)
+_BAD_TOKEN = -2  # fault = (position, token)
+
+
 @numba.njit(nogil=True, cache=True)
-def _match_ranges(tokens, sa, single_token_ranges, query_reversed, ranges):
+def _match_ranges(tokens, sa, single_token_ranges, query_reversed, ranges, fault):
     """Fill ``ranges[j]`` with the rank range [lo, hi) of the last j+1 context tokens and return
-    how many tokens matched (the loop stops at the first miss).
+    how many tokens matched (the loop stops at the first miss), or ``_BAD_SA_ENTRY``.
 
     ``single_token_ranges[t]`` memoizes the first step, the one over the whole array, for token
-    ``t``: ``lo << 32 | (hi - lo)``, -1 while unknown. One 8-byte store, so threads that race to
-    fill an entry write the same value and never expose half of it.
+    ``t``: ``(lo << 32 | (hi - lo)) + 1``, 0 while unknown (so the memo starts as zeroed pages the
+    OS maps lazily). One 8-byte store, so threads that race to fill an entry write the same value
+    and never expose half of it.
 
     Within a range that shares its first ``depth`` tokens, the next tokens are sorted, so each
     step is a binary search for the first and one past the last rank holding the token among
@@ -54,31 +64,39 @@ def _match_ranges(tokens, sa, single_token_ranges, query_reversed, ranges):
     lo, hi = 0, sa.shape[0]
     for depth in range(query_reversed.shape[0]):
         token = query_reversed[depth]
-        if depth == 0 and single_token_ranges[token] >= 0:
-            packed = single_token_ranges[token]
+        if depth == 0 and single_token_ranges[token] > 0:
+            packed = single_token_ranges[token] - 1
             lo, hi = packed >> 32, (packed >> 32) + (packed & 0xFFFFFFFF)
             if lo == hi:
                 return 0
             ranges[0, 0], ranges[0, 1] = lo, hi
             continue
-        last = tokens.shape[0] - 1 - depth  # R[r + depth] == tokens[last - r]
+        last = tokens.shape[0] - 1 - depth  # R[r + depth] == tokens[last - r], in bounds for 0 <= r <= last
         a_lo, a_hi = lo, hi  # first rank with key >= token lies in [a_lo, a_hi]
         b_lo, b_hi = lo, hi  # first rank with key > token lies in [b_lo, b_hi]
         while a_lo < a_hi or b_lo < b_hi:
             if a_lo < a_hi:
                 mid = (a_lo + a_hi) >> 1
-                if tokens[last - sa[mid]] < token:
+                r = sa[mid]
+                if r < 0 or r > last:
+                    fault[0], fault[1] = mid, r
+                    return _BAD_SA_ENTRY
+                if tokens[last - r] < token:
                     a_lo = mid + 1
                 else:
                     a_hi = mid
             if b_lo < b_hi:
                 mid = (b_lo + b_hi) >> 1
-                if tokens[last - sa[mid]] <= token:
+                r = sa[mid]
+                if r < 0 or r > last:
+                    fault[0], fault[1] = mid, r
+                    return _BAD_SA_ENTRY
+                if tokens[last - r] <= token:
                     b_lo = mid + 1
                 else:
                     b_hi = mid
-        if depth == 0 and b_lo < (1 << 32):  # shards past 2^32 tokens: not memoized
-            single_token_ranges[token] = (a_lo << 32) | (b_lo - a_lo)
+        if depth == 0 and b_lo < (1 << 31):  # shards past 2^31 tokens: not memoized
+            single_token_ranges[token] = ((a_lo << 32) | (b_lo - a_lo)) + 1
         if a_lo == b_lo:
             return depth
         lo, hi = a_lo, b_lo
@@ -87,36 +105,72 @@ def _match_ranges(tokens, sa, single_token_ranges, query_reversed, ranges):
 
 
 @numba.njit(nogil=True, cache=True)
-def _continuations(tokens, sa, ranks, sep, out):
+def _continuations(tokens, sa, ranks, sep, vocab_size, out, fault):
     """``out[i]`` = the tokens after the match at rank ``ranks[i]``, ``sep`` from its document's
-    end on (the array ends with a separator, so no window runs past a document unnoticed)."""
+    end on (the array ends with a separator, so no window runs past a document unnoticed).
+    Returns 0, or ``_BAD_SA_ENTRY`` / ``_BAD_TOKEN`` (a value that is neither an id below
+    ``vocab_size`` nor ``sep``)."""
+    n = tokens.shape[0]
     for i in range(ranks.shape[0]):
-        position = tokens.shape[0] - sa[ranks[i]]  # first token after the match
+        r = sa[ranks[i]]
+        if r < 1 or r > n:
+            fault[0], fault[1] = ranks[i], r
+            return _BAD_SA_ENTRY
+        position = n - r  # first token after the match
         ended = False
         for j in range(out.shape[1]):
-            if not ended and (position + j >= tokens.shape[0] or tokens[position + j] == sep):
+            if not ended and (position + j >= n or tokens[position + j] == sep):
                 ended = True
-            out[i, j] = sep if ended else tokens[position + j]
+            if ended:
+                out[i, j] = sep
+            else:
+                token = tokens[position + j]
+                if token >= vocab_size:
+                    fault[0], fault[1] = position + j, token
+                    return _BAD_TOKEN
+                out[i, j] = token
+    return 0
 
 
 @dataclass(frozen=True)
 class _Shard:
-    """One memory-mapped shard: token array and the suffix array of the reversed tokens."""
+    """One memory-mapped shard: token array and the suffix array of the reversed tokens, with the
+    paths of their files (a kernel that finds them corrupt names the file)."""
 
     tokens: np.ndarray
     sa: np.ndarray
     single_token_ranges: np.ndarray  # int64 [vocab], filled as tokens are first queried
+    tokens_path: Path
+    sa_path: Path
 
     def match_ranges(self, query_reversed: np.ndarray) -> np.ndarray:
         """int64 [j, 2] rank ranges of the longest prefix of ``query_reversed`` (the context read
         backwards, int64): row i is the range for the last i+1 context tokens."""
         ranges = np.empty((query_reversed.shape[0], 2), dtype=np.int64)
-        return ranges[: _match_ranges(self.tokens, self.sa, self.single_token_ranges, query_reversed, ranges)]
+        fault = np.empty(2, dtype=np.int64)
+        matched = _match_ranges(self.tokens, self.sa, self.single_token_ranges, query_reversed, ranges, fault)
+        if matched < 0:
+            raise self._corrupt(matched, fault)
+        return ranges[:matched]
 
-    def continuations(self, ranks: np.ndarray, sep: int, out: np.ndarray) -> None:
+    def continuations(self, ranks: np.ndarray, sep: int, vocab_size: int, out: np.ndarray) -> None:
         """Fill ``out`` [len(ranks), length] with the tokens following each match, ``sep`` (the
         index's separator) from a document's end on."""
-        _continuations(self.tokens, self.sa, ranks, self.tokens.dtype.type(sep), out)
+        fault = np.empty(2, dtype=np.int64)
+        status = _continuations(self.tokens, self.sa, ranks, self.tokens.dtype.type(sep), vocab_size, out, fault)
+        if status < 0:
+            raise self._corrupt(status, fault)
+
+    def _corrupt(self, status: int, fault: np.ndarray) -> fmt.IndexCorruptError:
+        where, value = fault.tolist()
+        if status == _BAD_TOKEN:
+            path, problem = self.tokens_path, f"token {where} = {value} is outside the vocabulary"
+        elif 0 <= value < self.tokens.shape[0]:
+            path, problem = self.sa_path, f"suffix-array entry {where} = {value} runs past the token array's end"
+        else:
+            path, problem = self.sa_path, f"suffix-array entry {where} = {value} is outside [0, {self.tokens.shape[0]})"
+        return fmt.IndexCorruptError(f"index file {path} is corrupt: {problem}; run "
+                                     f"`rest-datastore verify --index {path.parent}`")
 
 
 class Datastore:
@@ -132,25 +186,38 @@ class Datastore:
         self._closed = False
 
     @classmethod
-    def open(cls, path: str | Path, *, verify: bool = False, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> "Datastore":
-        """Memory-map the index at ``path``; ``verify`` hashes every file in full (slow on big
-        indexes; the default checks sizes, dtypes and spot digests). Raises ``IndexFormatError``."""
+    def open(cls, path: str | Path, *, verify: bool = False, check: bool = False,
+             max_candidates: int = DEFAULT_MAX_CANDIDATES) -> "Datastore":
+        """Memory-map the index at ``path``, checking its manifest, file sizes, headers and spot
+        digests. ``check`` adds the structural check of every array (``fmt.check_shard``, O(n));
+        ``verify`` hashes every file in full as well (slow on big indexes). Raises
+        ``IndexFormatError`` (``IndexCorruptError`` for damaged content)."""
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be positive, got {max_candidates}")
         path = Path(path)
         manifest = fmt.read_manifest(path)
-        if not manifest.shards:
-            raise fmt.IndexFormatError(f"index {path} has no shards")
         shards = [
-            # plain ndarray views of the memory maps: np.memmap's subclass hooks cost more than the search
             _Shard(
-                *(np.asarray(a) for a in fmt.open_shard(path, entry, manifest, full_check=verify)),
-                single_token_ranges=np.full(manifest.tokenizer.vocab_size, -1, dtype=np.int64),
+                *fmt.open_shard(path, entry, manifest, full_check=verify, check=verify or check),
+                # zeroed pages cost no memory until a first token's range is stored in them
+                single_token_ranges=np.zeros(manifest.tokenizer.vocab_size, dtype=np.int64),
+                tokens_path=path / entry.files["tokens"].name,
+                sa_path=path / entry.files["sa"].name,
             )
             for entry in manifest.shards
         ]
         log.info("opened %s: %d tokens in %d shards", path, manifest.num_tokens, len(shards))
         return cls(path, manifest, shards, max_candidates)
+
+    def warm_up(self) -> float:
+        """Compile (or load from numba's on-disk cache) every kernel a draft from this index uses,
+        for its dtypes, and ``top_c_tree`` for the uint32 rows of the output store and the request
+        matcher, so the first draft is as fast as any other; returns the seconds it took."""
+        start = time.perf_counter()
+        for shard in self._shards:
+            _warm_up_shard(shard, self._sep, self.vocab_size)
+        _warm_up_top_c_tree(np.dtype("<u4"))
+        return time.perf_counter() - start
 
     @property
     def vocab_size(self) -> int:
@@ -204,7 +271,8 @@ class Datastore:
         offsets = np.concatenate(([0], np.cumsum(sizes)))
         for i, (shard, (lo, _)) in enumerate(hits):
             first, last = np.searchsorted(picked, offsets[i : i + 2])
-            shard.continuations(picked[first:last] - offsets[i] + lo, self._sep, continuations[first:last])
+            shard.continuations(picked[first:last] - offsets[i] + lo, self._sep, self.vocab_size,
+                                continuations[first:last])
         tokens, parents, counts = top_c_tree(continuations, self._sep, config.budget)
         return DraftTree(tokens, parents, counts, match_len, num_matches, picked.size)
 
@@ -231,3 +299,36 @@ class Datastore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _warm_up_top_c_tree(dtype: np.dtype) -> None:
+    sep = fmt.separator(dtype)
+    top_c_tree(np.full((1, 1), sep, dtype), sep, 1)
+
+
+def _warm_up_shard(shard: _Shard, sep: int, vocab_size: int) -> None:
+    """Call every kernel a draft calls on ``shard``, through the same wrappers (so with the same
+    argument types: numba compiles one specialization per type, read-only arrays included)."""
+    shard.match_ranges(np.zeros(1, dtype=np.int64))  # token 0 is in every vocabulary
+    shard.continuations(np.zeros(0, dtype=np.int64), sep, vocab_size, np.empty((0, 1), shard.tokens.dtype))
+    _warm_up_top_c_tree(shard.tokens.dtype)
+
+
+def compile_kernels() -> float:
+    """Compile every specialization of the retrieval kernels and of ``fmt.check_shard`` that an
+    index can need (tokens <u2 and <u4, suffix arrays <i4 and <i8; trie rows <u2 and <u4) on tiny
+    read-only arrays like the memory maps, filling numba's on-disk cache (so a fresh install's
+    first server start or build does not compile); returns the seconds it took."""
+    start = time.perf_counter()
+    for token_dtype, vocab_size in ((np.dtype("<u2"), 3), (np.dtype("<u4"), 0xFFFF)):
+        sep = fmt.separator(token_dtype)
+        tokens = np.array([sep, 0, 1, 2, sep], dtype=token_dtype)
+        for sa_dtype in (np.dtype("<i4"), np.dtype("<i8")):
+            sa = fmt.suffix_array(tokens).astype(sa_dtype)
+            for array in (tokens, sa):
+                array.setflags(write=False)
+            fmt.shard_problem(tokens, sa, vocab_size, num_documents=1)
+            shard = _Shard(tokens, sa, np.zeros(vocab_size, dtype=np.int64),
+                           tokens_path=Path("tiny.tokens.npy"), sa_path=Path("tiny.sa.npy"))
+            _warm_up_shard(shard, sep, vocab_size)
+    return time.perf_counter() - start
