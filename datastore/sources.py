@@ -15,6 +15,8 @@ than two tokens (``n_min`` 1 acts as 2: one shared token predicts little).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import logging
 import math
@@ -24,7 +26,7 @@ import threading
 import zlib
 from collections import deque
 from pathlib import Path
-from typing import BinaryIO, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -179,56 +181,99 @@ class RequestMatcher:
 
 
 class OutputStoreError(RuntimeError):
-    """The output store's log is unusable: foreign, corrupt before its end, or locked."""
+    """The output store's log is unusable: foreign, damaged before its end, or locked."""
+
+
+class OutputStoreWriteError(OSError):
+    """Writing the log failed; what was being written is not stored and the log is as it was.
+    ``errno`` is the cause's: ENOSPC, EDQUOT or EFBIG mean a full disk, quota or file-size limit
+    (retry once space is freed), anything else (EIO, ...) a failing disk."""
+
+    def __init__(self, cause: OSError, message: str) -> None:
+        super().__init__(cause.errno if cause.errno is not None else errno.EIO, message)
+
+    def __str__(self) -> str:
+        return self.strerror  # one line, without OSError's "[Errno n]" prefix
 
 
 class _Record(NamedTuple):
     seq: int
-    tokens: np.ndarray  # uint32
+    tokens: np.ndarray  # uint32; empty for a marker that only carries the newest sequence number
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    """``pwrite`` all of ``data`` at ``offset``: a full disk or a file-size limit ends a write
+    early and only the next one fails."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written == 0:
+            raise OSError(errno.EIO, "the disk accepted no bytes")
+        view, offset = view[written:], offset + written
 
 
 class _Log:
     """The append-only file behind a persistent ``OutputStore``.
 
     ``outputs.log`` = magic, then one record per document: [u64 seq][u32 n][u32 crc32 of the
-    12 bytes before it and the payload], payload n little-endian u32 tokens. Each append is
-    fsynced before ``add`` acknowledges it, so after a crash only the last record can be torn;
-    replay drops such a record with a warning. A bad record followed by a good one is damage to
-    acknowledged data and is refused. Compaction writes the live records to a temporary file and
-    renames it over the log. A ``LOCK`` file keeps a second process out."""
+    12 bytes before it and the payload], payload n little-endian u32 tokens (n = 0: a marker
+    holding only the newest sequence number given, written when no document holds it).
+
+    The committed length -- the bytes of whole, fsynced records -- is tracked here, never taken
+    from the file: a record is written at that offset and fsynced before it is committed (and
+    before ``add`` acknowledges it). A failed write cuts the file back to the committed length
+    (ftruncate + fsync); if even that fails, every later append retries the cut-back first and
+    refuses until it succeeds. So after a crash only the last record can be torn, and replay
+    drops it with a warning: it was never acknowledged. Damage followed by a valid record is
+    damage to acknowledged data: opening refuses it, naming the offset and the records after
+    it, unless asked to salvage them. Rewrites (compaction, salvage) go to a temporary file that
+    is renamed over the log; a failed rewrite leaves the old log in use. A ``LOCK`` file keeps a
+    second process out."""
 
     MAGIC = b"RESTOUT1"
     NAME = "outputs.log"
     _HEADER = struct.Struct("<QII")
+    # How far past the last good sequence number a record after damage is looked for: between
+    # two records of one log lie fewer records than that (2**32 records take 64 GiB or more).
+    _SEQ_WINDOW = 1 << 32
+    _SCAN_CHUNK = 1 << 20  # bytes searched for a record per vectorized pass
 
     def __init__(self, directory: Path) -> None:
-        """Lock ``directory`` (created if missing) and create an empty log there if it has none."""
+        """Lock ``directory`` (created if missing) and open its log, creating an empty one."""
         directory.mkdir(parents=True, exist_ok=True)
         self.directory, self.path = directory, directory / self.NAME
-        self._file: BinaryIO | None = None  # the append handle, opened after replay
+        self._fd: int | None = None
+        self._committed = 0  # set by ``rewrite`` or ``_recover``
+        self._needs_cut_back = False  # a failed write may have left bytes past _committed
         self._lock_file = open(directory / "LOCK", "a")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock_file.close()
             raise OutputStoreError(f"output store {directory} is open in another process") from None
-        if not self.path.exists():
-            try:
+        try:
+            if self.path.exists():
+                self._fd = os.open(self.path, os.O_RDWR)
+            else:
                 self.rewrite([])
-            except BaseException:
-                self._lock_file.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
-    def open(cls, directory: Path) -> tuple["_Log", list[_Record]]:
-        """The log in ``directory``, ready to append, and its records (a torn last one dropped)."""
+    def open(cls, directory: Path, salvage: bool = False) -> tuple["_Log", list[_Record]]:
+        """The log in ``directory``, ready to append, and its records: a torn last one dropped,
+        damaged ones before valid ones refused, or with ``salvage`` dropped (the log rewritten)."""
         opened = cls(directory)
         try:
-            records = opened._replay()
+            records = opened._recover(salvage)
         except BaseException:
             opened.close()
             raise
-        opened._file = open(opened.path, "ab")
         return opened, records
 
     @staticmethod
@@ -248,68 +293,156 @@ class _Log:
             return None
         return _Record(seq, np.frombuffer(data, "<u4", n, start).astype(np.uint32)), end
 
-    def _replay(self) -> list[_Record]:
+    @classmethod
+    def _find_record(cls, data: bytes, start: int, after_seq: int) -> int | None:
+        """The first offset >= ``start`` of a valid record numbered after ``after_seq``, or None.
+        Every byte offset is tried (damage may have shifted the bytes), but only where the seq
+        field is within ``_SEQ_WINDOW`` after ``after_seq``; those are found vectorized, a chunk
+        at a time, so a search costs about the distance to the record it finds."""
+        if after_seq + 1 >= 2**64:
+            return None
+        lo, hi = np.uint64(after_seq + 1), np.uint64(min(after_seq + cls._SEQ_WINDOW, 2**64 - 1))
+        last = len(data) - cls._HEADER.size  # the last offset a header fits at
+        for chunk in range(start, last + 1, cls._SCAN_CHUNK):
+            chunk_last = min(chunk + cls._SCAN_CHUNK - 1, last)
+            candidates = []
+            for first in range(chunk, min(chunk + 8, chunk_last + 1)):  # seq fields at first + 8k
+                seqs = np.frombuffer(data, "<u8", (chunk_last - first) // 8 + 1, first)
+                candidates.append(first + 8 * np.flatnonzero((seqs >= lo) & (seqs <= hi)))
+            for offset in np.sort(np.concatenate(candidates)):
+                if cls._decode(data, int(offset)) is not None:
+                    return int(offset)
+        return None
+
+    def _recover(self, salvage: bool) -> list[_Record]:
+        """Replay the log, deal with its damage (see ``open``) and set the committed length."""
         data = self.path.read_bytes()
         if data[: len(self.MAGIC)] != self.MAGIC:
             raise OutputStoreError(f"{self.path} is not an output-store log (bad magic)")
-        records, offset = [], len(self.MAGIC)
+        records: list[_Record] = []
+        damage: list[tuple[int, int, int]] = []  # (start, stop, records before it)
+        offset = len(self.MAGIC)
         while offset < len(data):
             decoded = self._decode(data, offset)
             if decoded is None:
-                self._drop_torn_tail(data, offset)
-                break
+                found = self._find_record(data, offset + 1, records[-1].seq if records else -1)
+                damage.append((offset, len(data) if found is None else found, len(records)))
+                if found is None:
+                    break
+                offset = found
+                continue
             record, next_offset = decoded
             if records and record.seq <= records[-1].seq:
                 raise OutputStoreError(f"{self.path}: sequence number {record.seq} at byte {offset} is out of order")
             records.append(record)
             offset = next_offset
+        torn = damage.pop() if damage and damage[-1][1] == len(data) else None
+        if damage and not salvage:
+            start, _, before = damage[0]
+            raise OutputStoreError(
+                f"{self.path}: corrupt record at byte {start}, followed by {len(records) - before} valid "
+                f"records (seqs {records[before].seq}..{records[-1].seq}); open it with salvage "
+                "(rest-datastore serve --outputs-salvage) to keep every valid record and drop the damaged bytes"
+            )
+        if damage:
+            dropped = sum(stop - start for start, stop, _ in damage) + (len(data) - torn[0] if torn else 0)
+            log.warning("%s: salvaged %d valid records; dropped %d damaged bytes in %d places (first at byte %d)",
+                        self.path, len(records), dropped, len(damage) + bool(torn), damage[0][0])
+            self.rewrite([self.encode(r.seq, r.tokens) for r in records])
+            return records
+        self._committed = len(data) if torn is None else torn[0]
+        if torn:
+            log.warning("%s: dropping a torn last record (%d bytes at byte %d); it was never acknowledged",
+                        self.path, len(data) - torn[0], torn[0])
+            try:
+                self._cut_back()
+            except OSError as exc:
+                raise OutputStoreWriteError(
+                    exc, f"output store {self.directory}: cutting off the torn last record failed ({_reason(exc)})"
+                ) from exc
         return records
 
-    def _drop_torn_tail(self, data: bytes, offset: int) -> None:
-        if offset + self._HEADER.size <= len(data):
-            _, n, _ = self._HEADER.unpack_from(data, offset)
-            following = offset + self._HEADER.size + 4 * n
-            if following < len(data) and self._decode(data, following) is not None:
-                raise OutputStoreError(f"{self.path}: corrupt record at byte {offset} before acknowledged records")
-        log.warning("%s: dropping a torn last record (%d bytes at byte %d); it was never acknowledged",
-                    self.path, len(data) - offset, offset)
-        with open(self.path, "r+b") as file:
-            file.truncate(offset)
-            os.fsync(file.fileno())
-
     def append(self, record: bytes) -> None:
-        """Write and fsync ``record``; on failure cut the file back so no torn record stays."""
-        assert self._file is not None, "append before open"
-        size = self._file.tell()
+        """Write ``record`` at the committed length and fsync it, then commit it; on failure
+        cut the file back and raise ``OutputStoreWriteError`` (the record is not stored)."""
+        assert self._fd is not None, "append to a closed log"
+        if self._needs_cut_back:
+            try:
+                self._cut_back()
+            except OSError as exc:
+                raise OutputStoreWriteError(
+                    exc, f"output store {self.directory}: the log cannot be cut back to its last acknowledged "
+                    f"record after a failed write ({_reason(exc)}); the addition was NOT stored"
+                ) from exc
         try:
-            self._file.write(record)
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        except BaseException:
-            self._file.truncate(size)
+            _write_all(self._fd, record, self._committed)
+            os.fsync(self._fd)
+        except BaseException as exc:
+            self._needs_cut_back = True
+            try:
+                self._cut_back()
+            except OSError as cut_exc:
+                log.error("%s: cutting the log back after a failed write failed (%s); appends are refused "
+                          "until a cut-back succeeds", self.path, _reason(cut_exc))
+            if isinstance(exc, OSError):
+                raise OutputStoreWriteError(
+                    exc, f"output store {self.directory}: writing the log failed ({_reason(exc)}); "
+                    "the addition was NOT stored"
+                ) from exc
             raise
+        self._committed += len(record)
 
-    def rewrite(self, records: list[bytes]) -> None:
-        """Replace the log by ``records`` atomically (temporary file, fsync, rename, fsync dir)."""
-        temporary = self.path.with_suffix(".tmp")
-        with open(temporary, "wb") as file:
-            file.write(self.MAGIC)
-            file.writelines(records)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self.path)
+    def _cut_back(self) -> None:
+        """Make the file exactly its committed records, durably (name included)."""
+        assert self._fd is not None
+        os.ftruncate(self._fd, self._committed)
+        os.fsync(self._fd)
+        self._fsync_directory()
+        self._needs_cut_back = False
+
+    def _fsync_directory(self) -> None:
         directory = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(directory)
         finally:
             os.close(directory)
-        if self._file is not None:
-            self._file.close()
-            self._file = open(self.path, "ab")
+
+    def rewrite(self, records: list[bytes]) -> None:
+        """Replace the log by ``records`` atomically (temporary file, fsync, rename, fsync dir);
+        ``OutputStoreWriteError`` if that fails, the old log still in use and unchanged."""
+        temporary = self.path.with_suffix(".tmp")
+        data = self.MAGIC + b"".join(records)
+        fd = None
+        try:
+            fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            _write_all(fd, data, 0)
+            os.fsync(fd)
+            os.replace(temporary, self.path)
+        except OSError as exc:
+            if fd is not None:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise OutputStoreWriteError(
+                exc, f"output store {self.directory}: rewriting the log failed ({_reason(exc)}); "
+                "the old log is unchanged"
+            ) from exc
+        # The descriptor follows the renamed file, so appends cannot go to the replaced one.
+        previous, self._fd, self._committed = self._fd, fd, len(data)
+        if previous is not None:
+            os.close(previous)
+        try:
+            self._fsync_directory()
+            self._needs_cut_back = False
+        except OSError as exc:  # the rename may not be durable yet: appends wait until it is
+            self._needs_cut_back = True
+            log.error("%s: syncing the directory after a rewrite failed (%s); appends are refused until it "
+                      "succeeds", self.path, _reason(exc))
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._lock_file.close()  # releases the flock
 
 
@@ -328,7 +461,19 @@ class OutputStore:
     opening replays the log (same documents, same evictions), so a restart loses nothing that
     was acknowledged. Evicted data stays in memory and in the log until it outweighs the live
     data; then both are rewritten with the live documents only (amortized O(1) per token).
-    With ``vocab_size``, ``add`` refuses token ids outside the vocabulary."""
+    With ``vocab_size``, ``add`` refuses token ids outside the vocabulary (and opening refuses a
+    log that holds any).
+
+    An ``add`` whose write fails raises ``OutputStoreWriteError``: nothing of it is kept, in
+    memory or on disk. Sequence numbers: each acknowledged ``add`` gets the previous one's plus
+    one (0 first); a refused one gets none, so the next ``add`` gets the number it would have
+    had -- no one was told that number, and no record holds it. The log always holds the newest
+    number given (as its document, or as a marker once a smaller ``max_tokens`` evicts even
+    that at open), so a reopened store counts on after it; a torn last record was never
+    acknowledged, so its number is free. No number is ever given twice.
+
+    A log with damage before valid records is refused (``OutputStoreError``); ``salvage``
+    keeps every valid record, drops the damaged bytes and rewrites the log."""
 
     def __init__(
         self,
@@ -337,6 +482,7 @@ class OutputStore:
         *,
         vocab_size: int | None = None,
         max_candidates: int = DEFAULT_MAX_CANDIDATES,
+        salvage: bool = False,
     ) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
@@ -354,9 +500,12 @@ class OutputStore:
         self._closed = False
         self._log: _Log | None = None
         if directory is not None:
-            self._log, records = _Log.open(Path(directory))
-            for record in records:
-                self._insert(record.seq, record.tokens)
+            self._log, records = _Log.open(Path(directory), salvage)
+            try:
+                self._replay(records)
+            except BaseException:
+                self._log.close()
+                raise
             self._compact_if_mostly_evicted()
             log.info("opened output store %s: %d documents, %d tokens", directory, len(self), self._live_tokens)
 
@@ -400,6 +549,20 @@ class OutputStore:
             first_live = self._documents[0].start if self._documents else index.size
             return index.draft(query, config, first_live, self.max_candidates)
 
+    def _replay(self, records: list[_Record]) -> None:
+        assert self._log is not None
+        for record in records:
+            outside = record.tokens[record.tokens >= self.vocab_size]
+            if outside.size:
+                raise OutputStoreError(
+                    f"{self._log.path}: the record with sequence number {record.seq} holds token id "
+                    f"{int(outside[0])}, outside the vocabulary [0, {self.vocab_size}) (a log of another model?)"
+                )
+            if record.tokens.size:
+                self._insert(record.seq, record.tokens)
+            else:  # a marker: the newest number given, its document gone
+                self._next_seq = record.seq + 1
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("output store is closed")
@@ -424,8 +587,20 @@ class OutputStore:
         self._documents = deque(d._replace(start=d.start - shift) for d in self._documents)
         self._evicted_tokens = 0
         if self._log is not None:
-            tokens = self._index.tokens
-            self._log.rewrite([_Log.encode(d.seq, tokens[d.start : d.start + d.length]) for d in self._documents])
+            self._rewrite_log()
+
+    def _rewrite_log(self) -> None:
+        """Rewrite the log with the live documents. If that fails the old log, a superset that
+        replays to the same documents, stays: warn and try again at the next compaction."""
+        assert self._log is not None
+        tokens = self._index.tokens
+        records = [_Log.encode(d.seq, tokens[d.start : d.start + d.length]) for d in self._documents]
+        if self._next_seq and not self._documents:  # eviction is oldest first: the newest is gone only if all are
+            records.append(_Log.encode(self._next_seq - 1, np.zeros(0, np.uint32)))
+        try:
+            self._log.rewrite(records)
+        except OutputStoreWriteError as exc:
+            log.warning("%s; it keeps the evicted documents until the next compaction", exc)
 
     def close(self) -> None:
         with self._lock:
@@ -451,9 +626,9 @@ def check_outputs_options(max_tokens: int, directory: str | Path | None) -> None
 
 
 def open_output_store(
-    max_tokens: int, directory: str | Path | None = None, *, vocab_size: int | None = None
+    max_tokens: int, directory: str | Path | None = None, *, vocab_size: int | None = None, salvage: bool = False
 ) -> OutputStore | None:
     """The output store a drafter or server is configured with: ``max_tokens`` tokens, persistent
-    in ``directory`` if given; None for ``max_tokens`` 0."""
+    in ``directory`` if given (``salvage``: see ``OutputStore``); None for ``max_tokens`` 0."""
     check_outputs_options(max_tokens, directory)
-    return OutputStore(max_tokens, directory, vocab_size=vocab_size) if max_tokens else None
+    return OutputStore(max_tokens, directory, vocab_size=vocab_size, salvage=salvage) if max_tokens else None
