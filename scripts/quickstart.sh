@@ -9,11 +9,21 @@ export PATH="$PWD/.venv/bin:$PATH"
 INDEX=${INDEX:-indexes/python-stdlib}
 PORT=${PORT:-50051}
 [ -f "$INDEX/manifest.json" ] || build_index --corpus python-stdlib --out "$INDEX"
-rest-datastore serve --index "$INDEX" --host 127.0.0.1 --port "$PORT" &
-SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null' EXIT
-for _ in $(seq 120); do rest-datastore info --server "127.0.0.1:$PORT" >/dev/null 2>&1 && break; sleep 0.5; done
+
+# The server prints "listening on HOST:PORT" only once its kernels are loaded and it answers at full
+# speed; wait for that line, and stop at once with its error if it exits instead.
+SERVER_LOG=$(mktemp)
 PROMPTS=$(mktemp --suffix=.jsonl)
+rest-datastore serve --index "$INDEX" --host 127.0.0.1 --port "$PORT" >"$SERVER_LOG" &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null; rm -f "$SERVER_LOG" "$PROMPTS"' EXIT
+for _ in $(seq 600); do
+    grep -q "^listening on" "$SERVER_LOG" && break
+    kill -0 $SERVER 2>/dev/null || { wait $SERVER || true; echo "quickstart: the datastore server exited (see above)" >&2; exit 1; }
+    sleep 0.2
+done
+grep -q "^listening on" "$SERVER_LOG" || { echo "quickstart: the datastore server did not start within 120 s" >&2; exit 1; }
+
 python - "$PROMPTS" <<'PY'
 import json, sys
 from benchmarks.data import humaneval_prompts
