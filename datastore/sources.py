@@ -21,6 +21,7 @@ import fcntl
 import logging
 import math
 import os
+import stat
 import struct
 import threading
 import zlib
@@ -257,7 +258,9 @@ class _Log:
             raise OutputStoreError(f"output store {directory} is open in another process") from None
         try:
             if self.path.exists():
-                self._fd = os.open(self.path, os.O_RDWR)
+                self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)  # a FIFO or device must not hang
+                if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+                    raise OutputStoreError(f"{self.path} is not a regular file")
             else:
                 self.rewrite([])
         except BaseException:

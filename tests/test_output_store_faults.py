@@ -282,6 +282,12 @@ def test_a_torn_last_record_is_dropped_with_a_warning_and_its_number_reused(tmp_
     assert log_file(tmp_path).stat().st_size == offsets[-1] + HEADER_SIZE + 8
 
 
+def test_a_log_that_is_not_a_regular_file_is_refused_without_hanging(tmp_path):
+    os.mkfifo(log_file(tmp_path))
+    with pytest.raises(OutputStoreError, match="outputs.log is not a regular file"):
+        OutputStore(10**7, tmp_path)
+
+
 def test_a_log_with_token_ids_outside_the_vocabulary_is_refused(tmp_path):
     write_log(tmp_path, [[1, 2], [3, 70_000]])
     with pytest.raises(OutputStoreError, match="sequence number 1 holds token id 70000, outside the vocabulary"):
