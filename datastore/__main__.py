@@ -1,8 +1,12 @@
 """``rest-datastore``: serve an index over gRPC, describe or verify it, draft from it by hand.
 
     rest-datastore serve  --index DIR [--host 127.0.0.1] [--port 50051] [--workers 8]
-                          [--outputs-max-tokens 1000000] [--outputs-dir DIR]
-    rest-datastore info   --index DIR | --server HOST:PORT
+                          [--outputs-max-tokens 1000000] [--outputs-dir DIR] [--check-index]
+                          [--max-context-tokens N] [--max-batch-contexts N] [--max-request-bytes N]
+                          [--max-reply-bytes N] [--max-concurrent-rpcs N]
+                          [--tls-cert PEM --tls-key PEM] [--auth-token T | --auth-token-file F]
+                          [--auth-scope add-output|all]
+    rest-datastore info   --index DIR | --server HOST:PORT [--tls-ca PEM] [--auth-token T]
     rest-datastore verify --index DIR
     rest-datastore draft  --index DIR | --server HOST:PORT  --tokens 1,2,3 | --text "..." [--tokenizer SPEC]
 
@@ -25,7 +29,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 from datastore.errors import first_line  # noqa: E402
 from datastore.index import Datastore  # noqa: E402
-from datastore.server import ServerConfig, serve  # noqa: E402
+from datastore.server import AUTH_SCOPES, ServerConfig, serve  # noqa: E402
 from datastore.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
 from datastore.types import DraftConfig, DraftTree  # noqa: E402
 from datastore.client import DatastoreClient  # noqa: E402
@@ -44,12 +48,21 @@ def _token_list(text: str) -> list[int]:
     return tokens
 
 
+def _env_flag(name: str) -> bool:
+    """A boolean environment variable: set to anything but "", 0, false or no."""
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def _add_source(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--index", help="index directory (default: $REST_INDEX)")
     group.add_argument("--server", metavar="HOST:PORT", help="a running `rest-datastore serve`")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for --server (default: %(default)s)")
+    parser.add_argument("--tls-ca", metavar="PEM", default=os.environ.get("REST_TLS_CA"),
+                        help="connect to --server over TLS, trusting this CA certificate (default: $REST_TLS_CA)")
+    parser.add_argument("--auth-token", metavar="TOKEN", default=os.environ.get("REST_AUTH_TOKEN"),
+                        help="bearer token for a --server started with --auth-token (default: $REST_AUTH_TOKEN)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +82,41 @@ def build_parser() -> argparse.ArgumentParser:
                            help="0 picks a free port (default: $REST_PORT or %(default)s)")
     serve_cmd.add_argument("--workers", type=int, default=env("REST_WORKERS", str(DEFAULT_SERVER.workers)),
                            help="request threads (default: $REST_WORKERS or %(default)s)")
-    serve_cmd.add_argument("--max-context-tokens", type=int, default=DEFAULT_SERVER.max_context_tokens,
-                           help="longest context a request may carry (default: %(default)s)")
+    serve_cmd.add_argument("--check-index", action="store_true", default=_env_flag("REST_CHECK_INDEX"),
+                           help="check every index array at open (suffix-array entries in range, token ids "
+                           "below the vocabulary): reads the whole index once (default: $REST_CHECK_INDEX)")
+    limits = serve_cmd.add_argument_group(
+        "limits per call", "what one call may ask for; beyond them it is refused with INVALID_ARGUMENT or "
+        "RESOURCE_EXHAUSTED naming the limit. The defaults keep a small machine responsive under hostile clients.")
+    for flag, help_text in (
+        ("--max-context-tokens", "tokens in one context"),
+        ("--max-batch-contexts", "contexts in one DraftBatch"),
+        ("--max-request-bytes", "bytes of one request message"),
+        ("--max-reply-bytes", "bytes of one reply message (the default is under the 4 MiB every stock gRPC "
+                              "client accepts; clients must be told to accept more)"),
+        ("--max-concurrent-rpcs", "calls in flight, queued ones included; more are refused at once"),
+    ):
+        name = flag[2:].replace("-", "_")
+        env_name = "REST_" + name.upper()
+        limits.add_argument(flag, type=int, metavar="N", default=env(env_name, str(getattr(DEFAULT_SERVER, name))),
+                            help=f"{help_text} (default: ${env_name} or %(default)s)")
+    exposure = serve_cmd.add_argument_group(
+        "exposure", "the server binds 127.0.0.1 unless --host says otherwise; beyond this machine, serve over TLS "
+        "and require a token")
+    exposure.add_argument("--tls-cert", metavar="PEM", type=Path, default=env("REST_TLS_CERT"),
+                          help="serve over TLS with this certificate (chain) (default: $REST_TLS_CERT)")
+    exposure.add_argument("--tls-key", metavar="PEM", type=Path, default=env("REST_TLS_KEY"),
+                          help="the certificate's private key (default: $REST_TLS_KEY)")
+    token = exposure.add_mutually_exclusive_group()
+    token.add_argument("--auth-token", metavar="TOKEN", default=env("REST_AUTH_TOKEN"),
+                       help="require 'authorization: Bearer TOKEN' metadata on the calls in --auth-scope; "
+                       "visible to other local users in the process list: prefer $REST_AUTH_TOKEN or "
+                       "--auth-token-file (default: $REST_AUTH_TOKEN)")
+    token.add_argument("--auth-token-file", metavar="FILE", type=Path,
+                       help="read the token from this file (surrounding whitespace ignored)")
+    exposure.add_argument("--auth-scope", choices=AUTH_SCOPES, default=env("REST_AUTH_SCOPE", "add-output"),
+                          help="calls that need the token: AddOutput only, or every Datastore call (health and "
+                          "reflection stay open) (default: $REST_AUTH_SCOPE or %(default)s)")
     serve_cmd.add_argument("--outputs-max-tokens", type=int,
                            default=env("REST_OUTPUTS_MAX_TOKENS", str(DEFAULT_SERVER.outputs_max_tokens)),
                            help="size of the store of recent outputs that clients add (AddOutput) and that "
@@ -113,8 +159,18 @@ def _need_index(args: argparse.Namespace) -> str:
 def _open(args: argparse.Namespace):
     """The drafter the command reads from: an opened index or a gRPC client."""
     if getattr(args, "server", None):
-        return DatastoreClient(args.server, timeout=args.timeout)
+        return DatastoreClient(args.server, timeout=args.timeout, tls_ca=args.tls_ca, auth_token=args.auth_token)
     return Datastore.open(_need_index(args))
+
+
+def _auth_token(args: argparse.Namespace) -> str | None:
+    """The token of --auth-token, or of --auth-token-file read and stripped."""
+    if args.auth_token_file is None:
+        return args.auth_token
+    try:
+        return args.auth_token_file.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read --auth-token-file {args.auth_token_file}: {first_line(exc)}") from None
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -125,6 +181,15 @@ def run_serve(args: argparse.Namespace) -> None:
         max_context_tokens=args.max_context_tokens,
         outputs_max_tokens=args.outputs_max_tokens,
         outputs_dir=Path(args.outputs_dir) if args.outputs_dir else None,
+        max_batch_contexts=args.max_batch_contexts,
+        max_request_bytes=args.max_request_bytes,
+        max_reply_bytes=args.max_reply_bytes,
+        max_concurrent_rpcs=args.max_concurrent_rpcs,
+        check_index=args.check_index,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_token=_auth_token(args),
+        auth_scope=args.auth_scope,
     )
     # the one stdout line: scripts (and tests) wait for it to learn the bound port
     serve(_need_index(args), config, ready=lambda address: print(f"listening on {address}", flush=True))

@@ -7,6 +7,8 @@ the server never looks further back; one call per step answers both the index an
 
 from __future__ import annotations
 
+import ssl
+from pathlib import Path
 from typing import Sequence
 
 import grpc
@@ -18,7 +20,19 @@ from rest_proto.v1 import datastore_pb2 as pb
 from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_MAX_REPLY_BYTES = 64 << 20
+
+
+def open_channel(address: str, tls_ca: str | Path | None = None, options: Sequence = ()) -> grpc.Channel:
+    """A plaintext channel, or with ``tls_ca`` (a PEM file of the certificate authority that
+    signed the server's certificate) a TLS one. Raises ``ValueError`` naming an unusable file."""
+    if tls_ca is None:
+        return grpc.insecure_channel(address, options=options)
+    try:
+        ssl.create_default_context(cafile=tls_ca)  # refuses a file that holds no PEM certificate
+        root = Path(tls_ca).read_bytes()
+    except OSError as exc:  # ssl.SSLError is an OSError too
+        raise ValueError(f"cannot use TLS CA certificate {tls_ca}: {wire.tls_file_error(exc)} (expected a PEM file)") from None
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root), options=options)
 
 
 class DatastoreClient:
@@ -28,14 +42,28 @@ class DatastoreClient:
     that silently drops packets can take twice that to be reported). Raises ``ConnectionError``
     naming the address when the server cannot be reached. With ``expected_fingerprint`` (the
     model's ``tokenizer_fingerprint``), a datastore built with another tokenizer is refused on
-    connect with ``TokenizerMismatchError``."""
+    connect with ``TokenizerMismatchError``.
 
-    def __init__(self, address: str, *, timeout: float = 5.0, expected_fingerprint: str | None = None) -> None:
+    ``tls_ca`` (a PEM file) connects over TLS and checks the server's certificate against it;
+    ``auth_token`` is sent as ``authorization: Bearer <token>`` with every call (servers started
+    with ``--auth-token`` require it). Replies are accepted up to ``max_reply_bytes``, by default
+    the 4 MiB every stock gRPC client accepts (a server's default reply limit is below it)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = 5.0,
+        expected_fingerprint: str | None = None,
+        tls_ca: str | Path | None = None,
+        auth_token: str | None = None,
+        max_reply_bytes: int = wire.STOCK_MESSAGE_LIMIT,
+    ) -> None:
         self.address = address
         self.timeout = timeout
-        # a batch of large trees can exceed gRPC's default 4 MiB reply limit
-        options = [("grpc.max_receive_message_length", _MAX_REPLY_BYTES)]
-        self._channel = grpc.insecure_channel(address, options=options)
+        self._metadata = () if auth_token is None else (wire.bearer_metadata(auth_token),)
+        options = [("grpc.max_receive_message_length", max_reply_bytes)]
+        self._channel = open_channel(address, tls_ca, options)
         self._stub = pb_grpc.DatastoreStub(self._channel)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
@@ -49,17 +77,17 @@ class DatastoreClient:
         """Why the channel is not ready: a fail-fast call reports the last connection error
         (e.g. "Connection refused"), which the readiness wait does not."""
         try:
-            self._stub.Info(pb.InfoRequest(), timeout=self.timeout)
+            self._stub.Info(pb.InfoRequest(), timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             return exc.details()
         return f"no connection within {self.timeout:g} s"
 
     def _call(self, rpc, request):
         """One RPC; INVALID_ARGUMENT -> ValueError, unreachable -> ConnectionError, else RuntimeError
-        (e.g. FAILED_PRECONDITION: an output sent to a server that keeps none), each with the
-        server's message."""
+        (e.g. FAILED_PRECONDITION: an output sent to a server that keeps none; UNAUTHENTICATED;
+        RESOURCE_EXHAUSTED: a limit of the server), each with the server's message."""
         try:
-            return rpc(request, timeout=self.timeout)
+            return rpc(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
             if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -5,42 +5,80 @@ The servicer only converts (``datastore.wire``) and calls the engines; the index
 start and shared by all worker threads (drafting is read-only; the output store locks itself).
 Besides ``rest.datastore.v1``, the server implements the standard health service and server
 reflection, so stock tools (``grpc_health_probe``, ``grpcurl``) work against it.
+
+Every client is treated as hostile: requests arrive as raw bytes and are parsed here (undecodable
+bytes are INVALID_ARGUMENT), each call's work and reply are bounded by ``ServerConfig`` limits and
+stop when its deadline passes or it is cancelled, and a refused call costs at most one short,
+rate-limited log line. The retrieval kernels are compiled before the server reports SERVING, so
+the first call is as fast as any other.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import errno
+import hmac
+import ipaddress
 import logging
 import signal
+import ssl
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from datastore import wire
+from datastore.errors import first_line
+from datastore.format import IndexCorruptError
 from datastore.index import Datastore
-from datastore.sources import DEFAULT_OUTPUTS_MAX_TOKENS, OutputStore, check_outputs_options, open_output_store
+from datastore.sources import (
+    DEFAULT_OUTPUTS_MAX_TOKENS,
+    OutputStore,
+    OutputStoreWriteError,
+    check_outputs_options,
+    open_output_store,
+)
 from datastore.types import DraftConfig
 from rest_proto.v1 import datastore_pb2 as pb
-from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Datastore"].full_name  # "rest.datastore.v1.Datastore"
+SERVICE = pb.DESCRIPTOR.services_by_name["Datastore"]
+SERVICE_NAME = SERVICE.full_name  # "rest.datastore.v1.Datastore"
+
+# Under the 4 MiB (4,194,304 bytes) that stock gRPC clients accept, with room to spare.
+DEFAULT_MAX_REPLY_BYTES = 4_000_000
+# Smallest request/reply limit: a Draft at the largest budget, with its output-store tree, fits.
+MIN_MESSAGE_BYTES = 1 << 16
+MAX_MESSAGE_BYTES = (1 << 31) - 1  # gRPC's limits are C ints
+AUTH_SCOPES = ("add-output", "all")
+# errno values of an OutputStoreWriteError that mean "full" (retry once space is freed), not "broken"
+_FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where and how to serve. ``port`` 0 picks a free port; ``max_context_tokens`` caps each
-    context a request may carry; ``grace_seconds`` is how long in-flight calls may finish at stop.
-    ``outputs_max_tokens`` sizes the store of recent outputs (0: keep none) and ``outputs_dir``,
-    if given, makes it persistent (``serve`` opens it; ``DatastoreServer`` takes an opened one)."""
+    """Where and how to serve. ``port`` 0 picks a free port; ``grace_seconds`` is how long
+    in-flight calls may finish at stop. ``outputs_max_tokens`` sizes the store of recent outputs
+    (0: keep none) and ``outputs_dir``, if given, makes it persistent; ``check_index`` runs the
+    structural check of every index array at open (``serve`` opens both; ``DatastoreServer``
+    takes them opened).
+
+    Limits per call (defaults keep a 2-core machine responsive under hostile clients):
+    ``max_context_tokens`` per context, ``max_batch_contexts`` per DraftBatch,
+    ``max_request_bytes`` and ``max_reply_bytes`` per message, and ``max_concurrent_rpcs`` calls
+    in flight (the rest are refused at once).
+
+    Exposure: ``tls_cert``/``tls_key`` (PEM files, both or neither) serve over TLS; with
+    ``auth_token``, calls in ``auth_scope`` ("add-output": AddOutput only, "all": every Datastore
+    call; health and reflection stay open) need the metadata ``authorization: Bearer <token>``."""
 
     host: str = "127.0.0.1"
     port: int = 50051
@@ -49,6 +87,15 @@ class ServerConfig:
     grace_seconds: float = 5.0
     outputs_max_tokens: int = DEFAULT_OUTPUTS_MAX_TOKENS
     outputs_dir: Path | None = None
+    max_batch_contexts: int = 1024
+    max_request_bytes: int = wire.STOCK_MESSAGE_LIMIT
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    max_concurrent_rpcs: int = 64
+    check_index: bool = False
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    auth_token: str | None = field(default=None, repr=False)  # never in a logged repr
+    auth_scope: str = "add-output"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -63,71 +110,219 @@ class ServerConfig:
         if self.grace_seconds < 0:
             raise ValueError(f"grace_seconds must be non-negative, got {self.grace_seconds}")
         check_outputs_options(self.outputs_max_tokens, self.outputs_dir)
+        for name in ("max_batch_contexts", "max_concurrent_rpcs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_request_bytes", "max_reply_bytes"):
+            if not MIN_MESSAGE_BYTES <= getattr(self, name) <= MAX_MESSAGE_BYTES:
+                raise ValueError(
+                    f"{name} must be in [{MIN_MESSAGE_BYTES}, {MAX_MESSAGE_BYTES}], got {getattr(self, name)}"
+                )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both (PEM files) or neither")
+        if self.auth_token is not None:
+            wire.bearer_metadata(self.auth_token)  # raises ValueError for a token metadata cannot carry
+        if self.auth_scope not in AUTH_SCOPES:
+            raise ValueError(f"auth_scope must be one of {', '.join(AUTH_SCOPES)}, got {self.auth_scope!r}")
 
 
 class NoOutputStoreError(RuntimeError):
     """An output was sent to a server that keeps none (FAILED_PRECONDITION on the wire)."""
 
 
-def _status_on_error(method):
-    """Answer a bad request with INVALID_ARGUMENT, an output sent to a server without an output
-    store with FAILED_PRECONDITION and a failure with INTERNAL (traceback in the log), so one
-    call's exception never takes the server down."""
+class CallRefused(Exception):
+    """The server refuses a call with the gRPC status ``code``; the message is the one line the
+    client gets (a limit exceeded, a missing token)."""
 
-    @functools.wraps(method)
-    def wrapper(self, request, context: grpc.ServicerContext):
-        try:
-            return method(self, request, context)
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except NoOutputStoreError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except Exception:
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed on the server (see its log)")
-
-    return wrapper
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
-class DatastoreServicer(pb_grpc.DatastoreServicer):
-    """Message -> engine -> message, nothing else. ``outputs`` None: the server keeps no outputs."""
+class CallEnded(Exception):
+    """The client stopped waiting (deadline passed or cancelled): stop working, answer nothing."""
 
-    def __init__(self, store: Datastore, max_context_tokens: int, outputs: OutputStore | None = None) -> None:
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a call that raised ``exc`` answers with, and whose doing it was: "client" (a
+    bad or excessive request), "server" (a corrupt index, a full or failing disk) or "bug"."""
+    if isinstance(exc, CallRefused):
+        return exc.code, "client"
+    if isinstance(exc, IndexCorruptError):  # a ValueError, but not the client's
+        return grpc.StatusCode.DATA_LOSS, "server"
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, "client"
+    if isinstance(exc, NoOutputStoreError):
+        return grpc.StatusCode.FAILED_PRECONDITION, "client"
+    if isinstance(exc, OutputStoreWriteError):
+        full = exc.errno in _FULL_DISK
+        return (grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.UNAVAILABLE), "server"
+    return grpc.StatusCode.INTERNAL, "bug"
+
+
+class LogBudget:
+    """A token bucket for log lines: ``burst`` at once, then one per ``interval`` seconds, so a
+    flood of bad requests costs a handful of lines. Thread-safe."""
+
+    def __init__(self, burst: int = 10, interval: float = 6.0) -> None:
+        self._burst, self._interval = burst, interval
+        self._tokens = float(burst)
+        self._last = time.monotonic()
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        """None: stay silent; else log, mentioning this many lines suppressed since the last one."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self._burst, self._tokens + (now - self._last) / self._interval)
+            self._last = now
+            if self._tokens < 1:
+                self._suppressed += 1
+                return None
+            self._tokens -= 1
+            suppressed, self._suppressed = self._suppressed, 0
+            return suppressed
+
+
+_LOG_LINE_CHARS = 200  # a client's values never make a long log line
+
+
+def _stop_if_ended(context: grpc.ServicerContext) -> None:
+    """Raise ``CallEnded`` once the client's deadline has passed or it cancelled."""
+    if not context.is_active():
+        raise CallEnded()
+
+
+def _authorization_values(context: grpc.ServicerContext) -> list[bytes]:
+    """Every ``authorization`` metadata value of the call, as bytes."""
+    return [value.encode() for key, value in context.invocation_metadata() or () if key == wire.AUTHORIZATION]
+
+
+class DatastoreServicer:
+    """Message -> engine -> message, nothing else. ``outputs`` None: the server keeps no outputs.
+    Each method takes a parsed request and returns a reply message; ``handlers`` wraps them into
+    the bounded, authenticated, raw-bytes handlers the server registers."""
+
+    def __init__(self, store: Datastore, config: ServerConfig, outputs: OutputStore | None = None) -> None:
         self._store = store
         self._outputs = outputs
+        self._config = config
         self._vocab_size = store.vocab_size
-        self._max_context_tokens = max_context_tokens
         self._info = wire.info_to_message(store.info())
+        self._bearer = None if config.auth_token is None else wire.bearer_metadata(config.auth_token)[1].encode()
+        self._refusal_log, self._failure_log = LogBudget(), LogBudget()
 
-    def _output_trees(self, include: bool, contexts: Sequence, config: DraftConfig) -> list[pb.DraftTree]:
-        """The output store's tree per context when asked for and kept; else none (read as empty)."""
+    def _output_tree(self, include: bool, context, config: DraftConfig) -> pb.DraftTree | None:
+        """The output store's tree for ``context`` when asked for and kept; else None (read as empty)."""
         if not include or self._outputs is None:
-            return []
-        return [wire.tree_to_message(self._outputs.draft(c, config)) for c in contexts]
+            return None
+        return wire.tree_to_message(self._outputs.draft(context, config))
 
-    @_status_on_error
     def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftReply:
-        tokens, config = wire.parse_draft_request(request, self._vocab_size, self._max_context_tokens)
-        outputs = self._output_trees(request.include_outputs, [tokens], config)
-        return pb.DraftReply(tree=wire.tree_to_message(self._store.draft(tokens, config)), outputs=next(iter(outputs), None))
-
-    @_status_on_error
-    def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.ServicerContext) -> pb.DraftBatchReply:
-        contexts, config = wire.parse_draft_batch_request(request, self._vocab_size, self._max_context_tokens)
-        return pb.DraftBatchReply(
-            trees=[wire.tree_to_message(t) for t in self._store.draft_batch(contexts, config)],
-            outputs=self._output_trees(request.include_outputs, contexts, config),
+        tokens, config = wire.parse_draft_request(request, self._vocab_size, self._config.max_context_tokens)
+        return pb.DraftReply(
+            tree=wire.tree_to_message(self._store.draft(tokens, config)),
+            outputs=self._output_tree(request.include_outputs, tokens, config),
         )
 
-    @_status_on_error
+    def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.ServicerContext) -> pb.DraftBatchReply:
+        """Context by context, stopping as soon as the client is gone or the reply would exceed
+        ``max_reply_bytes``: a hostile batch costs bounded work."""
+        limit = self._config.max_reply_bytes
+        contexts, config = wire.parse_draft_batch_request(
+            request, self._vocab_size, self._config.max_context_tokens, max_contexts=self._config.max_batch_contexts
+        )
+        trees, outputs, size = [], [], 0
+        for i, tokens in enumerate(contexts):
+            _stop_if_ended(context)
+            trees.append(wire.tree_to_message(self._store.draft(tokens, config)))
+            size += wire.field_size(trees[-1])
+            output = self._output_tree(request.include_outputs, tokens, config)
+            if output is not None:
+                outputs.append(output)
+                size += wire.field_size(output)
+            if size > limit:
+                raise CallRefused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the reply to {len(contexts)} contexts exceeds this server's limit of {limit} bytes after "
+                    f"{i + 1} (--max-reply-bytes): send fewer contexts or ask for smaller trees",
+                )
+        return pb.DraftBatchReply(trees=trees, outputs=outputs)
+
     def AddOutput(self, request: pb.AddOutputRequest, context: grpc.ServicerContext) -> pb.AddOutputReply:
         if self._outputs is None:
             raise NoOutputStoreError("this server keeps no outputs (it was started with --outputs-max-tokens 0)")
         return pb.AddOutputReply(seq=self._outputs.add(wire.output_from_message(request)))
 
-    @_status_on_error
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         return self._info
+
+    def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """One handler per method of the service descriptor, taking the request as raw bytes."""
+        return {
+            method.name: grpc.unary_unary_rpc_method_handler(
+                self._handler(method),
+                response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
+            )
+            for method in SERVICE.methods
+        }
+
+    def _handler(self, method) -> Callable:
+        """The handler of one method: stop if the call already ended, authenticate, parse, run;
+        any failure becomes a status (``status_of``) and at most one rate-limited log line."""
+        name = method.name
+        request_type = message_factory.GetMessageClass(method.input_type)
+        run = getattr(self, name)
+        needs_token = self._bearer is not None and (self._config.auth_scope == "all" or name == "AddOutput")
+
+        def handle(data: bytes, context: grpc.ServicerContext):
+            try:
+                _stop_if_ended(context)  # a call that waited for a worker past its deadline
+                if needs_token:
+                    self._authenticate(context)
+                try:
+                    request = request_type.FromString(data)
+                except Exception:  # DecodeError, or anything else the parser raises
+                    raise CallRefused(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"malformed {request_type.__name__}: the request bytes do not decode as {method.input_type.full_name}",
+                    ) from None
+                return run(request, context)
+            except CallEnded:
+                context.abort(grpc.StatusCode.CANCELLED, "the client stopped waiting")  # nobody reads it
+            except Exception as exc:
+                code, whose = status_of(exc)
+                self._log_failure(name, context, code, whose, exc)
+                details = f"{name} failed on the server (see its log)" if whose == "bug" else first_line(exc)
+                context.abort(code, details)
+
+        return handle
+
+    def _authenticate(self, context: grpc.ServicerContext) -> None:
+        """Raise UNAUTHENTICATED unless the call carries exactly this server's bearer token
+        (compared in constant time)."""
+        tokens = _authorization_values(context)
+        if len(tokens) != 1 or not hmac.compare_digest(tokens[0], self._bearer):
+            raise CallRefused(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
+            )
+
+    def _log_failure(self, name: str, context, code: grpc.StatusCode, whose: str, exc: Exception) -> None:
+        """One log line, if the budget allows: a client's refusal at INFO, the server's own
+        failure at ERROR, a bug with its traceback."""
+        budget = self._refusal_log if whose == "client" else self._failure_log
+        suppressed = budget.take()
+        if suppressed is None:
+            return
+        note = f" ({suppressed} similar lines suppressed)" if suppressed else ""
+        reason = first_line(exc)[:_LOG_LINE_CHARS]
+        if whose == "client":
+            log.info("%s from %s refused: %s: %s%s", name, context.peer(), code.name, reason, note)
+        elif whose == "server":
+            log.error("%s failed: %s: %s%s", name, code.name, reason, note)
+        else:
+            log.error("%s failed%s", name, note, exc_info=exc)
 
 
 def format_address(host: str, port: int) -> str:
@@ -135,30 +330,63 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) only reaches this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def server_credentials(cert: Path, key: Path) -> grpc.ServerCredentials:
+    """TLS credentials from a PEM certificate (chain) and its PEM private key. Raises
+    ``ValueError`` naming the files when one cannot be read or the key is not the certificate's."""
+    try:
+        pems = Path(key).read_bytes(), Path(cert).read_bytes()
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except OSError as exc:  # ssl.SSLError is an OSError too
+        raise ValueError(
+            f"cannot serve TLS with certificate {cert} and key {key}: {wire.tls_file_error(exc)} (both must be "
+            "PEM files, the key that of the certificate)"
+        ) from None
+    return grpc.ssl_server_credentials([pems])
+
+
 class DatastoreServer:
     """A running gRPC server answering from ``store`` and ``outputs`` (which the caller keeps and
     closes; None: no output store, whatever ``config.outputs_max_tokens`` says).
 
-    Binds and starts on construction; ``port`` is the port actually bound (useful with port 0).
-    Raises ``OSError`` when the address cannot be bound."""
+    Compiles the retrieval kernels, then binds and starts on construction, so it answers at full
+    speed once constructed; ``port`` is the port actually bound (useful with port 0). Raises
+    ``OSError`` when the address cannot be bound, ``ValueError`` for unusable TLS files."""
 
     def __init__(
         self, store: Datastore, config: ServerConfig = ServerConfig(), outputs: OutputStore | None = None
     ) -> None:
         self.config = config
-        # so_reuseport off: a second server on a busy port must fail, not silently share it
+        credentials = None if config.tls_cert is None else server_credentials(config.tls_cert, config.tls_key)
+        log.info("retrieval kernels ready in %.2f s", store.warm_up())
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="datastore"),
-            options=[("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not silently share it
+                ("grpc.max_receive_message_length", config.max_request_bytes),
+                ("grpc.max_send_message_length", config.max_reply_bytes),
+            ],
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )
-        servicer = DatastoreServicer(store, config.max_context_tokens, outputs)
-        pb_grpc.add_DatastoreServicer_to_server(servicer, self._server)
+        self._server.add_registered_method_handlers(SERVICE_NAME, DatastoreServicer(store, config, outputs).handlers())
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
         target = format_address(config.host, config.port)
         try:
-            self.port = self._server.add_insecure_port(target)
+            if credentials is None:
+                self.port = self._server.add_insecure_port(target)
+            else:
+                self.port = self._server.add_secure_port(target, credentials)
         except RuntimeError:
             raise OSError(
                 f"cannot listen on {target}: the port is in use or the host is not an address of this machine"
@@ -167,8 +395,19 @@ class DatastoreServer:
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.address = format_address(config.host, self.port)
-        log.info("datastore service listening on %s (%d workers, %s)", self.address, config.workers,
+        log.info("datastore service listening on %s (%s, %d workers, %s)", self.address,
+                 "TLS" if credentials else "plaintext", config.workers,
                  "no output store" if outputs is None else f"output store of {outputs.max_tokens} tokens")
+        self._warn_if_exposed(credentials is not None)
+
+    def _warn_if_exposed(self, tls: bool) -> None:
+        """One warning line when tokens or traffic travel in the clear beyond this machine."""
+        config = self.config
+        if not tls and not is_loopback(config.host):
+            log.warning("serving %s without TLS: requests, replies%s are readable on the network (--tls-cert/--tls-key)",
+                        self.address, " and the bearer token" if config.auth_token else "")
+        elif not tls and config.auth_token is not None:
+            log.warning("a bearer token without TLS: it travels in the clear (--tls-cert/--tls-key)")
 
     def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, refuse new calls, let in-flight ones finish for ``grace`` seconds
@@ -191,13 +430,14 @@ def serve(
     or SIGINT, then stop gracefully and return; a persistent output store has then written every
     acknowledged output.
 
-    ``ready`` is called with the bound ``host:port`` once the server accepts calls. Must run in the
-    main thread (signal handlers). Raises ``IndexFormatError``, ``OutputStoreError`` or ``OSError``."""
+    ``ready`` is called with the bound ``host:port`` once the server accepts calls at full speed
+    (kernels compiled). Must run in the main thread (signal handlers). Raises
+    ``IndexFormatError``, ``OutputStoreError``, ``OSError`` or ``ValueError`` (TLS files)."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         with contextlib.ExitStack() as resources:  # closed in reverse: server, outputs, index
-            store = resources.enter_context(Datastore.open(index_path))
+            store = resources.enter_context(Datastore.open(index_path, check=config.check_index))
             outputs = open_output_store(config.outputs_max_tokens, config.outputs_dir, vocab_size=store.vocab_size)
             if outputs is not None:
                 resources.enter_context(outputs)

@@ -7,6 +7,7 @@ functions are plain and tested without a network.
 
 from __future__ import annotations
 
+import ssl
 from typing import Sequence
 
 import numpy as np
@@ -18,6 +19,10 @@ DEFAULT_CONFIG = DraftConfig()
 # A server accepts at least this many context tokens, so a client sending its last n_max tokens
 # is always within the limit.
 MIN_CONTEXT_LIMIT = MAX_SUFFIX
+# The largest message every stock gRPC client and server accepts unless told otherwise (4 MiB).
+STOCK_MESSAGE_LIMIT = 4 << 20
+# The call metadata key of a bearer token.
+AUTHORIZATION = "authorization"
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -65,7 +70,9 @@ def context_from_message(message: pb.Context, vocab_size: int, max_tokens: int, 
     if tokens.size == 0:
         raise ValueError(f"{field} is empty: send at least one token id")
     if tokens.size > max_tokens:
-        raise ValueError(f"{field} has {tokens.size} tokens, more than this server's limit of {max_tokens}")
+        raise ValueError(
+            f"{field} has {tokens.size} tokens, more than this server's limit of {max_tokens} (--max-context-tokens)"
+        )
     bad = np.flatnonzero(tokens >= vocab_size)
     if bad.size:
         i = int(bad[0])
@@ -110,14 +117,35 @@ def parse_draft_request(request: pb.DraftRequest, vocab_size: int, max_tokens: i
 
 
 def parse_draft_batch_request(
-    request: pb.DraftBatchRequest, vocab_size: int, max_tokens: int
+    request: pb.DraftBatchRequest, vocab_size: int, max_tokens: int, *, max_contexts: int
 ) -> tuple[list[np.ndarray], DraftConfig]:
-    """(contexts, config) of a batch request; a bad context is named ``contexts[i]``."""
+    """(contexts, config) of a batch request of at most ``max_contexts`` contexts; a bad context
+    is named ``contexts[i]``."""
+    if len(request.contexts) > max_contexts:
+        raise ValueError(
+            f"contexts has {len(request.contexts)} entries, more than this server's limit of {max_contexts} "
+            "(--max-batch-contexts): split the batch"
+        )
     config = config_from_message(request.params)
     contexts = [
         context_from_message(c, vocab_size, max_tokens, field=f"contexts[{i}]") for i, c in enumerate(request.contexts)
     ]
     return contexts, config
+
+
+def bearer_metadata(token: str) -> tuple[str, str]:
+    """The call metadata entry that carries ``token``: (``authorization``, ``Bearer <token>``).
+    Raises ``ValueError`` unless the token is printable ASCII without spaces (what metadata carries)."""
+    if not token or not all("!" <= c <= "~" for c in token):
+        raise ValueError("an auth token must be a non-empty string of printable ASCII characters without spaces")
+    return AUTHORIZATION, f"Bearer {token}"
+
+
+def tls_file_error(exc: OSError) -> str:
+    """Why a TLS file could not be used, in a few words: the OS's reason for an unreadable file,
+    OpenSSL's (e.g. KEY_VALUES_MISMATCH) for one that holds no usable PEM (``ssl.SSLError``)."""
+    reason = exc.reason if isinstance(exc, ssl.SSLError) else exc.strerror
+    return reason or type(exc).__name__
 
 
 # ---- trees ----------------------------------------------------------------------------------
@@ -137,6 +165,13 @@ def tree_to_message(tree: DraftTree) -> pb.DraftTree:
         num_matches=tree.num_matches,
         num_sampled=tree.num_sampled,
     )
+
+
+def field_size(message: pb.DraftTree) -> int:
+    """Bytes ``message`` adds to a reply as one element of its repeated field (tag, length, body),
+    so a reply's size can be added up before it is serialized."""
+    size = message.ByteSize()
+    return 1 + max(1, (size.bit_length() + 6) // 7) + size  # field numbers < 16: one tag byte
 
 
 def tree_from_message(message: pb.DraftTree) -> DraftTree:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -59,6 +60,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument(
         "--no-draft", action="store_true", help="plain greedy decoding through the same loop (baseline)"
+    )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=os.environ.get("REST_TLS_CA"),
+        help="--datastore HOST:PORT over TLS, trusting this CA certificate (default: $REST_TLS_CA)",
+    )
+    parser.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        default=os.environ.get("REST_AUTH_TOKEN"),
+        help="bearer token for a --datastore HOST:PORT started with --auth-token (default: $REST_AUTH_TOKEN)",
     )
     parser.add_argument(
         "--model",
@@ -172,8 +185,9 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def open_drafter(spec: str) -> Drafter:
-    """A ``LocalDrafter`` for an index directory, a ``RemoteDrafter`` for HOST:PORT.
+def open_drafter(spec: str, *, tls_ca: str | None = None, auth_token: str | None = None) -> Drafter:
+    """A ``LocalDrafter`` for an index directory, a ``RemoteDrafter`` for HOST:PORT (over TLS with
+    ``tls_ca``, sending ``auth_token``).
 
     The drafter is asked for its ``info()`` here, so an unreachable server or a broken index fails
     now with a ``CliError`` rather than at the first draft.
@@ -185,7 +199,7 @@ def open_drafter(spec: str) -> Drafter:
     elif _ADDRESS.match(spec):
         from drafter.remote import RemoteDrafter
 
-        opener, kind = (lambda: RemoteDrafter(spec)), "server"
+        opener, kind = (lambda: RemoteDrafter(spec, tls_ca=tls_ca, auth_token=auth_token)), "server"
     else:
         raise CliError(f"--datastore {spec}: no such index directory, and not a HOST:PORT address")
     drafter = None
@@ -224,7 +238,7 @@ def load_parts(args: argparse.Namespace):
     from datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
     from drafter.model import load_model
 
-    drafter = None if args.no_draft else open_drafter(args.datastore)
+    drafter = None if args.no_draft else open_drafter(args.datastore, tls_ca=args.tls_ca, auth_token=args.auth_token)
     try:
         started = time.perf_counter()
         tokenizer = load_tokenizer(args.model)

@@ -139,7 +139,13 @@ def test_bad_context_names_the_field(tokens, message):
 def test_batch_request_names_the_bad_context():
     request = pb.DraftBatchRequest(contexts=[pb.Context(tokens=[1]), pb.Context()])
     with pytest.raises(ValueError, match=r"contexts\[1\] is empty"):
-        wire.parse_draft_batch_request(request, vocab_size=100, max_tokens=64)
+        wire.parse_draft_batch_request(request, vocab_size=100, max_tokens=64, max_contexts=8)
+
+
+def test_batch_request_over_the_context_limit_names_it():
+    request = pb.DraftBatchRequest(contexts=[pb.Context(tokens=[1])] * 9)
+    with pytest.raises(ValueError, match=r"contexts has 9 entries, more than this server's limit of 8 \(--max-batch"):
+        wire.parse_draft_batch_request(request, vocab_size=100, max_tokens=64, max_contexts=8)
 
 
 def test_request_round_trip_sends_only_the_last_n_max_tokens():
@@ -148,7 +154,7 @@ def test_request_round_trip_sends_only_the_last_n_max_tokens():
     context, parsed = wire.parse_draft_request(request, vocab_size=10, max_tokens=64)
     assert context.tolist() == [6, 7, 8, 9] and parsed == config
     batch = wire.draft_batch_request([[1, 2, 3, 4, 5], [7]], config)
-    contexts, _ = wire.parse_draft_batch_request(batch, vocab_size=10, max_tokens=64)
+    contexts, _ = wire.parse_draft_batch_request(batch, vocab_size=10, max_tokens=64, max_contexts=2)
     assert [c.tolist() for c in contexts] == [[2, 3, 4, 5], [7]]
 
 
@@ -172,6 +178,21 @@ def test_add_output_request_round_trips_and_refuses_what_the_wire_cannot_carry()
         wire.add_output_request([3, -1])
     with pytest.raises(ValueError, match="integer token ids"):
         wire.add_output_request([0.5])
+
+
+@settings(max_examples=50, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), max_size=4))
+def test_field_sizes_add_up_to_the_reply_size(sizes):
+    """The server adds up a batch reply's size tree by tree before serializing it."""
+    trees = [pb.DraftTree(tokens=range(n), parents=[-1] * n, counts=[n] * n) for n in sizes]
+    assert pb.DraftBatchReply(trees=trees, outputs=trees[:1]).ByteSize() == sum(map(wire.field_size, trees + trees[:1]))
+
+
+def test_bearer_metadata_carries_only_what_metadata_can():
+    assert wire.bearer_metadata("s3cr3t-T0ken") == ("authorization", "Bearer s3cr3t-T0ken")
+    for token in ("", "two words", "line\nbreak", "caf\u00e9"):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            wire.bearer_metadata(token)
 
 
 def test_info_round_trips():
