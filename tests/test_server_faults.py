@@ -335,6 +335,20 @@ def test_a_token_without_tls_is_warned_about_once(store, caplog):
     assert TOKEN not in caplog.text
 
 
+def test_generation_clis_reach_a_tls_server_with_a_token(store, pem, monkeypatch):
+    """rest-generate and rest-chat: --tls-ca and --auth-token (or $REST_TLS_CA, $REST_AUTH_TOKEN)
+    for a --datastore HOST:PORT."""
+    from drafter.__main__ import build_parser, open_drafter
+
+    config = ServerConfig(port=0, tls_cert=pem["server"], tls_key=pem["server_key"], auth_token=TOKEN, auth_scope="all")
+    with DatastoreServer(store, config) as server:
+        monkeypatch.setenv("REST_AUTH_TOKEN", TOKEN)
+        args = build_parser().parse_args(["--prompt", "x", "--datastore", server.address, "--tls-ca", str(pem["server"])])
+        assert (args.tls_ca, args.auth_token) == (str(pem["server"]), TOKEN)
+        with open_drafter(args.datastore, tls_ca=args.tls_ca, auth_token=args.auth_token) as drafter:
+            assert drafter.draft(DOCS[4][:30], DraftConfig()) == store.draft(DOCS[4][:30], DraftConfig())
+
+
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True),
                                             ("[::1]", True), ("0.0.0.0", False), ("::", False),
                                             ("10.1.2.3", False), ("example.org", False)])
