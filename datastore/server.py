@@ -340,6 +340,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, *, tls: bool, token: bool) -> str | None:
+    """What travels in the clear when serving on ``host`` this way, or None when nothing does
+    beyond this machine (loopback) or everything is encrypted (TLS)."""
+    if tls:
+        return None
+    if not is_loopback(host):
+        secrets = "requests, replies and the bearer token" if token else "requests and replies"
+        return f"serving {host} without TLS: {secrets} are readable on the network (--tls-cert/--tls-key)"
+    if token:
+        return "a bearer token without TLS: it travels in the clear (--tls-cert/--tls-key)"
+    return None
+
+
 def server_credentials(cert: Path, key: Path) -> grpc.ServerCredentials:
     """TLS credentials from a PEM certificate (chain) and its PEM private key. Raises
     ``ValueError`` naming the files when one cannot be read or the key is not the certificate's."""
@@ -398,16 +411,9 @@ class DatastoreServer:
         log.info("datastore service listening on %s (%s, %d workers, %s)", self.address,
                  "TLS" if credentials else "plaintext", config.workers,
                  "no output store" if outputs is None else f"output store of {outputs.max_tokens} tokens")
-        self._warn_if_exposed(credentials is not None)
-
-    def _warn_if_exposed(self, tls: bool) -> None:
-        """One warning line when tokens or traffic travel in the clear beyond this machine."""
-        config = self.config
-        if not tls and not is_loopback(config.host):
-            log.warning("serving %s without TLS: requests, replies%s are readable on the network (--tls-cert/--tls-key)",
-                        self.address, " and the bearer token" if config.auth_token else "")
-        elif not tls and config.auth_token is not None:
-            log.warning("a bearer token without TLS: it travels in the clear (--tls-cert/--tls-key)")
+        warning = exposure_warning(config.host, tls=credentials is not None, token=config.auth_token is not None)
+        if warning:
+            log.warning("%s", warning)
 
     def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, refuse new calls, let in-flight ones finish for ``grace`` seconds

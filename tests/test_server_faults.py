@@ -34,6 +34,7 @@ from datastore.server import (
     DatastoreServer,
     LogBudget,
     ServerConfig,
+    exposure_warning,
     is_loopback,
     status_of,
 )
@@ -354,6 +355,15 @@ def test_generation_clis_reach_a_tls_server_with_a_token(store, pem, monkeypatch
                                             ("10.1.2.3", False), ("example.org", False)])
 def test_loopback_hosts(host, loopback):
     assert is_loopback(host) == loopback
+
+
+def test_exposure_warnings():
+    assert exposure_warning("0.0.0.0", tls=False, token=False) == \
+        "serving 0.0.0.0 without TLS: requests and replies are readable on the network (--tls-cert/--tls-key)"
+    assert "requests, replies and the bearer token are readable" in exposure_warning("10.0.0.1", tls=False, token=True)
+    assert "bearer token without TLS" in exposure_warning("127.0.0.1", tls=False, token=True)
+    assert exposure_warning("127.0.0.1", tls=False, token=False) is None
+    assert exposure_warning("0.0.0.0", tls=True, token=True) is None
 
 
 # ---- the server as a process: TLS and token from the CLI, a corrupt index, a full disk, readiness ---
