@@ -1,4 +1,6 @@
-"""The only conversions between gRPC messages (``rest_proto.v1``) and the datastore's types.
+"""The only conversions between gRPC messages (``rest_proto.v1``) and the datastore's types, and
+what else both ends of the wire must agree on: the message size every stock client accepts, a
+reply's size before it is serialized, the bearer-token metadata, why a TLS file is unusable.
 
 The server and the client both go through these functions, so a tree survives the round trip
 unchanged and a bad request fails the same way everywhere: ``ValueError`` naming the field. The

@@ -163,12 +163,14 @@ def test_undecodable_bytes_are_invalid_argument_without_a_traceback(store, caplo
 def test_a_flood_of_bad_requests_costs_a_few_short_log_lines(store, caplog):
     caplog.set_level(logging.DEBUG)
     bad = [b"\xff", wire.draft_request([1, VOCAB + 5], DraftConfig()).SerializeToString()]
+    started = time.monotonic()
     with serving(store) as (server, channel):
         for i in range(300):
             code, _ = refusal(lambda: raw(channel, "Draft")(bad[i % 2], timeout=10))
             assert code == grpc.StatusCode.INVALID_ARGUMENT
+    allowed = 10 + (time.monotonic() - started) / 6 + 1  # LogBudget's default burst, then one line per 6 s
     lines = [r.getMessage() for r in caplog.records if r.name == "datastore.server" and "refused" in r.getMessage()]
-    assert 1 <= len(lines) <= 11 and all(len(line) < 400 and "\n" not in line for line in lines)
+    assert 1 <= len(lines) <= allowed and all(len(line) < 400 and "\n" not in line for line in lines)
     assert "Traceback" not in caplog.text
 
 
