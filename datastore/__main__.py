@@ -1,7 +1,7 @@
 """``rest-datastore``: serve an index over gRPC, describe or verify it, draft from it by hand.
 
     rest-datastore serve  --index DIR [--host 127.0.0.1] [--port 50051] [--workers 8]
-                          [--outputs-max-tokens 1000000] [--outputs-dir DIR] [--check-index]
+                          [--outputs-max-tokens 1000000] [--outputs-dir DIR] [--outputs-salvage] [--check-index]
                           [--max-context-tokens N] [--max-batch-contexts N] [--max-request-bytes N]
                           [--max-reply-bytes N] [--max-concurrent-rpcs N]
                           [--tls-cert PEM --tls-key PEM] [--auth-token T | --auth-token-file F]
@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="keep the output store in this directory (an append-only log, fsynced "
                            "before each AddOutput is answered) so it survives restarts (default: "
                            "$REST_OUTPUTS_DIR, else in memory only)")
+    serve_cmd.add_argument("--outputs-salvage", action="store_true",
+                           help="open an --outputs-dir log that has damaged records by keeping every valid "
+                           "record and dropping the damaged bytes (a warning says how many); without it such a "
+                           "log is refused")
     serve_cmd.set_defaults(run=run_serve)
 
     info_cmd = sub.add_parser("info", help="print the index summary as JSON")
@@ -181,6 +185,7 @@ def run_serve(args: argparse.Namespace) -> None:
         max_context_tokens=args.max_context_tokens,
         outputs_max_tokens=args.outputs_max_tokens,
         outputs_dir=Path(args.outputs_dir) if args.outputs_dir else None,
+        outputs_salvage=args.outputs_salvage,
         max_batch_contexts=args.max_batch_contexts,
         max_request_bytes=args.max_request_bytes,
         max_reply_bytes=args.max_reply_bytes,

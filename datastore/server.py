@@ -67,7 +67,8 @@ _FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 class ServerConfig:
     """Where and how to serve. ``port`` 0 picks a free port; ``grace_seconds`` is how long
     in-flight calls may finish at stop. ``outputs_max_tokens`` sizes the store of recent outputs
-    (0: keep none) and ``outputs_dir``, if given, makes it persistent; ``check_index`` runs the
+    (0: keep none) and ``outputs_dir``, if given, makes it persistent (``outputs_salvage`` opens a
+    log with damaged records by keeping every valid one; see ``OutputStore``); ``check_index`` runs the
     structural check of every index array at open (``serve`` opens both; ``DatastoreServer``
     takes them opened).
 
@@ -87,6 +88,7 @@ class ServerConfig:
     grace_seconds: float = 5.0
     outputs_max_tokens: int = DEFAULT_OUTPUTS_MAX_TOKENS
     outputs_dir: Path | None = None
+    outputs_salvage: bool = False
     max_batch_contexts: int = 1024
     max_request_bytes: int = wire.STOCK_MESSAGE_LIMIT
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
@@ -444,7 +446,8 @@ def serve(
     try:
         with contextlib.ExitStack() as resources:  # closed in reverse: server, outputs, index
             store = resources.enter_context(Datastore.open(index_path, check=config.check_index))
-            outputs = open_output_store(config.outputs_max_tokens, config.outputs_dir, vocab_size=store.vocab_size)
+            outputs = open_output_store(config.outputs_max_tokens, config.outputs_dir, vocab_size=store.vocab_size,
+                                        salvage=config.outputs_salvage)
             if outputs is not None:
                 resources.enter_context(outputs)
             server = resources.enter_context(DatastoreServer(store, config, outputs))

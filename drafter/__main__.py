@@ -265,8 +265,11 @@ def remember_output(drafter, output_ids: list[int]) -> None:
         return
     try:
         add_output(output_ids)
-    except RuntimeError as exc:  # a server started with --outputs-max-tokens 0
-        log.debug("output not stored: %s", exc)
+    except (RuntimeError, ConnectionError) as exc:
+        # a server started with --outputs-max-tokens 0 keeps none by design (FAILED_PRECONDITION);
+        # any other refusal (a token, a full disk, a dead server) is worth a line, not the generation
+        expected = "FAILED_PRECONDITION" in str(exc)
+        log.log(logging.DEBUG if expected else logging.WARNING, "output not stored: %s", exc)
 
 
 def draft_config(args: argparse.Namespace):

@@ -539,3 +539,32 @@ def test_ready_means_ready(index):
         assert first < 5
     finally:
         server.stop()
+
+
+def test_a_damaged_outputs_log_is_refused_until_serve_is_told_to_salvage_it(index, tmp_path):
+    """A record damaged in the middle of --outputs-dir's log: `serve` refuses in one line naming
+    --outputs-salvage; with the flag it serves every other acknowledged output."""
+    directory = tmp_path / "outputs"
+    documents = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    with OutputStore(1000, directory, vocab_size=VOCAB) as store:
+        for tokens in documents:
+            store.add(tokens)
+    log = directory / "outputs.log"
+    data = bytearray(log.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the second record
+    log.write_bytes(bytes(data))
+    refused = subprocess.run([sys.executable, "-m", "datastore", "serve", "--index", str(index), "--port", "0",
+                              "--outputs-dir", str(directory)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and refused.stdout == ""
+    error = refused.stderr.splitlines()[-1]  # after serve's INFO log lines
+    assert error.startswith("rest-datastore: error: ") and "--outputs-salvage" in error, refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert log.read_bytes() == bytes(data)  # refusing changes nothing
+    server = ServerProcess("--index", index, "--outputs-dir", directory, "--outputs-salvage")
+    try:
+        assert server.address, server.output
+    finally:
+        output = server.stop()
+    assert "salvaged 2 valid records" in output and "Traceback" not in output
+    with open_output_store(1000, directory, vocab_size=VOCAB) as store:
+        assert [d.tolist() for d in store.documents()] == [documents[0], documents[2]]
