@@ -35,11 +35,13 @@ digests in O(1); ``check_shard`` checks every array's structure in O(n) (at buil
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
 import re
 import stat
+import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -61,7 +63,8 @@ MAX_VOCAB_SIZE = 1 << 24
 MAX_MANIFEST_BYTES = 64 << 20
 _MAX_COUNT = 1 << 62  # token, document and byte counts: far beyond any disk, still exact in int64
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_NPY_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+_NPY_LENGTH_FIELDS = {b"\x93NUMPY\x01\x00": "<H", b"\x93NUMPY\x02\x00": "<I"}  # magic + version -> header length
+_NPY_MAX_HEADER = 4096  # np.save writes ~120 bytes for a 1-D array
 
 
 class IndexFormatError(ValueError):
@@ -232,7 +235,7 @@ class _ManifestParser:
 
     def count(self, value: object, where: str, lo: int = 0, hi: int = _MAX_COUNT) -> int:
         if not lo <= self.of_type(value, int, where) <= hi:
-            raise self.fail(where, f"{_short(value)} is outside [{lo}, {hi}]")
+            raise self.fail(where, f"{_short(value)} is outside [{lo}, {'2^62' if hi == _MAX_COUNT else hi}]")
         return value
 
     def equal(self, value: object, expected: object, where: str, why: str) -> None:
@@ -382,20 +385,16 @@ def shard_problem(tokens: np.ndarray, sa: np.ndarray, vocab_size: int, num_docum
     rank, problem = _scan_sa(tokens, sa, tokens.dtype.type(sep), np.zeros((tokens.shape[0] >> 3) + 1, np.uint8))
     if not problem:
         return None
-    what = {1: f"is not a position with a continuation in [1, {tokens.shape[0] - 1})",
+    what = {1: f"is not a position (of {tokens.shape[0]} tokens) that has a continuation",
             2: "repeats an earlier entry's position",
-            3: f"is out of order after entry {rank - 1} = {sa[rank - 1] if rank else None}"}[problem]
+            3: f"is out of order after entry {rank - 1} = {sa[rank - 1]}"}[problem]
     return "sa", f"suffix-array entry {rank} = {sa[rank]} {what}"
 
 
 def check_shard(directory: Path, shard: ShardEntry, tokens: np.ndarray, sa: np.ndarray, vocab_size: int) -> None:
-    """Check one shard's arrays against its manifest entry and ``shard_problem``; raises
-    ``IndexCorruptError`` naming the bad file."""
-    if tokens.shape[0] != shard.array_len or sa.shape[0] != sa_length(shard.num_tokens, shard.num_documents):
-        found = ("tokens", f"{tokens.shape[0]} tokens and {sa.shape[0]} suffix-array entries do not match the "
-                 f"manifest's {shard.num_tokens} tokens in {shard.num_documents} documents")
-    else:
-        found = shard_problem(tokens, sa, vocab_size, shard.num_documents)
+    """``shard_problem`` for a shard's arrays as ``open_shard`` maps them (lengths checked);
+    raises ``IndexCorruptError`` naming the bad file."""
+    found = shard_problem(tokens, sa, vocab_size, shard.num_documents)
     if found:
         role, problem = found
         raise IndexCorruptError(f"index file {directory / shard.files[role].name} is corrupt: {problem}")
@@ -472,20 +471,43 @@ def read_manifest(directory: Path) -> Manifest:
     return Manifest.from_json(text, str(path))
 
 
+def _npy_header(f) -> dict:
+    """The header of the ``.npy`` file open in ``f``, left at the data's start; ``ValueError``
+    unless it is a dict of exactly what ``np.save`` writes. numpy's own reader is not used: on
+    damaged bytes it can raise nearly anything (its Python 2 fallback raises ``TokenError``)."""
+    magic = f.read(8)
+    if magic not in _NPY_LENGTH_FIELDS:
+        raise ValueError(f"not a .npy file of format 1.0 or 2.0 (it starts with {_short(magic)})")
+    length_format = _NPY_LENGTH_FIELDS[magic]
+    length_field = f.read(struct.calcsize(length_format))
+    if len(length_field) != struct.calcsize(length_format):
+        raise ValueError("the file ends inside the header")
+    (length,) = struct.unpack(length_format, length_field)
+    if length > _NPY_MAX_HEADER:
+        raise ValueError(f"a header of {length} bytes is longer than np.save writes")
+    text = f.read(length)
+    try:
+        header = ast.literal_eval(text.decode("latin-1"))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
+        raise ValueError(f"the header is not a Python literal ({type(exc).__name__})") from None
+    if type(header) is not dict or set(header) != {"descr", "fortran_order", "shape"}:
+        raise ValueError(f"the header {_short(header)} is not a dict of descr, fortran_order and shape")
+    return header
+
+
 def _map_array(path: Path, dtype: np.dtype, length: int) -> np.ndarray:
     """Memory-map the 1-D ``.npy`` array at ``path`` after checking its header holds exactly
     ``dtype[length]`` and the file is exactly that header plus that data."""
     with open(path, "rb") as f:
         try:
-            version = np.lib.format.read_magic(f)
-            if version not in _NPY_HEADER_READERS:
-                raise ValueError(f".npy format version {version} is not one we write")
-            shape, fortran_order, header_dtype = _NPY_HEADER_READERS[version](f)
-        except (ValueError, RecursionError) as exc:  # numpy's errors for every malformed header
-            raise IndexFormatError(f"index file {path} is not a valid .npy array: {str(exc).splitlines()[0]}") from None
+            header = _npy_header(f)
+        except ValueError as exc:
+            raise IndexFormatError(f"index file {path} is not a valid .npy array: {exc}") from None
         offset = f.tell()
-    if header_dtype != dtype or shape != (length,) or fortran_order:
-        raise IndexFormatError(f"index file {path} holds {header_dtype}{list(shape)}, the manifest describes {dtype}[{length}]")
+    if header != {"descr": dtype.str, "fortran_order": False, "shape": (length,)}:
+        raise IndexFormatError(
+            f"index file {path} holds {_short(header['descr'])} {_short(header['shape'])} (fortran_order="
+            f"{_short(header['fortran_order'])}), the manifest describes '{dtype.str}' ({length},)")
     size = path.stat().st_size
     if size != offset + length * dtype.itemsize:
         raise IndexFormatError(f"index file {path} has {size} bytes, its header describes {offset + length * dtype.itemsize}")

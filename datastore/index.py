@@ -14,7 +14,9 @@ narrows that range. One pass over at most ``n_max`` tokens finds the longest mat
 
 The binary searches, the continuation gather and the trie (``datastore.trie``) are numba-compiled
 kernels that release the GIL: a draft costs a few Python-level calls, and a server's threads
-draft in parallel on every core.
+draft in parallel on every core. They bounds-check every value read from disk, so a damaged index
+answers ``IndexCorruptError`` instead of crashing the process; ``Datastore.warm_up`` compiles them
+(or loads them from numba's on-disk cache) before a server reports ready.
 """
 
 from __future__ import annotations
@@ -302,6 +304,7 @@ class Datastore:
 
 
 def _warm_up_top_c_tree(dtype: np.dtype) -> None:
+    """Compile ``top_c_tree`` for rows of ``dtype`` (trees of one node)."""
     sep = fmt.separator(dtype)
     top_c_tree(np.full((1, 1), sep, dtype), sep, 1)
 
@@ -315,7 +318,7 @@ def _warm_up_shard(shard: _Shard, sep: int, vocab_size: int) -> None:
 
 
 def compile_kernels() -> float:
-    """Compile every specialization of the retrieval kernels and of ``fmt.check_shard`` that an
+    """Compile every specialization of the retrieval kernels and of the structural check that an
     index can need (tokens <u2 and <u4, suffix arrays <i4 and <i8; trie rows <u2 and <u4) on tiny
     read-only arrays like the memory maps, filling numba's on-disk cache (so a fresh install's
     first server start or build does not compile); returns the seconds it took."""
