@@ -60,8 +60,8 @@ class CleanIndex:
 
     path: Path
     vocab_size: int
-    docs: list[list[int]]
-    shards: list[tuple[np.ndarray, np.ndarray]]  # (tokens, sa) per shard
+    docs: list[list[int]] = dataclasses.field(repr=False)  # hypothesis prints the fixture on failure
+    shards: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(repr=False)  # (tokens, sa) per shard
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +93,6 @@ def reseal(path: Path) -> None:
         for s in manifest.shards
     )
     fmt.write_manifest(path, dataclasses.replace(manifest, shards=shards))
-
-
-def npy_offset(path: Path) -> int:
-    """Bytes before a .npy file's data."""
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        (np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0)(f)
-        return f.tell()
 
 
 def set_entry(path: Path, role: str, shard: int, index: int, value: int) -> None:
@@ -136,11 +128,12 @@ def contexts_at_ranks(clean: CleanIndex, shard: int, ranks) -> list[list[int]]:
 
 
 def draft_each(spec_file: str) -> None:
-    """Subprocess side: open every case's index and draft its contexts, printing one JSON line per
-    case: the open or draft errors (type, message) and the largest token id in any tree."""
+    """Subprocess side: open every case's index and draft its contexts, then open it with the
+    structural check, printing one JSON line per case: the open, draft and check errors (type,
+    message) and the largest token id in any tree."""
     spec = json.loads(Path(spec_file).read_text())
     for i, case in enumerate(spec["cases"]):
-        result = {"case": i, "open_error": None, "draft_errors": [], "trees": 0, "max_token": -1}
+        result = {"case": i, "open_error": None, "draft_errors": [], "trees": 0, "max_token": -1, "check_error": None}
         try:
             store = Datastore.open(case["path"])
         except fmt.IndexFormatError as exc:
@@ -156,6 +149,10 @@ def draft_each(spec_file: str) -> None:
                 if len(tree):
                     result["max_token"] = max(result["max_token"], int(tree.tokens.max()))
                     assert tree.tokens.min() >= 0
+        try:
+            Datastore.open(case["path"], check=True).close()
+        except fmt.IndexFormatError as exc:
+            result["check_error"] = [type(exc).__name__, str(exc)]
         print(json.dumps(result), flush=True)
 
 
@@ -192,6 +189,11 @@ def assert_safe_outcome(result: dict, case: dict, vocab_size: int) -> None:
         assert_one_line_about(message, directory)
         assert "is corrupt" in message and "rest-datastore verify" in message
     assert result["max_token"] < vocab_size, f"token {result['max_token']} >= vocab {vocab_size} reached a draft tree"
+    if result["check_error"]:
+        assert result["check_error"][0] in ("IndexFormatError", "IndexCorruptError"), result
+        assert_one_line_about(result["check_error"][1], directory)
+    if any("outside the vocabulary" in message for _, message in result["draft_errors"]):
+        assert result["check_error"], "the structural check missed a token that drafting found outside the vocabulary"
 
 
 # ---- random corruption: the property test -----------------------------------------------------
@@ -225,7 +227,7 @@ def damaged_case(clean: CleanIndex, spans, into: Path, sealed: bool) -> dict:
         data[start : start + mask.size] ^= mask
         data.tofile(file)
         itemsize = clean.shards[shard][fmt.ROLES.index(role)].itemsize
-        first = max(0, (start - npy_offset(clean.path / fmt.shard_file(shard, role))) // itemsize)
+        first = max(0, (start - np.load(clean.path / fmt.shard_file(shard, role), mmap_mode="r").offset) // itemsize)
         touched = range(first, first + mask.size // itemsize + 1, max(1, mask.size // itemsize // 8))
         contexts += (contexts_at_tokens if role == "tokens" else contexts_at_ranks)(
             clean, shard, [k for k in touched if k < clean.shards[shard][fmt.ROLES.index(role)].shape[0]])
@@ -346,10 +348,10 @@ def test_write_shard_checks_the_files_it_wrote(tmp_path):
 # ---- .npy headers and special files -----------------------------------------------------------
 
 
-def small_index(tmp_path: Path, vocab_size: int = 10) -> Path:
+def small_index(tmp_path: Path) -> Path:
     from tests.helpers import write_index  # see clean_indexes
 
-    return write_index(tmp_path / "idx", [[1, 2, 3, 4], [5, 6, 7], [1, 2, 9]], vocab_size=vocab_size)
+    return write_index(tmp_path / "idx", [[1, 2, 3, 4], [5, 6, 7], [1, 2, 9]], vocab_size=10)
 
 
 def rewrite_header(file: Path, old: bytes, new: bytes) -> None:
@@ -360,10 +362,10 @@ def rewrite_header(file: Path, old: bytes, new: bytes) -> None:
 
 @pytest.mark.parametrize("damage, message", [
     ("trailing-bytes", "has 160 bytes, its header describes 156"),
-    ("big-endian", "holds '>u2' \\(14,\\) \\(fortran_order=False\\), the manifest describes '<u2' \\(14,\\)"),
+    ("big-endian", r"holds '>u2' \(14,\) \(fortran_order=False\), the manifest describes '<u2' \(14,\)"),
     ("float-dtype", "holds '<f2'"),
     ("fortran", "fortran_order=True"),
-    ("longer-shape", "holds '<u2' \\(5,\\)"),
+    ("longer-shape", r"holds '<u2' \(5,\)"),
     ("bad-magic", "not a valid .npy array: not a .npy file of format 1.0 or 2.0"),
     ("garbage-header", "not a valid .npy array: the header is not a Python literal"),
     ("unterminated-string", "not a valid .npy array: the header is not a Python literal"),  # numpy: TokenError
