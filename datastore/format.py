@@ -72,8 +72,8 @@ class IndexFormatError(ValueError):
 
 
 class IndexCorruptError(IndexFormatError):
-    """An index file's content is damaged: found by the structural check or, while drafting, by
-    a kernel's bounds checks (the server answers it with DATA_LOSS)."""
+    """An index file's content is damaged: a digest mismatch at open, the structural check, or a
+    kernel's bounds check while drafting (which the server answers with DATA_LOSS)."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -376,7 +376,8 @@ def shard_problem(tokens: np.ndarray, sa: np.ndarray, vocab_size: int, num_docum
     counts = np.zeros(2, dtype=np.int64)
     bad = _scan_tokens(tokens, vocab_size, tokens.dtype.type(sep), counts)
     if bad >= 0:
-        return "tokens", f"token {bad} = {tokens[bad]} is outside the vocabulary [0, {vocab_size}) and not the separator {sep}"
+        return "tokens", (f"token {bad} = {tokens[bad]} is outside the vocabulary [0, {vocab_size}) "
+                          f"and not the separator {sep}")
     separators, with_next = counts.tolist()
     if separators != num_documents + 1:
         return "tokens", f"{separators} separators, expected {num_documents + 1} for {num_documents} documents"
@@ -403,7 +404,8 @@ def check_shard(directory: Path, shard: ShardEntry, tokens: np.ndarray, sa: np.n
 # ---- writing ----------------------------------------------------------------------------------
 
 
-def write_shard(directory: Path, shard: int, tokens: np.ndarray, sa: np.ndarray, *, vocab_size: int | None = None) -> ShardEntry:
+def write_shard(directory: Path, shard: int, tokens: np.ndarray, sa: np.ndarray, *,
+                vocab_size: int | None = None) -> ShardEntry:
     """Write one shard's arrays, fsync them, check the files as read back from disk (a bad write
     is caught before the index is published) and describe them for the manifest.
 
@@ -510,7 +512,8 @@ def _map_array(path: Path, dtype: np.dtype, length: int) -> np.ndarray:
             f"{_short(header['fortran_order'])}), the manifest describes '{dtype.str}' ({length},)")
     size = path.stat().st_size
     if size != offset + length * dtype.itemsize:
-        raise IndexFormatError(f"index file {path} has {size} bytes, its header describes {offset + length * dtype.itemsize}")
+        raise IndexFormatError(f"index file {path} has {size} bytes, its header describes "
+                               f"{offset + length * dtype.itemsize}")
     # a plain ndarray view of the memory map: np.memmap's subclass hooks cost more than the search
     return np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(length,)))
 
