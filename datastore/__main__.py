@@ -117,12 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     exposure.add_argument("--auth-scope", choices=AUTH_SCOPES, default=env("REST_AUTH_SCOPE", "add-output"),
                           help="calls that need the token: AddOutput only, or every Datastore call (health and "
                           "reflection stay open) (default: $REST_AUTH_SCOPE or %(default)s)")
-    serve_cmd.add_argument("--outputs-max-tokens", type=int,
+    serve_cmd.add_argument("--outputs-max-tokens", type=int, metavar="N",
                            default=env("REST_OUTPUTS_MAX_TOKENS", str(DEFAULT_SERVER.outputs_max_tokens)),
                            help="size of the store of recent outputs that clients add (AddOutput) and that "
                            "drafts like the index; the oldest outputs are evicted beyond it; 0 keeps none "
                            "(default: $REST_OUTPUTS_MAX_TOKENS or %(default)s)")
-    serve_cmd.add_argument("--outputs-dir", type=Path, default=env("REST_OUTPUTS_DIR"),
+    serve_cmd.add_argument("--outputs-dir", type=Path, metavar="DIR", default=env("REST_OUTPUTS_DIR"),
                            help="keep the output store in this directory (an append-only log, fsynced "
                            "before each AddOutput is answered) so it survives restarts (default: "
                            "$REST_OUTPUTS_DIR, else in memory only)")
