@@ -1,21 +1,31 @@
 """build_index: tokenize a corpus with the target model's tokenizer into a sharded suffix-array index.
 
-The thin CLI over ``build_index.build.build``: flags -> ``BuildConfig``, summary to stdout, bad
-input -> one line on stderr and exit status 2.
+The thin CLI over ``build_index.build.build``: flags -> ``BuildConfig``, summary to stdout; bad
+input -> one line on stderr and exit status 2, a failed build (the index cannot be written, a
+worker died) -> one line and status 1, a stop signal -> one line and status 128 + its number.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import sys
-from pathlib import Path
+import signal
 
-from build_index.build import BuildConfig, BuildInputError, build
-from build_index.corpora import NAMED_CORPORA, TURN_CHOICES, CorpusError, CorpusSpec
-from build_index.tokenize import DEFAULT_BATCH_SIZE, TokenizeConfig, default_workers
-from build_index.writer import DEFAULT_SHARD_TOKENS
+# Before the slow imports below: until ``build`` takes over the stop signals there is nothing to
+# clean up, and Ctrl-C should end the process like SIGTERM does, not with a KeyboardInterrupt
+# traceback from the middle of an import. (An ignored SIGINT, as in a background job, stays ignored.)
+if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from concurrent.futures.process import BrokenProcessPool  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from build_index.build import BuildConfig, BuildInputError, BuildInterrupted, build  # noqa: E402
+from build_index.corpora import DEFAULT_MAX_FILE_MIB, NAMED_CORPORA, TURN_CHOICES, CorpusError, CorpusSpec  # noqa: E402
+from build_index.tokenize import DEFAULT_BATCH_SIZE, TokenizeConfig, default_workers  # noqa: E402
+from build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriteError  # noqa: E402
 
 _EPILOG = """\
 records and documents:
@@ -23,6 +33,18 @@ records and documents:
   records, so a held-out conversation is held out whole. Code and text items are one document each.
   Chat records (ShareGPT, UltraChat, any list-valued field) give one document per assistant turn by
   default, since drafts predict assistant replies; --turns all indexes every turn.
+
+directory corpora:
+  Only regular files are read (symbolic links to them included). Named pipes, sockets, devices and
+  files larger than --max-file-mib are skipped with a warning and counted as skipped; so are binary,
+  non-UTF-8 and unreadable files. A special file given as --corpus or --data-files is an error.
+
+the output directory:
+  The index is built in a temporary directory beside --out and renamed into place at the end. With
+  --overwrite an existing --out is replaced only if it holds an index (manifest.json declaring
+  "rest-index") and nothing but index files; anything else is refused. The old index is removed only
+  after the new one is in place. A build that fails, or is stopped by SIGINT, SIGTERM or SIGHUP,
+  removes its temporary directory, stops its workers and leaves --out as it was.
 
 examples:
   build_index --corpus python-stdlib --out indexes/stdlib
@@ -56,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="chat turns to index: assistant replies only (default) or every turn")
     p.add_argument("--extensions", default="", metavar=".py,.md",
                    help="directory corpora: only files with these extensions (default: all text files)")
+    p.add_argument("--max-file-mib", type=int, default=DEFAULT_MAX_FILE_MIB, metavar="N",
+                   help=f"directory corpora: skip files over N MiB, with a warning (default {DEFAULT_MAX_FILE_MIB}; "
+                        "0 = no limit); each file is read and tokenized whole")
     p.add_argument("--max-docs", type=int, metavar="N", help="read only the first N records")
     p.add_argument("--skip-last", type=int, default=0, metavar="N",
                    help="hold out the last N records read (evaluation data)")
@@ -63,7 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokenizer processes (default: CPU count; 1 = in-process)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="documents per tokenizer batch")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="maximum tokens per shard")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing index at --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing index at --out (only an index: see below)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     p.add_argument("--quiet", action="store_true", help="errors only, no progress bar")
@@ -79,6 +105,7 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         config=args.config,
         turns=args.turns,
         extensions=tuple(e.strip() for e in args.extensions.split(",") if e.strip()),
+        max_file_mib=args.max_file_mib,
         max_docs=args.max_docs,
         skip_last=args.skip_last,
     )
@@ -100,9 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     except (CorpusError, BuildInputError, FileExistsError) as exc:
         print(f"build_index: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("build_index: interrupted; no index was written", file=sys.stderr)
-        return 130
+    except IndexWriteError as exc:
+        print(f"build_index: error: {exc}; the partial build was removed, {exc.directory} is unchanged", file=sys.stderr)
+        return 1
+    except BrokenProcessPool:
+        print("build_index: error: a tokenizer worker process died (killed, or out of memory?); "
+              "no index was written", file=sys.stderr)  # fmt: skip
+        return 1
+    except BuildInterrupted as exc:
+        print(f"build_index: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     print(json.dumps(report.to_dict()) if args.json else report.format())
     return 0
 

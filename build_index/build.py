@@ -6,20 +6,73 @@
 
 from __future__ import annotations
 
+import logging
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from build_index.corpora import Corpus, CorpusSpec, open_corpus
+from build_index.signals import STOP_SIGNALS
 from build_index.tokenize import BatchTokenizer, TokenizeConfig
 from build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
 from datastore.errors import first_line
 from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
 
+log = logging.getLogger(__name__)
+
 
 class BuildInputError(ValueError):
     """Bad build input outside the corpus itself: an unreadable tokenizer, nothing to index."""
+
+
+class BuildInterrupted(BaseException):
+    """A stop signal ended the build before the new index was in place. A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` on the way swallows it; ``out`` is the
+    target, once known, which the interrupted build left as it was."""
+
+    def __init__(self, signum: int, out: Path | None = None) -> None:
+        super().__init__(signum, out)
+        self.signum, self.out = signum, out
+
+    def __str__(self) -> str:
+        unchanged = f"; {self.out} is unchanged" if self.out else ""
+        return f"interrupted ({signal.Signals(self.signum).name}); no index was written{unchanged}"
+
+
+class _StopSignals:
+    """While active, SIGINT, SIGTERM and SIGHUP raise ``BuildInterrupted``: the ``with`` blocks on
+    the way out stop the tokenizer workers and remove the partial index. Once ``writer`` has put
+    the new index in place a signal has nothing left to stop and is only logged; after the first
+    one, the rest are ignored so that the clean-up runs to its end. A signal ignored when the build
+    starts (``nohup``, a background job's SIGINT) stays ignored; outside the main thread, where
+    Python cannot set handlers, nothing changes."""
+
+    def __init__(self) -> None:
+        self.out: Path | None = None
+        self.writer: IndexWriter | None = None
+        self._stopping = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.writer is not None and self.writer.published:
+            log.warning("%s arrived after the new index was written to %s", signal.Signals(signum).name, self.out)
+        elif not self._stopping:
+            self._stopping = True
+            raise BuildInterrupted(signum, self.out)
 
 
 @dataclass(frozen=True)
@@ -49,7 +102,7 @@ class BuildReport:
     corpus: str
     records: int  # records indexed
     held_out: int  # records skipped at the end (--skip-last)
-    skipped: int  # files that could not be read
+    skipped: int  # files not indexed: binary, not UTF-8, special, too large or unreadable
     documents: int
     tokens: int
     shards: int
@@ -80,7 +133,7 @@ class BuildReport:
         lines = [
             f"index      {self.out}: {self.shards} shard(s), {self.bytes_on_disk / 1e6:,.1f} MB, "
             f"{self.bytes_per_token:.2f} bytes/token",
-            f"records    {self.records:,} indexed, {self.held_out:,} held out, {self.skipped:,} unreadable skipped",
+            f"records    {self.records:,} indexed, {self.held_out:,} held out, {self.skipped:,} files skipped",
             f"documents  {self.documents:,}",
             f"tokens     {self.tokens:,}",
             f"time       {self.seconds:.1f} s, {self.tokens_per_second:,.0f} tokens/s overall; "
@@ -94,35 +147,40 @@ class BuildReport:
 
 
 def build(config: BuildConfig) -> BuildReport:
-    """Read, tokenize and write one index; the target appears only if everything succeeded.
+    """Read, tokenize and write one index; the target appears only if everything succeeded, and
+    any failure or interruption leaves it as it was.
 
-    Raises ``CorpusError``/``BuildInputError``/``FileExistsError`` on bad input."""
+    Raises ``CorpusError``/``BuildInputError``/``FileExistsError`` on bad input,
+    ``IndexWriteError`` when the index cannot be written and ``BuildInterrupted`` on SIGINT,
+    SIGTERM or SIGHUP (see ``_StopSignals``)."""
     start = time.perf_counter()
-    corpus = open_corpus(config.corpus)
-    out = config.out or Path("indexes") / corpus.slug
-    IndexWriter.check_target(out, config.overwrite)  # before the tokenizer load and the whole read
-    tokenizer = _load_tokenizer(config.tokenizer)
-    with IndexWriter(
-        out,
-        tokenizer_name=tokenizer_name(config.tokenizer),
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-        vocab_size=vocab_size(tokenizer),
-        shard_tokens=config.shard_tokens,
-        overwrite=config.overwrite,
-    ) as writer:
-        with BatchTokenizer(tokenizer, config.tokenize) as encoder:
-            tokenize_start = time.perf_counter()
-            tokens = _index_records(corpus, encoder, writer, config.progress)
-            tokenize_seconds = time.perf_counter() - tokenize_start
-        if tokens == 0:
-            raise BuildInputError(
-                f"corpus {config.corpus.corpus!r} gave no text to index ({corpus.stats.records} records; "
-                "check --turns, --field, --skip-last)"
+    with _StopSignals() as stop:
+        corpus = open_corpus(config.corpus)
+        stop.out = out = config.out or Path("indexes") / corpus.slug
+        IndexWriter.check_target(out, config.overwrite)  # before the tokenizer load and the whole read
+        tokenizer = _load_tokenizer(config.tokenizer)
+        with IndexWriter(
+            out,
+            tokenizer_name=tokenizer_name(config.tokenizer),
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            vocab_size=vocab_size(tokenizer),
+            shard_tokens=config.shard_tokens,
+            overwrite=config.overwrite,
+        ) as writer:
+            stop.writer = writer
+            with BatchTokenizer(tokenizer, config.tokenize) as encoder:
+                tokenize_start = time.perf_counter()
+                tokens = _index_records(corpus, encoder, writer, config.progress)
+                tokenize_seconds = time.perf_counter() - tokenize_start
+            if tokens == 0:
+                raise BuildInputError(
+                    f"corpus {config.corpus.corpus!r} gave no text to index ({corpus.stats.records} records; "
+                    "check --turns, --field, --skip-last)"
+                )
+            summary = writer.finish(
+                corpus=corpus.provenance(),
+                build={"args": config.build_args(), "tokenize_seconds": round(tokenize_seconds, 3)},
             )
-        summary = writer.finish(
-            corpus=corpus.provenance(),
-            build={"args": config.build_args(), "tokenize_seconds": round(tokenize_seconds, 3)},
-        )
     stats = corpus.stats
     return BuildReport(
         out=str(summary.path),

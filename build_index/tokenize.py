@@ -20,6 +20,8 @@ from typing import Iterable, Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
+from build_index.signals import stop_signals_deferred
+
 DEFAULT_BATCH_SIZE = 64
 
 
@@ -72,13 +74,32 @@ def _init_worker(tokenizer_json: str) -> None:
     global _worker_tokenizer
     # The pool gives each process one core; Rust threads on top would only contend for it.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # Ctrl-C is the parent's to handle: it stops the pool and removes the partial index.
+    # A terminal's Ctrl-C and hang-up reach the whole process group; they are the parent's to
+    # handle: it stops the workers and removes the partial index. (SIGTERM stays at its default,
+    # which is how the parent stops them, and how anyone can stop a worker left alone.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _worker_tokenizer = _rebuild(tokenizer_json)
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return _encode(_worker_tokenizer, texts)
+
+
+def _terminate(pool: ProcessPoolExecutor) -> None:
+    """Kill the pool's workers, whatever they are doing, so that ``shutdown`` does not wait for them.
+
+    The executor has no public way to do this before Python 3.14 (``terminate_workers``), and a
+    worker killed while sending a result leaves half a message in the result pipe, which the pool's
+    manager thread would wait on for ever. So the parent's end of that pipe is closed as well: the
+    manager thread reads end-of-file and shuts the pool down as broken, as it does when a worker
+    dies (CPython's own clean-up for that case also unblocks a call queue no worker reads)."""
+    processes = list((pool._processes or {}).values())
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join()
+    pool._result_queue._writer.close()
 
 
 def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -111,18 +132,33 @@ class BatchTokenizer:
             # spawn, not fork: the parent may hold threads (progress bar, dataset streaming) and
             # Rust thread pools, which a fork would copy in an undefined state. An executor, not
             # multiprocessing.Pool: a worker that dies raises BrokenProcessPool instead of hanging.
-            self._pool = ProcessPoolExecutor(
-                self.config.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(self._json,),
-            )
+            try:
+                with stop_signals_deferred():
+                    self._pool = ProcessPoolExecutor(
+                        self.config.workers,
+                        mp_context=multiprocessing.get_context("spawn"),
+                        initializer=_init_worker,
+                        initargs=(self._json,),
+                    )
+                    # Start every worker now (one no-op each; the pool starts a process per submit
+                    # while none is idle), with stop signals held: a process stopped halfway through
+                    # its start dies with a traceback and leaves a pool that cannot shut down.
+                    for _ in range(self.config.workers):
+                        self._pool.submit(os.getpid)
+            except BaseException as exc:  # a signal held above, delivered now: no `with` body to exit
+                self.__exit__(type(exc), exc, exc.__traceback__)
+                raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=exc_type is not None)
-            self._pool = None
+        """After an error or a stop signal the results are not wanted: the workers are terminated
+        at once instead of finishing their batches."""
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        if exc_type is not None:
+            _terminate(pool)
+        pool.shutdown(wait=True, cancel_futures=exc_type is not None)
 
     def encode(self, texts: Iterable[str]) -> Iterator[np.ndarray]:
         """Token ids of each text, in order."""
