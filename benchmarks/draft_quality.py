@@ -29,12 +29,12 @@ import numpy as np
 
 from benchmarks.data import humaneval_inputs, save_report
 from benchmarks.replay import Example, greedy_outputs, replay
-from datastore.index import Datastore
-from datastore.sources import SEP
-from datastore.tokenizer import load_tokenizer
-from datastore.trie import top_c_tree
-from datastore.types import DraftConfig, DraftTree
-from drafter.model import load_model
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.sources import SEP
+from rest_spec.datastore.tokenizer import load_tokenizer
+from rest_spec.datastore.trie import top_c_tree
+from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.drafter.model import load_model
 
 RESULTS = Path(__file__).parent / "results"
 

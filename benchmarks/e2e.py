@@ -24,7 +24,7 @@ benchmarks/results/, and plots accepted length and speed per mode (needs matplot
 
 The verification cost t(n) comes from ``drafter.budget.load_or_measure`` (cached per model,
 device and dtype); measure it on the machine that runs the benchmark, quiet, with
-``python -m drafter.budget measure`` or ``--remeasure``.
+``python -m rest_spec.drafter.budget measure`` or ``--remeasure``.
 """
 
 from __future__ import annotations
@@ -44,16 +44,16 @@ from typing import Callable, Sequence
 import torch
 
 from benchmarks.data import humaneval_inputs, save_report
-from build_index.corpora import CorpusSpec, held_out_records
-from datastore.format import read_manifest
-from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
-from datastore.types import DraftConfig, DraftTree, IndexInfo
-from drafter.adaptive import AdaptiveDrafter
-from drafter.base import Drafter
-from drafter.budget import VerifyCost, load_or_measure
-from drafter.generate import GenerationResult, generate
-from drafter.local import LocalDrafter
-from drafter.model import load_model
+from rest_spec.build_index.corpora import CorpusSpec, held_out_records
+from rest_spec.datastore.format import read_manifest
+from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo
+from rest_spec.drafter.adaptive import AdaptiveDrafter
+from rest_spec.drafter.base import Drafter
+from rest_spec.drafter.budget import VerifyCost, load_or_measure
+from rest_spec.drafter.generate import GenerationResult, generate
+from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.model import load_model
 
 log = logging.getLogger("benchmarks.e2e")
 
@@ -106,7 +106,7 @@ def ensure_index(path: Path, build_args: list[str]) -> Path:
     """``path``, built with ``build_index`` first when it holds no index."""
     if not (path / "manifest.json").exists():
         log.warning("no index at %s: building it (build_index %s)", path, " ".join(build_args))
-        subprocess.run([sys.executable, "-m", "build_index", *build_args, "--out", str(path), "--quiet"], check=True)
+        subprocess.run([sys.executable, "-m", "rest_spec.build_index", *build_args, "--out", str(path), "--quiet"], check=True)
     return path
 
 

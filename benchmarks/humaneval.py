@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from benchmarks.data import humaneval_inputs, save_report
-from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
-from datastore.types import DraftConfig
-from datastore.tokenizer import check_tokenizer
-from drafter.generate import generate
-from drafter.local import LocalDrafter
-from drafter.model import load_model
+from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.datastore.tokenizer import check_tokenizer
+from rest_spec.drafter.generate import generate
+from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.model import load_model
 
 RESULTS = Path(__file__).parent / "results"
 

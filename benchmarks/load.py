@@ -45,7 +45,7 @@ DRAFT_METHOD = "/rest.datastore.v1.Datastore/Draft"
 
 def sample_contexts(index: Path, count: int = 2000, seed: int = 0) -> list[list[int]]:
     """``count`` slices of 1..32 tokens of the index's documents, uniformly placed (fixed seed)."""
-    from datastore.index import Datastore
+    from rest_spec.datastore.index import Datastore
 
     with Datastore.open(index) as store:
         docs = [doc for doc in store.documents() if doc.size >= 2]
@@ -67,7 +67,7 @@ def start_server(index: Path, workers: int, log_file) -> tuple[subprocess.Popen,
     """``rest-datastore serve`` on a free loopback port, its log to ``log_file``; returns the
     process and the address it printed once ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "datastore", "serve", "--index", str(index), "--port", "0", "--workers", str(workers)],
+        [sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(index), "--port", "0", "--workers", str(workers)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=log_file, text=True,
     )
     line = proc.stdout.readline()
@@ -126,8 +126,8 @@ def run_load(index: Path, *, clients: int = 32, seconds: float = 30.0, processes
              workers: int = 8) -> dict:
     """The figures of ``clients`` clients in ``processes`` processes drafting from a fresh server
     (``workers`` threads) on ``index`` for ``seconds`` after ``warmup`` seconds."""
-    from datastore import wire
-    from datastore.types import DraftConfig
+    from rest_spec.datastore import wire
+    from rest_spec.datastore.types import DraftConfig
 
     requests = [wire.draft_request(c, DraftConfig()).SerializeToString() for c in sample_contexts(index)]
     processes = min(processes, clients)
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     if not (args.index / "manifest.json").exists():
         log.info("building %s (python-stdlib)", args.index)
-        subprocess.run([sys.executable, "-m", "build_index", "--corpus", "python-stdlib", "--out", str(args.index)],
+        subprocess.run([sys.executable, "-m", "rest_spec.build_index", "--corpus", "python-stdlib", "--out", str(args.index)],
                        cwd=REPO, check=True)
     figures = run_load(args.index, clients=args.clients, seconds=args.seconds, processes=args.processes,
                        warmup=args.warmup, workers=args.workers)

@@ -16,10 +16,10 @@ import statistics
 import time
 from typing import Callable, Protocol, Sequence
 
-from datastore.types import DraftConfig, DraftTree
-from drafter.adaptive import accepted_nodes
-from drafter.budget import VerifyCost, cache_dir, cost_key
-from drafter.generate import generate
+from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.drafter.adaptive import accepted_nodes
+from rest_spec.drafter.budget import VerifyCost, cache_dir, cost_key
+from rest_spec.drafter.generate import generate
 
 log = logging.getLogger(__name__)
 

@@ -46,11 +46,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.data import save_report
-from build_index.corpora import CorpusSpec, held_out_records, iter_records
-from build_index.writer import IndexWriter
-from datastore.index import Datastore
-from datastore.tokenizer import load_tokenizer
-from datastore.types import DraftConfig
+from rest_spec.build_index.corpora import CorpusSpec, held_out_records, iter_records
+from rest_spec.build_index.writer import IndexWriter
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.tokenizer import load_tokenizer
+from rest_spec.datastore.types import DraftConfig
 
 log = logging.getLogger("benchmarks.retrieval")
 
@@ -134,7 +134,7 @@ def run_function(name: str, *args: str) -> tuple[dict, Measured]:
 
 def build_ours(spec: IndexSpec, out: Path, max_records: int | None) -> dict:
     """Build with the real CLI; its JSON summary plus the build's peak memory."""
-    cmd = [sys.executable, "-m", "build_index", "--corpus", spec.corpus, "--skip-last", str(spec.held_out),
+    cmd = [sys.executable, "-m", "rest_spec.build_index", "--corpus", spec.corpus, "--skip-last", str(spec.held_out),
            "--out", str(out), "--overwrite", "--json", "--quiet"]
     if max_records is not None:
         cmd += ["--max-docs", str(max_records)]
@@ -433,7 +433,7 @@ def open_figures(index: Path, index_bytes: int, reference: Path | None = None) -
 def grpc_client(address: str, queries: list[list[int]], offset: int, seconds: float, barrier, results) -> None:
     """One client process: warm up, wait for the others, then draft round-robin from ``offset``
     for ``seconds``; puts (calls, elapsed seconds, per-call seconds) on ``results``."""
-    from datastore.client import DatastoreClient
+    from rest_spec.datastore.client import DatastoreClient
 
     config = DraftConfig(budget=GRPC_BUDGET)
     with DatastoreClient(address) as client:
@@ -453,7 +453,7 @@ def grpc_client(address: str, queries: list[list[int]], offset: int, seconds: fl
 
 def start_server(index: Path) -> tuple[subprocess.Popen, str]:
     """``rest-datastore serve`` on a free port; returns the process and the address it printed."""
-    proc = subprocess.Popen([sys.executable, "-m", "datastore", "serve", "--index", str(index), "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(index), "--port", "0"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()
     if not line.startswith("listening on "):

@@ -29,12 +29,12 @@ from typing import Sequence
 from benchmarks.data import humaneval_inputs, save_report
 from benchmarks.e2e import INDEXES, RESULTS, SETS, ensure_index, sharegpt_prompts
 from benchmarks.replay import Example, greedy_outputs, replay
-from datastore.tokenizer import load_tokenizer
-from datastore.types import DraftConfig
-from drafter.adaptive import AdaptiveDrafter
-from drafter.budget import VerifyCost, load_or_measure
-from drafter.local import LocalDrafter
-from drafter.model import load_model
+from rest_spec.datastore.tokenizer import load_tokenizer
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.drafter.adaptive import AdaptiveDrafter
+from rest_spec.drafter.budget import VerifyCost, load_or_measure
+from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.model import load_model
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

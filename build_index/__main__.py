@@ -22,10 +22,10 @@ import sys  # noqa: E402
 from concurrent.futures.process import BrokenProcessPool  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from build_index.build import BuildConfig, BuildInputError, BuildInterrupted, build  # noqa: E402
-from build_index.corpora import DEFAULT_MAX_FILE_MIB, NAMED_CORPORA, TURN_CHOICES, CorpusError, CorpusSpec  # noqa: E402
-from build_index.tokenize import DEFAULT_BATCH_SIZE, TokenizeConfig, default_workers  # noqa: E402
-from build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriteError  # noqa: E402
+from rest_spec.build_index.build import BuildConfig, BuildInputError, BuildInterrupted, build  # noqa: E402
+from rest_spec.build_index.corpora import DEFAULT_MAX_FILE_MIB, NAMED_CORPORA, TURN_CHOICES, CorpusError, CorpusSpec  # noqa: E402
+from rest_spec.build_index.tokenize import DEFAULT_BATCH_SIZE, TokenizeConfig, default_workers  # noqa: E402
+from rest_spec.build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriteError  # noqa: E402
 
 _EPILOG = """\
 records and documents:

@@ -14,12 +14,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from build_index.corpora import Corpus, CorpusSpec, open_corpus
-from build_index.signals import STOP_SIGNALS
-from build_index.tokenize import BatchTokenizer, TokenizeConfig
-from build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
-from datastore.errors import first_line
-from datastore.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
+from rest_spec.build_index.corpora import Corpus, CorpusSpec, open_corpus
+from rest_spec.build_index.signals import STOP_SIGNALS
+from rest_spec.build_index.tokenize import BatchTokenizer, TokenizeConfig
+from rest_spec.build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
+from rest_spec.datastore.errors import first_line
+from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 from urllib.parse import urlparse
 
-from datastore.errors import first_line
+from rest_spec.datastore.errors import first_line
 
 log = logging.getLogger(__name__)
 

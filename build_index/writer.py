@@ -26,8 +26,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from build_index.signals import stop_signals_deferred
-from datastore import format as fmt
+from rest_spec.build_index.signals import stop_signals_deferred
+from rest_spec.datastore import format as fmt
 
 log = logging.getLogger(__name__)
 

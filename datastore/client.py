@@ -13,11 +13,11 @@ from typing import Sequence
 
 import grpc
 
-from datastore import wire
-from datastore.tokenizer import require_tokenizer
-from datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from rest_proto.v1 import datastore_pb2 as pb
-from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
+from rest_spec.datastore import wire
+from rest_spec.datastore.tokenizer import require_tokenizer
+from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.proto.v1 import datastore_pb2 as pb
+from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 

@@ -31,9 +31,9 @@ from typing import Iterator, Sequence
 import numba
 import numpy as np
 
-from datastore import format as fmt
-from datastore.trie import top_c_tree
-from datastore.types import DraftConfig, DraftTree, IndexInfo, ShardInfo
+from rest_spec.datastore import format as fmt
+from rest_spec.datastore.trie import top_c_tree
+from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, ShardInfo
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Sequence
 import numba
 import numpy as np
 
-from datastore.types import DraftTree
+from rest_spec.datastore.types import DraftTree
 
 
 @numba.vectorize(["int64(int64, int64)"], nopython=True, cache=True)

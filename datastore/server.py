@@ -34,19 +34,19 @@ from google.protobuf import message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from datastore import wire
-from datastore.errors import first_line
-from datastore.format import IndexCorruptError
-from datastore.index import Datastore
-from datastore.sources import (
+from rest_spec.datastore import wire
+from rest_spec.datastore.errors import first_line
+from rest_spec.datastore.format import IndexCorruptError
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.sources import (
     DEFAULT_OUTPUTS_MAX_TOKENS,
     OutputStore,
     OutputStoreWriteError,
     check_outputs_options,
     open_output_store,
 )
-from datastore.types import DraftConfig
-from rest_proto.v1 import datastore_pb2 as pb
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.proto.v1 import datastore_pb2 as pb
 
 log = logging.getLogger(__name__)
 

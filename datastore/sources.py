@@ -31,9 +31,9 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from datastore.index import DEFAULT_MAX_CANDIDATES
-from datastore.trie import top_c_tree
-from datastore.types import MAX_DEPTH, DraftConfig, DraftTree
+from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES
+from rest_spec.datastore.trie import top_c_tree
+from rest_spec.datastore.types import MAX_DEPTH, DraftConfig, DraftTree
 
 log = logging.getLogger(__name__)
 

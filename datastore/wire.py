@@ -1,4 +1,4 @@
-"""The only conversions between gRPC messages (``rest_proto.v1``) and the datastore's types, and
+"""The only conversions between gRPC messages (``rest_spec.proto.v1``) and the datastore's types, and
 what else both ends of the wire must agree on: the message size every stock client accepts, a
 reply's size before it is serialized, the bearer-token metadata, why a TLS file is unusable.
 
@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from datastore.types import MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo
-from rest_proto.v1 import datastore_pb2 as pb
+from rest_spec.datastore.types import MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo
+from rest_spec.proto.v1 import datastore_pb2 as pb
 
 DEFAULT_CONFIG = DraftConfig()
 # A server accepts at least this many context tokens, so a client sending its last n_max tokens

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from datastore.errors import first_line
+from rest_spec.datastore.errors import first_line
 
 if TYPE_CHECKING:
-    from drafter.base import Drafter
-    from drafter.generate import GenerationResult
+    from rest_spec.drafter.base import Drafter
+    from rest_spec.drafter.generate import GenerationResult
 
-log = logging.getLogger("drafter.cli")
+log = logging.getLogger("rest_spec.drafter.cli")
 
 # HOST:PORT, with HOST a name, an IPv4 address or a bracketed IPv6 address.
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):\d{1,5}$")
@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rest-generate",
         description="Greedy generation with retrieval-based speculative decoding (REST). Output is "
         "token-identical to plain greedy decoding; the datastore only changes the speed.",
-        epilog="For an interactive chat that streams the replies, run rest-chat (python -m drafter.chat).",
+        epilog="For an interactive chat that streams the replies, run rest-chat (python -m rest_spec.drafter.chat).",
     )
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="one raw-text prompt")
@@ -193,11 +193,11 @@ def open_drafter(spec: str, *, tls_ca: str | None = None, auth_token: str | None
     now with a ``CliError`` rather than at the first draft.
     """
     if Path(spec).is_dir():
-        from drafter.local import LocalDrafter
+        from rest_spec.drafter.local import LocalDrafter
 
         opener, kind = (lambda: LocalDrafter.open(spec)), "index"
     elif _ADDRESS.match(spec):
-        from drafter.remote import RemoteDrafter
+        from rest_spec.drafter.remote import RemoteDrafter
 
         opener, kind = (lambda: RemoteDrafter(spec, tls_ca=tls_ca, auth_token=auth_token)), "server"
     else:
@@ -235,8 +235,8 @@ def load_parts(args: argparse.Namespace):
     """(tokenizer, model, drafter or None) for the parsed ``add_model_arguments``; the drafter is
     opened first (a bad datastore fails before the slow model load) and checked against the
     tokenizer. The caller closes the drafter."""
-    from datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
-    from drafter.model import load_model
+    from rest_spec.datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
+    from rest_spec.drafter.model import load_model
 
     drafter = None if args.no_draft else open_drafter(args.datastore, tls_ca=args.tls_ca, auth_token=args.auth_token)
     try:
@@ -251,8 +251,8 @@ def load_parts(args: argparse.Namespace):
         raise
     log.info("loaded %s on %s in %.1f s", type(model).__name__, model.device, time.perf_counter() - started)
     if args.adaptive and drafter is not None:
-        from drafter.adaptive import AdaptiveDrafter
-        from drafter.budget import load_or_measure
+        from rest_spec.drafter.adaptive import AdaptiveDrafter
+        from rest_spec.drafter.budget import load_or_measure
 
         drafter = AdaptiveDrafter(drafter, cost=load_or_measure(model), config=draft_config(args))
     return tokenizer, model, drafter
@@ -274,14 +274,14 @@ def remember_output(drafter, output_ids: list[int]) -> None:
 
 def draft_config(args: argparse.Namespace):
     """The ``DraftConfig`` of the parsed ``add_model_arguments``."""
-    from datastore.types import DraftConfig
+    from rest_spec.datastore.types import DraftConfig
 
     return DraftConfig(budget=args.budget, max_depth=args.max_depth)
 
 
 def run(args: argparse.Namespace) -> None:
     """Everything after argument parsing; raises on errors."""
-    from drafter.generate import generate
+    from rest_spec.drafter.generate import generate
 
     config = draft_config(args)
     prompts = [Prompt(text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
@@ -320,8 +320,8 @@ def run_cli(prog: str, args: argparse.Namespace, body: Callable[[argparse.Namesp
     """Set up logging for ``args.verbose``, run ``body(args)``; a library or user error becomes one
     line on stderr and exit code 2."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for name in ("drafter", "datastore"):  # this project's loggers only, not every library's
-        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    # this project's loggers only, not every library's
+    logging.getLogger("rest_spec").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         body(args)
     except (CliError, OSError, ValueError) as exc:  # TokenizerMismatchError is a ValueError

@@ -23,11 +23,11 @@ from typing import Sequence
 
 import numpy as np
 
-from datastore.merge import SourceCalibration, merge_trees
-from datastore.sources import RequestMatcher
-from datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from drafter.base import Drafter, SourceDrafter
-from drafter.budget import VerifyCost, select_tree
+from rest_spec.datastore.merge import SourceCalibration, merge_trees
+from rest_spec.datastore.sources import RequestMatcher
+from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.drafter.base import Drafter, SourceDrafter
+from rest_spec.drafter.budget import VerifyCost, select_tree
 
 SOURCES = ("index", "request", "outputs")
 

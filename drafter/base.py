@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
-from datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 
 __all__ = ["Drafter", "SourceDrafter", "SourceTrees"]
 

@@ -12,7 +12,7 @@ measured cost; the selection weighs the best chain against the best tree.
 t(n) is measured once per model, device and dtype with the real verifier (``verify_tree`` on top
 of a KV cache of realistic length, medians of several runs), cached as JSON under
 ``$REST_CACHE_DIR`` or ``~/.cache/rest-spec``, and re-measured by
-``python -m drafter.budget measure``. torch and transformers are imported only where measuring
+``python -m rest_spec.drafter.budget measure``. torch and transformers are imported only where measuring
 needs them, so ``--help`` and ``select_tree`` stay light.
 """
 
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from datastore.errors import first_line
-from datastore.types import DraftTree
+from rest_spec.datastore.errors import first_line
+from rest_spec.datastore.types import DraftTree
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -203,8 +203,8 @@ def measure_verify_cost(
     tokens that is cut back after every run."""
     import torch
 
-    from drafter.kv_cache import CacheRows, compact_cache, new_cache
-    from drafter.verify import verify_trees
+    from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache
+    from rest_spec.drafter.verify import verify_trees
 
     check_sizes(sizes)
     if repeats < 1 or warmup < 0 or context_length < 1:
@@ -275,7 +275,7 @@ def load_or_measure(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m drafter.budget",
+        prog="python -m rest_spec.drafter.budget",
         description="Measure how long one tree-verification step takes for n tokens on this model, device "
         "and dtype; the drafter sizes its trees from it. Results are cached under $REST_CACHE_DIR "
         "or ~/.cache/rest-spec.",
@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     import torch
 
-    from drafter.model import load_model
+    from rest_spec.drafter.model import load_model
 
     try:
         model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)

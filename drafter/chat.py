@@ -14,14 +14,14 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from drafter.__main__ import Prompt, add_model_arguments, draft_config, encode_prompt, load_parts, remember_output, run_cli
+from rest_spec.drafter.__main__ import Prompt, add_model_arguments, draft_config, encode_prompt, load_parts, remember_output, run_cli
 
 if TYPE_CHECKING:
     from transformers.generation import BaseStreamer
 
-    from datastore.types import DraftConfig
-    from drafter.base import Drafter
-    from drafter.generate import GenerationResult
+    from rest_spec.datastore.types import DraftConfig
+    from rest_spec.drafter.base import Drafter
+    from rest_spec.drafter.generate import GenerationResult
 
 COMMANDS = {"/reset": "forget the conversation", "/exit": "quit (so does end of input)"}
 
@@ -67,7 +67,7 @@ class ChatSession:
     def reply(self, user_text: str, streamer: BaseStreamer | None = None) -> Reply:
         """Generate the assistant's reply to ``user_text`` (streamed to ``streamer``) and add the
         exchange to the history; if generation is interrupted, the history is left as it was."""
-        from drafter.generate import generate
+        from rest_spec.drafter.generate import generate
 
         ids = self.prompt_ids(user_text)
         result = generate(

@@ -27,12 +27,12 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from datastore.types import DraftConfig, DraftTree
-from drafter.base import Drafter
-from drafter.kv_cache import CacheRows, compact_cache, new_cache, select_rows
-from drafter.sampling import TokenChooser, prepare_generation_config
-from drafter.tree_attention import padded_prefill_mask
-from drafter.verify import verify_trees
+from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.drafter.base import Drafter
+from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache, select_rows
+from rest_spec.drafter.sampling import TokenChooser, prepare_generation_config
+from rest_spec.drafter.tree_attention import padded_prefill_mask
+from rest_spec.drafter.verify import verify_trees
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,10 @@ from transformers.generation import (
     StopStringCriteria,
 )
 
-from datastore.types import DraftConfig
-from drafter.base import Drafter
-from drafter.generate import BatchGenerationResult, GenerationResult, generate
-from drafter.sampling import row_logits_processors
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.drafter.base import Drafter
+from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, generate
+from rest_spec.drafter.sampling import row_logits_processors
 
 log = logging.getLogger(__name__)
 

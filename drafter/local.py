@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from datastore.index import Datastore
-from datastore.sources import DEFAULT_OUTPUTS_MAX_TOKENS, OutputStore, check_outputs_options, open_output_store
-from datastore.tokenizer import require_tokenizer
-from datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.sources import DEFAULT_OUTPUTS_MAX_TOKENS, OutputStore, check_outputs_options, open_output_store
+from rest_spec.datastore.tokenizer import require_tokenizer
+from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 
 
 class LocalDrafter:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from datastore.tokenizer import split_model_spec
+from rest_spec.datastore.tokenizer import split_model_spec
 
 
 def default_device() -> str:

@@ -6,6 +6,6 @@ outputs); ``RemoteDrafter(address, tls_ca="ca.pem", auth_token=...)`` reaches a 
 with ``--tls-cert``/``--auth-token``. See ``datastore.client.DatastoreClient`` for timeouts and errors.
 """
 
-from datastore.client import DatastoreClient as RemoteDrafter
+from rest_spec.datastore.client import DatastoreClient as RemoteDrafter
 
 __all__ = ["RemoteDrafter"]

@@ -40,7 +40,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from drafter.tree_attention import TreeInputs
+from rest_spec.drafter.tree_attention import TreeInputs
 
 # Processors whose output depends on the scores alone, never on input_ids (checked against the
 # transformers source): they may run on all tree positions of all rows in one call.

@@ -27,8 +27,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from datastore.types import DraftTree
-from drafter.kv_cache import CacheRows
+from rest_spec.datastore.types import DraftTree
+from rest_spec.drafter.kv_cache import CacheRows
 
 # Columns of the packed host buffer, before the q ancestor columns.
 _IDS, _POSITIONS, _PARENTS, _DEPTHS, _CACHE_START, _CACHE_END, _ANCESTORS = range(7)

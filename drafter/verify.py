@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from datastore.types import DraftTree
-from drafter.kv_cache import CacheRows, cache_length
-from drafter.tree_attention import TreeInputs, build_tree_inputs
+from rest_spec.datastore.types import DraftTree
+from rest_spec.drafter.kv_cache import CacheRows, cache_length
+from rest_spec.drafter.tree_attention import TreeInputs, build_tree_inputs
 
 
 class AcceptanceRule(Protocol):

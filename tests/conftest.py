@@ -13,8 +13,8 @@ import torch
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer): the packaged SmolLM2-135M-Instruct, fp32 on CPU, eval mode."""
-    from datastore.tokenizer import load_tokenizer
-    from drafter.model import load_model
+    from rest_spec.datastore.tokenizer import load_tokenizer
+    from rest_spec.drafter.model import load_model
 
     model = load_model(None)
     return model, load_tokenizer(None)
@@ -25,7 +25,7 @@ def stdlib_index(tmp_path_factory):
     """An index of this Python's standard library built by the real `build_index` CLI."""
     out = tmp_path_factory.mktemp("indexes") / "python-stdlib"
     subprocess.run(
-        [sys.executable, "-m", "build_index", "--corpus", "python-stdlib", "--out", str(out), "--workers", "2", "--quiet"],
+        [sys.executable, "-m", "rest_spec.build_index", "--corpus", "python-stdlib", "--out", str(out), "--workers", "2", "--quiet"],
         check=True,
     )
     return out

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, StoppingCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from build_index.writer import IndexWriter
-from datastore.types import DraftConfig, DraftTree, IndexInfo
+from rest_spec.build_index.writer import IndexWriter
+from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo
 
 # ---- indexes ----------------------------------------------------------------------------------
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from benchmarks.data import humaneval_inputs
-from datastore.merge import SourceCalibration
-from datastore.types import DraftConfig, DraftTree
-from drafter.adaptive import AdaptiveDrafter, accepted_nodes
-from drafter.budget import CostKey, VerifyCost
-from drafter.generate import generate
-from drafter.local import LocalDrafter
+from rest_spec.datastore.merge import SourceCalibration
+from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.drafter.adaptive import AdaptiveDrafter, accepted_nodes
+from rest_spec.drafter.budget import CostKey, VerifyCost
+from rest_spec.drafter.generate import generate
+from rest_spec.drafter.local import LocalDrafter
 from tests.helpers import MODEL_VOCAB, tiny_causal_lm, tree_from_paths, write_index
 
 KEY = CostKey("synthetic", "", 0, "test", "float32")

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from benchmarks.retrieval import QUERY_TOKENS, ROUNDS, sample_queries
-from build_index.corpora import CorpusSpec, held_out_records
-from datastore.index import Datastore
-from datastore.tokenizer import load_tokenizer
+from rest_spec.build_index.corpora import CorpusSpec, held_out_records
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 QUERIES = 40

@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore.types import DraftTree
-from drafter.budget import CostKey, VerifyCost, cache_dir, load_or_measure, measure_verify_cost, select_tree
+from rest_spec.datastore.types import DraftTree
+from rest_spec.drafter.budget import CostKey, VerifyCost, cache_dir, load_or_measure, measure_verify_cost, select_tree
 from tests.helpers import tiny_causal_lm
 
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
@@ -176,7 +176,7 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 
 def run_cli(*args: str, env_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "drafter.budget", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "rest_spec.drafter.budget", *args], capture_output=True, text=True,
         cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, "REST_CACHE_DIR": str(env_dir), "HF_HUB_OFFLINE": "1"},
     )

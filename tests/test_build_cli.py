@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from datastore import format as fmt
-from datastore.tokenizer import tokenizer_fingerprint
+from rest_spec.datastore import format as fmt
+from rest_spec.datastore.tokenizer import tokenizer_fingerprint
 
 CONVERSATIONS = [
     {"id": f"c{i}", "conversations": [
@@ -73,7 +73,7 @@ def code_dir(tmp_path_factory) -> tuple[Path, list[str]]:
 
 
 def cli_command(*args, quiet: bool = True) -> list[str]:
-    return [sys.executable, "-m", "build_index", *(["--quiet"] if quiet else []), *map(str, args)]
+    return [sys.executable, "-m", "rest_spec.build_index", *(["--quiet"] if quiet else []), *map(str, args)]
 
 
 CLI_ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -161,8 +161,8 @@ def test_truncated_sharegpt_with_skip_last_and_all_turns(tmp_path, tiny_tokenize
 
 
 def test_default_smollm2_tokenizer_on_stdlib_files(tmp_path):
-    from build_index.corpora import CorpusSpec, iter_records
-    from datastore.tokenizer import load_tokenizer
+    from rest_spec.build_index.corpora import CorpusSpec, iter_records
+    from rest_spec.datastore.tokenizer import load_tokenizer
 
     summary = built("--corpus", "python-stdlib", "--max-docs", 3, "--workers", 2, "--out", tmp_path / "idx", cwd=tmp_path)
     smollm2 = load_tokenizer(None)

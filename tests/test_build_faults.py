@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from build_index.writer import IndexWriter
-from datastore import format as fmt
+from rest_spec.build_index.writer import IndexWriter
+from rest_spec.datastore import format as fmt
 from tests.test_build_cli import (  # noqa: F401 (tiny, tiny_tokenizer: fixtures)
     CLI_ENV,
     assert_holds,

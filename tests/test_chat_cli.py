@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers.generation import BaseStreamer
 
-from datastore.types import DraftConfig
-from drafter.chat import ChatSession, chat
-from drafter.local import LocalDrafter
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.drafter.chat import ChatSession, chat
+from rest_spec.drafter.local import LocalDrafter
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
@@ -61,7 +61,7 @@ def test_chat_streams_replies_keeps_history_and_reports(stdlib_index, conversati
     """Two turns, /reset, the first turn again, /exit (later lines ignored)."""
     stdin = "\n".join([TURNS[0], TURNS[1], "/reset", TURNS[0], "/exit", TURNS[1]]) + "\n"
     run = subprocess.run(
-        [sys.executable, "-m", "drafter.chat", "--datastore", str(stdlib_index), "--max-new-tokens", str(NEW_TOKENS)],
+        [sys.executable, "-m", "rest_spec.drafter.chat", "--datastore", str(stdlib_index), "--max-new-tokens", str(NEW_TOKENS)],
         input=stdin, capture_output=True, text=True, env=ENV, timeout=600,
     )
     assert run.returncode == 0, run.stderr
@@ -85,7 +85,7 @@ def test_rest_generate_chat_flag(smollm2, stdlib_index):
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                   max_new_tokens=NEW_TOKENS)[0, ids.shape[1]:].tolist()
     run = subprocess.run(
-        [sys.executable, "-m", "drafter", "--datastore", str(stdlib_index), "--prompt", TURNS[0], "--chat",
+        [sys.executable, "-m", "rest_spec.drafter", "--datastore", str(stdlib_index), "--prompt", TURNS[0], "--chat",
          "--max-new-tokens", str(NEW_TOKENS), "--json"],
         capture_output=True, text=True, env=ENV, timeout=600,
     )

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from build_index.corpora import (
+from rest_spec.build_index.corpora import (
     Corpus,
     CorpusError,
     CorpusSpec,
@@ -131,7 +131,7 @@ def test_the_stack_local_parquet_glob(tmp_path):
                          ids=["offline-mode", "unreachable-endpoint"])
 def test_offline_hub_fails_with_one_line_pointing_to_a_local_copy(name, repo, offline):
     script = textwrap.dedent(f"""
-        from build_index.corpora import CorpusError, CorpusSpec, open_corpus
+        from rest_spec.build_index.corpora import CorpusError, CorpusSpec, open_corpus
         try:
             open_corpus(CorpusSpec({name!r}))
         except CorpusError as exc:

@@ -9,10 +9,10 @@ import pytest
 from benchmarks.data import humaneval_inputs
 from benchmarks.e2e import MODES, parse_args, run_set, targets
 from benchmarks.replay import replay
-from datastore.types import DraftConfig
-from drafter.adaptive import AdaptiveDrafter
-from drafter.generate import generate
-from drafter.local import LocalDrafter
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.drafter.adaptive import AdaptiveDrafter
+from rest_spec.drafter.generate import generate
+from rest_spec.drafter.local import LocalDrafter
 from tests.test_adaptive import CPU_COST
 
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from benchmarks.data import humaneval_prompts
-from datastore.tokenizer import tokenizer_fingerprint
-from datastore.types import DraftConfig
-from datastore.index import Datastore
-from datastore.tokenizer import check_tokenizer
-from drafter.generate import generate
-from drafter.local import LocalDrafter
-from drafter.remote import RemoteDrafter
+from rest_spec.datastore.tokenizer import tokenizer_fingerprint
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.tokenizer import check_tokenizer
+from rest_spec.drafter.generate import generate
+from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.remote import RemoteDrafter
 from tests.helpers import brute_draft
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ NEW_TOKENS = 48
 def server_address(stdlib_index):
     """A real `rest-datastore serve` process on a free loopback port."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "datastore", "serve", "--index", str(stdlib_index), "--host", "127.0.0.1", "--port", "0"],
+        [sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(stdlib_index), "--host", "127.0.0.1", "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = proc.stdout.readline()
@@ -86,7 +86,7 @@ def test_empty_index_answers_change_nothing(smollm2, tmp_path, reference):
     doc = tmp_path / "doc.txt"
     doc.write_text("zebra quokka")
     out = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "build_index", "--corpus", str(doc), "--out", str(out), "--quiet"], check=True)
+    subprocess.run([sys.executable, "-m", "rest_spec.build_index", "--corpus", str(doc), "--out", str(out), "--quiet"], check=True)
     prompt_ids, expected = next(iter(reference.values()))
     with LocalDrafter.open(out) as drafter:
         result = generate(model, prompt_ids, drafter, max_new_tokens=NEW_TOKENS)
@@ -101,7 +101,7 @@ def test_rest_generate_cli_json(stdlib_index, server_address, reference, tmp_pat
     prompts.write_text(json.dumps({"prompt": prompt}) + "\n")
     datastore = str(stdlib_index) if where == "local" else server_address
     run = subprocess.run(
-        [sys.executable, "-m", "drafter", "--datastore", datastore, "--prompts", str(prompts),
+        [sys.executable, "-m", "rest_spec.drafter", "--datastore", datastore, "--prompts", str(prompts),
          "--max-new-tokens", str(NEW_TOKENS), "--budget", "64", "--json"],
         capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
@@ -146,7 +146,7 @@ def test_rest_generate_adaptive_cli_equals_plain(stdlib_index, reference, tmp_pa
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text((json.dumps({"prompt": prompt}) + "\n") * 2)
     run = subprocess.run(
-        [sys.executable, "-m", "drafter", "--datastore", str(stdlib_index), "--prompts", str(prompts),
+        [sys.executable, "-m", "rest_spec.drafter", "--datastore", str(stdlib_index), "--prompts", str(prompts),
          "--max-new-tokens", str(NEW_TOKENS), "--adaptive", "--json"],
         capture_output=True, text=True,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "REST_CACHE_DIR": str(tmp_path / "cache")},

@@ -17,11 +17,11 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
-from datastore.types import DraftConfig, DraftTree
-from drafter.__main__ import main
-from drafter.base import Drafter
-from drafter.generate import GenerationResult, eos_ids, generate
-from drafter.sampling import prepare_generation_config
+from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.drafter.__main__ import main
+from rest_spec.drafter.base import Drafter
+from rest_spec.drafter.generate import GenerationResult, eos_ids, generate
+from rest_spec.drafter.sampling import prepare_generation_config
 from tests.helpers import (
     FAMILIES,
     OracleTreeDrafter,

@@ -25,11 +25,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from datastore import format as fmt
-from datastore import index as engine
-from datastore import trie
-from datastore.index import Datastore
-from datastore.types import DraftConfig
+from rest_spec.datastore import format as fmt
+from rest_spec.datastore import index as engine
+from rest_spec.datastore import trie
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.types import DraftConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SPOT = 1 << 16  # bytes at each end of a file that the spot digest covers
@@ -620,7 +620,7 @@ def test_compile_kernels_covers_every_index_a_fresh_process_opens(clean_indexes,
     checking and drafting from real indexes of both token dtypes to compile."""
     script = """
 import json, sys
-from datastore.index import Datastore, compile_kernels
+from rest_spec.datastore.index import Datastore, compile_kernels
 from tests.test_index_faults import CONFIG, compiled
 compile_kernels()
 before = compiled()

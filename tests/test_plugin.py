@@ -10,13 +10,13 @@ from transformers import TextStreamer
 from transformers.generation import BaseStreamer, GenerateDecoderOnlyOutput, StoppingCriteria, StoppingCriteriaList
 
 from benchmarks.data import humaneval_prompts
-from datastore.index import Datastore
-from datastore.server import DatastoreServer, ServerConfig
-from datastore.tokenizer import tokenizer_fingerprint
-from datastore.types import DraftConfig
-from drafter.hf import REST_GENERATE_DIR, RestGenerateOutput, generate_with_drafts, rest_generate
-from drafter.local import LocalDrafter
-from drafter.remote import RemoteDrafter
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.server import DatastoreServer, ServerConfig
+from rest_spec.datastore.tokenizer import tokenizer_fingerprint
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.drafter.hf import REST_GENERATE_DIR, RestGenerateOutput, generate_with_drafts, rest_generate
+from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.remote import RemoteDrafter
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24

@@ -8,23 +8,28 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore import wire
-from datastore.types import MAX_BUDGET, MAX_DEPTH, MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo
-from rest_proto import generate
-from rest_proto.v1 import datastore_pb2 as pb
+from rest_spec.datastore import wire
+from rest_spec.datastore.types import MAX_BUDGET, MAX_DEPTH, MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo
+from rest_spec.proto import generate
+from rest_spec.proto.v1 import datastore_pb2 as pb
 
 
 def test_committed_generated_code_is_what_the_generator_writes(tmp_path):
     written = generate.generate(tmp_path)
     assert len(written) == 3
     for path in written:
-        committed = generate.PROTO_ROOT / path.relative_to(tmp_path)
-        assert path.read_bytes() == committed.read_bytes(), f"{committed} is stale: run python -m rest_proto.generate"
+        committed = generate.PROTO_DIR / path.relative_to(tmp_path)
+        assert path.read_bytes() == committed.read_bytes(), f"{committed} is stale: run python -m rest_spec.proto.generate"
 
 
-def test_generated_imports_use_the_rest_proto_name():
-    grpc_module = (generate.PROTO_ROOT / "rest_proto/v1/datastore_pb2_grpc.py").read_text()
-    assert "from rest_proto.v1 import datastore_pb2" in grpc_module
+def test_generated_imports_use_the_installed_name():
+    grpc_module = (generate.PROTO_DIR / "v1/datastore_pb2_grpc.py").read_text()
+    assert "from rest_spec.proto.v1 import datastore_pb2" in grpc_module
+
+
+def test_every_stock_generator_gets_its_package_option():
+    options = pb.DESCRIPTOR.GetOptions()
+    assert options.go_package.endswith(";datastorev1") and options.java_package and options.csharp_namespace
 
 
 @st.composite

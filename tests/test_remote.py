@@ -9,14 +9,14 @@ import time
 import numpy as np
 import pytest
 
-from datastore.index import Datastore
-from datastore.server import DatastoreServer, ServerConfig
-from datastore.sources import OutputStore
-from datastore.types import DraftConfig, SourceTrees
-from datastore.tokenizer import TokenizerMismatchError, check_tokenizer
-from drafter.base import Drafter, SourceDrafter
-from drafter.local import LocalDrafter
-from drafter.remote import RemoteDrafter
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.server import DatastoreServer, ServerConfig
+from rest_spec.datastore.sources import OutputStore
+from rest_spec.datastore.types import DraftConfig, SourceTrees
+from rest_spec.datastore.tokenizer import TokenizerMismatchError, check_tokenizer
+from rest_spec.drafter.base import Drafter, SourceDrafter
+from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.remote import RemoteDrafter
 from tests.helpers import CORPUS_VOCAB as VOCAB
 from tests.helpers import UNSEEN, contexts_from, synthetic_corpus, write_index
 

@@ -29,12 +29,12 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from datastore.types import DraftConfig, DraftTree
-from drafter.generate import StopConditions, decode, generate, prefill
-from drafter.kv_cache import new_cache
-from drafter.sampling import TokenChooser, prepare_generation_config, row_logits_processors
-from drafter.tree_attention import TreeInputs, build_tree_inputs
-from drafter.verify import tree_logits
+from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.drafter.generate import StopConditions, decode, generate, prefill
+from rest_spec.drafter.kv_cache import new_cache
+from rest_spec.drafter.sampling import TokenChooser, prepare_generation_config, row_logits_processors
+from rest_spec.drafter.tree_attention import TreeInputs, build_tree_inputs
+from rest_spec.drafter.verify import tree_logits
 from tests.helpers import ScriptedDrafter, tiny_causal_lm, tree_from_paths
 
 PROMPTS = ([17], [5, 17, 33, 99, 100, 7])

@@ -20,14 +20,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from datastore import wire
-from datastore.__main__ import main as cli
-from datastore.index import Datastore
-from datastore.server import SERVICE_NAME, DatastoreServer, ServerConfig
-from datastore.sources import OutputStore
-from datastore.types import DraftConfig, DraftTree
-from rest_proto.v1 import datastore_pb2 as pb
-from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
+from rest_spec.datastore import wire
+from rest_spec.datastore.__main__ import main as cli
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.server import SERVICE_NAME, DatastoreServer, ServerConfig
+from rest_spec.datastore.sources import OutputStore
+from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.proto.v1 import datastore_pb2 as pb
+from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 from tests.helpers import CORPUS_VOCAB as VOCAB
 from tests.helpers import UNSEEN, contexts_from, synthetic_corpus, write_index
 
@@ -139,7 +139,7 @@ def test_engine_failure_is_internal_logged_and_not_fatal(index, caplog):
     with DatastoreServer(store, ServerConfig(port=0)) as server, grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.DatastoreStub(channel)
         store.close()
-        with caplog.at_level(logging.ERROR, logger="datastore.server"), pytest.raises(grpc.RpcError) as err:
+        with caplog.at_level(logging.ERROR, logger="rest_spec.datastore.server"), pytest.raises(grpc.RpcError) as err:
             stub.Draft(request([1, 2]))
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert any(r.exc_info and "closed" in str(r.exc_info[1]) for r in caplog.records)

@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from datastore import wire
-from datastore.__main__ import main as cli
-from datastore.client import DatastoreClient
-from datastore.format import IndexCorruptError
-from datastore.index import Datastore
-from datastore.server import (
+from rest_spec.datastore import wire
+from rest_spec.datastore.__main__ import main as cli
+from rest_spec.datastore.client import DatastoreClient
+from rest_spec.datastore.format import IndexCorruptError
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.server import (
     MAX_MESSAGE_BYTES,
     SERVICE,
     SERVICE_NAME,
@@ -38,10 +38,10 @@ from datastore.server import (
     is_loopback,
     status_of,
 )
-from datastore.sources import OutputStore, OutputStoreWriteError, open_output_store
-from datastore.types import DraftConfig
-from rest_proto.v1 import datastore_pb2 as pb
-from rest_proto.v1 import datastore_pb2_grpc as pb_grpc
+from rest_spec.datastore.sources import OutputStore, OutputStoreWriteError, open_output_store
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.proto.v1 import datastore_pb2 as pb
+from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 from tests.helpers import CORPUS_VOCAB as VOCAB
 from tests.helpers import contexts_from, synthetic_corpus, write_index
 
@@ -161,8 +161,8 @@ def test_undecodable_bytes_are_invalid_argument_without_a_traceback(store, caplo
 
 
 def test_a_flood_of_bad_requests_costs_a_few_short_log_lines(store, caplog):
-    # the server's own logger, whatever level an earlier in-process CLI run left on "datastore"
-    caplog.set_level(logging.DEBUG, logger="datastore.server")
+    # the server's own logger, whatever level an earlier in-process CLI run left on "rest_spec"
+    caplog.set_level(logging.DEBUG, logger="rest_spec.datastore.server")
     bad = [b"\xff", wire.draft_request([1, VOCAB + 5], DraftConfig()).SerializeToString()]
     started = time.monotonic()
     with serving(store) as (server, channel):
@@ -170,7 +170,7 @@ def test_a_flood_of_bad_requests_costs_a_few_short_log_lines(store, caplog):
             code, _ = refusal(lambda: raw(channel, "Draft")(bad[i % 2], timeout=10))
             assert code == grpc.StatusCode.INVALID_ARGUMENT
     allowed = 10 + (time.monotonic() - started) / 6 + 1  # LogBudget's default burst, then one line per 6 s
-    lines = [r.getMessage() for r in caplog.records if r.name == "datastore.server" and "refused" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.name == "rest_spec.datastore.server" and "refused" in r.getMessage()]
     assert 1 <= len(lines) <= allowed and all(len(line) < 400 and "\n" not in line for line in lines)
     assert "Traceback" not in caplog.text
 
@@ -331,7 +331,7 @@ def test_a_bearer_token_for_all_calls_leaves_health_open(store):
 
 
 def test_a_token_without_tls_is_warned_about_once(store, caplog):
-    caplog.set_level(logging.WARNING, logger="datastore.server")
+    caplog.set_level(logging.WARNING, logger="rest_spec.datastore.server")
     with serving(store, auth_token=TOKEN):
         pass
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -342,7 +342,7 @@ def test_a_token_without_tls_is_warned_about_once(store, caplog):
 def test_generation_clis_reach_a_tls_server_with_a_token(store, pem, monkeypatch):
     """rest-generate and rest-chat: --tls-ca and --auth-token (or $REST_TLS_CA, $REST_AUTH_TOKEN)
     for a --datastore HOST:PORT."""
-    from drafter.__main__ import build_parser, open_drafter
+    from rest_spec.drafter.__main__ import build_parser, open_drafter
 
     config = ServerConfig(port=0, tls_cert=pem["server"], tls_key=pem["server_key"], auth_token=TOKEN, auth_scope="all")
     with DatastoreServer(store, config) as server:
@@ -373,11 +373,11 @@ def test_exposure_warnings():
 
 
 class ServerProcess:
-    """``python -m datastore serve ARGS`` with its merged stdout and stderr drained into ``lines``
+    """``python -m rest_spec.datastore serve ARGS`` with its merged stdout and stderr drained into ``lines``
     (so its log never blocks it); ``address`` once it printed "listening on", or ``error``."""
 
     def __init__(self, *args: str, startup_seconds: float = 120) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "datastore", "serve", "--port", "0", *map(str, args)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "rest_spec.datastore", "serve", "--port", "0", *map(str, args)],
                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._listening = threading.Event()
@@ -460,7 +460,7 @@ def test_a_corrupt_index_is_data_loss_and_the_server_keeps_serving(corrupt_index
 
 
 def test_check_index_refuses_to_serve_a_corrupt_index(corrupt_index):
-    result = subprocess.run([sys.executable, "-m", "datastore", "serve", "--index", str(corrupt_index), "--port", "0",
+    result = subprocess.run([sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(corrupt_index), "--port", "0",
                              "--check-index"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith("rest-datastore: error: ") and result.stderr.count("\n") == 1, result.stderr
@@ -554,7 +554,7 @@ def test_a_damaged_outputs_log_is_refused_until_serve_is_told_to_salvage_it(inde
     data = bytearray(log.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside the second record
     log.write_bytes(bytes(data))
-    refused = subprocess.run([sys.executable, "-m", "datastore", "serve", "--index", str(index), "--port", "0",
+    refused = subprocess.run([sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(index), "--port", "0",
                               "--outputs-dir", str(directory)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and refused.stdout == ""
     error = refused.stderr.splitlines()[-1]  # after serve's INFO log lines

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datastore.index import Datastore
-from datastore.sources import SEP, OutputStore, OutputStoreError, RequestMatcher
-from datastore.trie import top_c_tree
-from datastore.types import DraftConfig, DraftTree
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.sources import SEP, OutputStore, OutputStoreError, RequestMatcher
+from rest_spec.datastore.trie import top_c_tree
+from rest_spec.datastore.types import DraftConfig, DraftTree
 from tests.helpers import brute_draft, synthetic_corpus, write_index
 
 configs = st.tuples(st.integers(1, 3), st.integers(0, 3)).flatmap(

@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedModel
 
-from datastore.types import DraftTree
-from drafter.generate import prefill
-from drafter.kv_cache import CacheRows, new_cache
-from drafter.tree_attention import PADDING_DEPTH, ancestor_matrix, build_tree_inputs, padded_prefill_mask
-from drafter.verify import tree_logits
+from rest_spec.datastore.types import DraftTree
+from rest_spec.drafter.generate import prefill
+from rest_spec.drafter.kv_cache import CacheRows, new_cache
+from rest_spec.drafter.tree_attention import PADDING_DEPTH, ancestor_matrix, build_tree_inputs, padded_prefill_mask
+from rest_spec.drafter.verify import tree_logits
 from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
 from tests.helpers import MODEL_VOCAB as VOCAB
 

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, PreTrainedModel, StaticCache
 
-from datastore.types import DraftTree
-from drafter.generate import prefill
-from drafter.kv_cache import (
+from rest_spec.datastore.types import DraftTree
+from rest_spec.drafter.generate import prefill
+from rest_spec.drafter.kv_cache import (
     CacheRows,
     UnsupportedCacheError,
     cache_length,
@@ -25,8 +25,8 @@ from drafter.kv_cache import (
     new_cache,
     select_rows,
 )
-from drafter.tree_attention import build_tree_inputs
-from drafter.verify import accept_path, greedy_rule, verify_trees
+from rest_spec.drafter.tree_attention import build_tree_inputs
+from rest_spec.drafter.verify import accept_path, greedy_rule, verify_trees
 from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
 from tests.helpers import MODEL_VOCAB as VOCAB
 

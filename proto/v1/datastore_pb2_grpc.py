@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from rest_proto.v1 import datastore_pb2 as rest__proto_dot_v1_dot_datastore__pb2
+from rest_spec.proto.v1 import datastore_pb2 as rest__spec_dot_proto_dot_v1_dot_datastore__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in rest_proto/v1/datastore_pb2_grpc.py depends on'
+        + ' but the generated code in rest_spec/proto/v1/datastore_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class DatastoreStub:
         """
         self.Draft = channel.unary_unary(
                 '/rest.datastore.v1.Datastore/Draft',
-                request_serializer=rest__proto_dot_v1_dot_datastore__pb2.DraftRequest.SerializeToString,
-                response_deserializer=rest__proto_dot_v1_dot_datastore__pb2.DraftReply.FromString,
+                request_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftRequest.SerializeToString,
+                response_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftReply.FromString,
                 _registered_method=True)
         self.DraftBatch = channel.unary_unary(
                 '/rest.datastore.v1.Datastore/DraftBatch',
-                request_serializer=rest__proto_dot_v1_dot_datastore__pb2.DraftBatchRequest.SerializeToString,
-                response_deserializer=rest__proto_dot_v1_dot_datastore__pb2.DraftBatchReply.FromString,
+                request_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftBatchRequest.SerializeToString,
+                response_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftBatchReply.FromString,
                 _registered_method=True)
         self.Info = channel.unary_unary(
                 '/rest.datastore.v1.Datastore/Info',
-                request_serializer=rest__proto_dot_v1_dot_datastore__pb2.InfoRequest.SerializeToString,
-                response_deserializer=rest__proto_dot_v1_dot_datastore__pb2.InfoReply.FromString,
+                request_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.InfoRequest.SerializeToString,
+                response_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.InfoReply.FromString,
                 _registered_method=True)
         self.AddOutput = channel.unary_unary(
                 '/rest.datastore.v1.Datastore/AddOutput',
-                request_serializer=rest__proto_dot_v1_dot_datastore__pb2.AddOutputRequest.SerializeToString,
-                response_deserializer=rest__proto_dot_v1_dot_datastore__pb2.AddOutputReply.FromString,
+                request_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputRequest.SerializeToString,
+                response_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputReply.FromString,
                 _registered_method=True)
 
 
@@ -96,23 +96,23 @@ def add_DatastoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Draft': grpc.unary_unary_rpc_method_handler(
                     servicer.Draft,
-                    request_deserializer=rest__proto_dot_v1_dot_datastore__pb2.DraftRequest.FromString,
-                    response_serializer=rest__proto_dot_v1_dot_datastore__pb2.DraftReply.SerializeToString,
+                    request_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftRequest.FromString,
+                    response_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftReply.SerializeToString,
             ),
             'DraftBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.DraftBatch,
-                    request_deserializer=rest__proto_dot_v1_dot_datastore__pb2.DraftBatchRequest.FromString,
-                    response_serializer=rest__proto_dot_v1_dot_datastore__pb2.DraftBatchReply.SerializeToString,
+                    request_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftBatchRequest.FromString,
+                    response_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftBatchReply.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
-                    request_deserializer=rest__proto_dot_v1_dot_datastore__pb2.InfoRequest.FromString,
-                    response_serializer=rest__proto_dot_v1_dot_datastore__pb2.InfoReply.SerializeToString,
+                    request_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.InfoRequest.FromString,
+                    response_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.InfoReply.SerializeToString,
             ),
             'AddOutput': grpc.unary_unary_rpc_method_handler(
                     servicer.AddOutput,
-                    request_deserializer=rest__proto_dot_v1_dot_datastore__pb2.AddOutputRequest.FromString,
-                    response_serializer=rest__proto_dot_v1_dot_datastore__pb2.AddOutputReply.SerializeToString,
+                    request_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputRequest.FromString,
+                    response_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -140,8 +140,8 @@ class Datastore:
             request,
             target,
             '/rest.datastore.v1.Datastore/Draft',
-            rest__proto_dot_v1_dot_datastore__pb2.DraftRequest.SerializeToString,
-            rest__proto_dot_v1_dot_datastore__pb2.DraftReply.FromString,
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftRequest.SerializeToString,
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -167,8 +167,8 @@ class Datastore:
             request,
             target,
             '/rest.datastore.v1.Datastore/DraftBatch',
-            rest__proto_dot_v1_dot_datastore__pb2.DraftBatchRequest.SerializeToString,
-            rest__proto_dot_v1_dot_datastore__pb2.DraftBatchReply.FromString,
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftBatchRequest.SerializeToString,
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.DraftBatchReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -194,8 +194,8 @@ class Datastore:
             request,
             target,
             '/rest.datastore.v1.Datastore/Info',
-            rest__proto_dot_v1_dot_datastore__pb2.InfoRequest.SerializeToString,
-            rest__proto_dot_v1_dot_datastore__pb2.InfoReply.FromString,
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.InfoRequest.SerializeToString,
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.InfoReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -221,8 +221,8 @@ class Datastore:
             request,
             target,
             '/rest.datastore.v1.Datastore/AddOutput',
-            rest__proto_dot_v1_dot_datastore__pb2.AddOutputRequest.SerializeToString,
-            rest__proto_dot_v1_dot_datastore__pb2.AddOutputReply.FromString,
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputRequest.SerializeToString,
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputReply.FromString,
             options,
             channel_credentials,
             insecure,
