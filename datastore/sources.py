@@ -4,7 +4,7 @@ REST cannot copy from the prompt (NOTES section 1: "no in-context ability"), whi
 prompt lookup and SuffixDecoding gain most, together with a model's earlier outputs (section 6).
 Both sources here draft like the index -- the longest context suffix of ``n_min..n_max`` tokens,
 the continuations that follow its occurrences, ``top_c_tree`` -- so their trees mean the same
-thing and ``datastore.merge`` can combine them with the index's.
+thing and ``drafter.merge`` can combine them with the index's.
 
 Both sit on ``_BigramIndex``: a growable token buffer (documents separated by ``SEP``) and a
 sorted table from each position's last two tokens to that position, so a lookup costs

@@ -70,7 +70,7 @@ class DraftTree:
                              so the top-k nodes by score always form a tree.
     source_probs  float64 [n, S] or None: in a tree merged from S sources, each source's own
                              probability of the node given its parent (0 where that source did not
-                             propose it); what ``datastore.merge.SourceCalibration`` learns from.
+                             propose it); what ``drafter.merge.SourceCalibration`` learns from.
     source_samples int64 [n, S] or None: beside ``source_probs``, how many continuations each
                              source's probability rests on (its count of the node's parent; 0
                              where it did not propose the node). One occurrence claiming

@@ -2,7 +2,7 @@
 
 Each step it drafts candidates from the static index and the store of recent outputs (one call to
 the base drafter, one RPC when remote) and from the request's own text (``RequestMatcher``),
-merges them into one tree scored by estimated acceptance (``datastore.merge``: per-source path
+merges them into one tree scored by estimated acceptance (``drafter.merge``: per-source path
 probabilities, weights calibrated per source and sample size, noisy-OR) and keeps the part that
 maximizes expected tokens per second of verification, (1 + sum of kept scores) / t(1 + kept)
 (``drafter.budget.select_tree``, Sequoia's hardware-aware size; NOTES section 4). On a CPU where a 64-token verification costs 4x
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rest_spec.datastore.merge import SourceCalibration, merge_trees
+from rest_spec.drafter.merge import SourceCalibration, merge_trees
 from rest_spec.datastore.sources import RequestMatcher
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.base import Drafter, SourceDrafter

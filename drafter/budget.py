@@ -3,7 +3,7 @@
 Sequoia (NOTES section 4): verification time t(n) is not constant -- nearly flat up to ~64 tokens
 on a GPU for a small model, but 1.9x at 8 tokens and 4x at 64 on this CPU (section 8) -- so the
 best tree size depends on the machine. With node scores that estimate acceptance probabilities
-(``datastore.merge``), keeping nodes K yields 1 + sum_K score tokens per step (the accepted ones
+(``drafter.merge``), keeping nodes K yields 1 + sum_K score tokens per step (the accepted ones
 plus the model's own bonus token) in t(1 + |K|) seconds. For each size the best prefix-closed set
 is the top |K| nodes by score, since scores never grow down a path; scanning the size is exact.
 Chains are verified on the model's plain causal path, without the tree mask, and have their own

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.data import humaneval_inputs
-from rest_spec.datastore.merge import SourceCalibration
+from rest_spec.drafter.merge import SourceCalibration
 from rest_spec.datastore.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import AdaptiveDrafter, accepted_nodes
 from rest_spec.drafter.budget import CostKey, VerifyCost

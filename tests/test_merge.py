@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rest_spec.datastore.merge import SourceCalibration, merge_trees
+from rest_spec.drafter.merge import SourceCalibration, merge_trees
 from rest_spec.datastore.sources import SEP, OutputStore, RequestMatcher
 from rest_spec.datastore.trie import top_c_tree
 from rest_spec.datastore.types import DraftConfig, DraftTree
