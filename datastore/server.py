@@ -38,7 +38,7 @@ from rest_spec.datastore import wire
 from rest_spec.datastore.errors import first_line
 from rest_spec.datastore.format import IndexCorruptError
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.sources import (
+from rest_spec.datastore.outputs import (
     DEFAULT_OUTPUTS_MAX_TOKENS,
     OutputStore,
     OutputStoreWriteError,

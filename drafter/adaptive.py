@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from rest_spec.drafter.merge import SourceCalibration, merge_trees
-from rest_spec.datastore.sources import RequestMatcher
+from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.base import Drafter, SourceDrafter
 from rest_spec.drafter.budget import VerifyCost, select_tree

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.sources import DEFAULT_OUTPUTS_MAX_TOKENS, OutputStore, check_outputs_options, open_output_store
+from rest_spec.datastore.outputs import DEFAULT_OUTPUTS_MAX_TOKENS, OutputStore, check_outputs_options, open_output_store
 from rest_spec.datastore.tokenizer import require_tokenizer
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rest_spec.datastore.sources import OutputStore, OutputStoreError, OutputStoreWriteError
+from rest_spec.datastore.outputs import OutputStore, OutputStoreError, OutputStoreWriteError
 
 REPO = Path(__file__).resolve().parents[1]
 MAGIC_SIZE, HEADER_SIZE = 8, 16
@@ -116,7 +116,7 @@ def test_a_full_disk_refuses_additions_and_a_restart_keeps_exactly_the_acknowled
 
 WRITER = """
 import json, signal, sys
-from rest_spec.datastore.sources import OutputStore, OutputStoreWriteError
+from rest_spec.datastore.outputs import OutputStore, OutputStoreWriteError
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past RLIMIT_FSIZE fails with EFBIG instead
 with OutputStore(10**7, sys.argv[1]) as store:
     print("ready", flush=True)

@@ -11,7 +11,7 @@ import pytest
 
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.datastore.sources import OutputStore
+from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.types import DraftConfig, SourceTrees
 from rest_spec.datastore.tokenizer import TokenizerMismatchError, check_tokenizer
 from rest_spec.drafter.base import Drafter, SourceDrafter

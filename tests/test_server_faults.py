@@ -38,7 +38,7 @@ from rest_spec.datastore.server import (
     is_loopback,
     status_of,
 )
-from rest_spec.datastore.sources import OutputStore, OutputStoreWriteError, open_output_store
+from rest_spec.datastore.outputs import OutputStore, OutputStoreWriteError, open_output_store
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc

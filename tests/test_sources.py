@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.sources import SEP, OutputStore, OutputStoreError, RequestMatcher
+from rest_spec.datastore.bigram import SEP, RequestMatcher
+from rest_spec.datastore.outputs import OutputStore, OutputStoreError
 from rest_spec.datastore.trie import top_c_tree
 from rest_spec.datastore.types import DraftConfig, DraftTree
 from tests.helpers import brute_draft, synthetic_corpus, write_index
@@ -263,7 +264,7 @@ def test_a_killed_writer_loses_no_acknowledged_document(tmp_path):
     killed with SIGKILL mid-stream; every acknowledged document must be there on reopen."""
     child = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys; from datastore.sources import OutputStore\n"
+         "import sys; from rest_spec.datastore.outputs import OutputStore\n"
          f"store = OutputStore(10**7, {str(tmp_path)!r})\n"
          "for i in range(10**6):\n"
          "    print(store.add([i % 1000, 7, 8, i % 13]), flush=True)\n"],
