@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from rest_spec.drafter.__main__ import Prompt, add_model_arguments, draft_config, encode_prompt, load_parts, remember_output, run_cli
+from rest_spec.drafter.cli import Prompt, add_model_arguments, draft_config, encode_prompt, load_parts, remember_output, run_cli
 
 if TYPE_CHECKING:
     from transformers.generation import BaseStreamer

@@ -1,0 +1,338 @@
+"""``rest-generate`` and the building blocks every generation CLI shares (``rest-chat`` too):
+argument groups, prompt reading and encoding, opening the drafter and the model, error exits.
+
+``main`` is a thin layer over ``drafter.generate.generate``: parse arguments, read prompts, open
+the datastore, load tokenizer and model, print results. Library errors become one line on stderr
+and exit code 2.
+Heavy imports (torch, transformers) happen after argument parsing so ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from rest_spec.datastore.errors import first_line
+
+if TYPE_CHECKING:
+    from rest_spec.drafter.base import Drafter
+    from rest_spec.drafter.generate import GenerationResult
+
+log = logging.getLogger("rest_spec.drafter.cli")
+
+# HOST:PORT, with HOST a name, an IPv4 address or a bracketed IPv6 address.
+_ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):\d{1,5}$")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+class CliError(Exception):
+    """A user-facing problem: printed as one line, exit code 2."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: raw ``text`` or chat ``messages`` (rendered with the tokenizer's template)."""
+
+    text: str | None = None
+    messages: tuple[dict, ...] | None = None
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every generation CLI takes: where drafts come from, the model, the draft tree,
+    the length of a reply, verbosity (shared by ``rest-generate`` and ``rest-chat``)."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--datastore",
+        metavar="DIR|HOST:PORT",
+        help="an index directory (opened in-process) or the address of a rest-datastore server",
+    )
+    source.add_argument(
+        "--no-draft", action="store_true", help="plain greedy decoding through the same loop (baseline)"
+    )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=os.environ.get("REST_TLS_CA"),
+        help="--datastore HOST:PORT over TLS, trusting this CA certificate (default: $REST_TLS_CA)",
+    )
+    parser.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        default=os.environ.get("REST_AUTH_TOKEN"),
+        help="bearer token for a --datastore HOST:PORT started with --auth-token (default: $REST_AUTH_TOKEN)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="SPEC",
+        help="Hugging Face id, model directory or .gguf file (default: the packaged SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: %(default)s"
+    )
+    parser.add_argument(
+        "--budget", type=int, default=64, metavar="C", help="draft tree size in nodes (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-depth",
+        type=_positive_int,
+        default=10,
+        metavar="M",
+        help="draft tree depth in tokens (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="draft from the index, the request's own text and recent outputs, merged by calibrated "
+        "acceptance scores, and verify the tree size that pays on this hardware (the verify cost is "
+        "measured once per model, device and dtype and cached; --budget caps the candidates)",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rest-generate",
+        description="Greedy generation with retrieval-based speculative decoding (REST). Output is "
+        "token-identical to plain greedy decoding; the datastore only changes the speed.",
+        epilog="For an interactive chat that streams the replies, run rest-chat (python -m rest_spec.drafter.chat).",
+    )
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", metavar="TEXT", help="one raw-text prompt")
+    prompts.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        type=Path,
+        help='one prompt per line: {"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} '
+        "(rendered with the tokenizer's chat template and a generation prompt)",
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="render raw-text prompts as one user message with the tokenizer's chat template",
+    )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt on stdout instead of text"
+    )
+    return parser
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    """Parse a prompts JSONL file (blank lines skipped); a bad line raises ``CliError`` naming it."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise CliError(f"cannot read prompts file {path}: {exc.strerror or exc}") from exc
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            prompts.append(_parse_prompt_line(line, f"{path}:{number}"))
+    if not prompts:
+        raise CliError(f"{path}: no prompts")
+    return prompts
+
+
+def _parse_prompt_line(line: str, where: str) -> Prompt:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{where}: invalid JSON ({exc.msg})") from exc
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return Prompt(text=record["prompt"])
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if isinstance(messages, list) and messages and all(map(_is_message, messages)):
+        return Prompt(messages=tuple(messages))
+    raise CliError(
+        f'{where}: expected {{"prompt": "text"}} or {{"messages": [{{"role": ..., "content": ...}}, ...]}}'
+    )
+
+
+def _is_message(message: object) -> bool:
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+    )
+
+
+def as_chat(prompt: Prompt) -> Prompt:
+    """A raw-text prompt as one user message (chat prompts unchanged)."""
+    if prompt.messages is not None:
+        return prompt
+    return Prompt(messages=({"role": "user", "content": prompt.text},))
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt; chat messages go through the chat template with a generation prompt."""
+    if prompt.messages is None:
+        return tokenizer(prompt.text).input_ids
+    text = tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def open_drafter(spec: str, *, tls_ca: str | None = None, auth_token: str | None = None) -> Drafter:
+    """A ``LocalDrafter`` for an index directory, a ``RemoteDrafter`` for HOST:PORT (over TLS with
+    ``tls_ca``, sending ``auth_token``).
+
+    The drafter is asked for its ``info()`` here, so an unreachable server or a broken index fails
+    now with a ``CliError`` rather than at the first draft.
+    """
+    if Path(spec).is_dir():
+        from rest_spec.drafter.local import LocalDrafter
+
+        opener, kind = (lambda: LocalDrafter.open(spec)), "index"
+    elif _ADDRESS.match(spec):
+        from rest_spec.drafter.remote import RemoteDrafter
+
+        opener, kind = (lambda: RemoteDrafter(spec, tls_ca=tls_ca, auth_token=auth_token)), "server"
+    else:
+        raise CliError(f"--datastore {spec}: no such index directory, and not a HOST:PORT address")
+    drafter = None
+    try:
+        drafter = opener()
+        drafter.info()
+    # Index format errors are ValueErrors; unreachable servers ConnectionErrors (OSError); other
+    # server-side failures RuntimeErrors.
+    except (OSError, ValueError, RuntimeError) as exc:
+        if drafter is not None:
+            drafter.close()
+        log.debug("opening %s failed", spec, exc_info=True)
+        raise CliError(f"cannot use datastore {kind} {spec}: {first_line(exc)}") from exc
+    return drafter
+
+
+def result_record(result: GenerationResult, text: str) -> dict:
+    """The ``--json`` object for one prompt."""
+    return {
+        "output_ids": result.output_ids,
+        "text": text,
+        "new_tokens": len(result.output_ids),
+        "steps": result.steps,
+        "mean_accepted": round(result.mean_accepted, 4),
+        "seconds": round(result.seconds, 4),
+        "tokens_per_second": round(result.tokens_per_second, 2),
+        "draft_seconds": round(result.draft_seconds, 4),
+        "verify_seconds": round(result.verify_seconds, 4),
+    }
+
+
+def load_parts(args: argparse.Namespace):
+    """(tokenizer, model, drafter or None) for the parsed ``add_model_arguments``; the drafter is
+    opened first (a bad datastore fails before the slow model load) and checked against the
+    tokenizer. The caller closes the drafter."""
+    from rest_spec.datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
+    from rest_spec.drafter.model import load_model
+
+    drafter = None if args.no_draft else open_drafter(args.datastore, tls_ca=args.tls_ca, auth_token=args.auth_token)
+    try:
+        started = time.perf_counter()
+        tokenizer = load_tokenizer(args.model)
+        if drafter is not None:
+            check_tokenizer(drafter, tokenizer_fingerprint(tokenizer))
+        model = load_model(args.model, device=args.device)
+    except BaseException:
+        if drafter is not None:
+            drafter.close()
+        raise
+    log.info("loaded %s on %s in %.1f s", type(model).__name__, model.device, time.perf_counter() - started)
+    if args.adaptive and drafter is not None:
+        from rest_spec.drafter.adaptive import AdaptiveDrafter
+        from rest_spec.drafter.budget import load_or_measure
+
+        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(model), config=draft_config(args))
+    return tokenizer, model, drafter
+
+
+def remember_output(drafter, output_ids: list[int]) -> None:
+    """Add a finished generation to the drafter's store of recent outputs, where it has one."""
+    add_output = getattr(drafter, "add_output", None)
+    if add_output is None or not output_ids:
+        return
+    try:
+        add_output(output_ids)
+    except (RuntimeError, ConnectionError) as exc:
+        # a server started with --outputs-max-tokens 0 keeps none by design (FAILED_PRECONDITION);
+        # any other refusal (a token, a full disk, a dead server) is worth a line, not the generation
+        expected = "FAILED_PRECONDITION" in str(exc)
+        log.log(logging.DEBUG if expected else logging.WARNING, "output not stored: %s", exc)
+
+
+def draft_config(args: argparse.Namespace):
+    """The ``DraftConfig`` of the parsed ``add_model_arguments``."""
+    from rest_spec.datastore.types import DraftConfig
+
+    return DraftConfig(budget=args.budget, max_depth=args.max_depth)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Everything after argument parsing; raises on errors."""
+    from rest_spec.drafter.generate import generate
+
+    config = draft_config(args)
+    prompts = [Prompt(text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
+    if args.chat:
+        prompts = [as_chat(prompt) for prompt in prompts]
+
+    tokenizer, model, drafter = load_parts(args)
+    try:
+        for number, prompt in enumerate(prompts, start=1):
+            result = generate(
+                model,
+                encode_prompt(tokenizer, prompt),
+                drafter,
+                max_new_tokens=args.max_new_tokens,
+                config=config,
+            )
+            remember_output(drafter, result.output_ids)
+            text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            if args.json:
+                print(json.dumps(result_record(result, text), ensure_ascii=False), flush=True)
+            else:
+                print(text, flush=True)
+                print(
+                    f"[{number}/{len(prompts)}] {len(result.output_ids)} tokens in {result.seconds:.2f} s "
+                    f"({result.tokens_per_second:.1f} tok/s), {result.steps} steps, mean accepted "
+                    f"{result.mean_accepted:.2f}, draft {result.draft_seconds:.3f} s, verify "
+                    f"{result.verify_seconds:.2f} s",
+                    file=sys.stderr,
+                )
+    finally:
+        if drafter is not None:
+            drafter.close()
+
+
+def run_cli(prog: str, args: argparse.Namespace, body: Callable[[argparse.Namespace], None]) -> int:
+    """Set up logging for ``args.verbose``, run ``body(args)``; a library or user error becomes one
+    line on stderr and exit code 2."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # this project's loggers only, not every library's
+    logging.getLogger("rest_spec").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    try:
+        body(args)
+    except (CliError, OSError, ValueError) as exc:  # TokenizerMismatchError is a ValueError
+        log.debug("failed", exc_info=True)
+        print(f"{prog}: error: {first_line(exc)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("rest-generate", build_parser().parse_args(argv), run)
+
