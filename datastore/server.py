@@ -4,7 +4,7 @@
 The servicer only converts (``datastore.wire``) and calls the engines; the index is opened once at
 start and shared by all worker threads (drafting is read-only; the output store locks itself).
 Besides ``rest.datastore.v1``, the server implements the standard health service and server
-reflection, so stock tools (``grpc_health_probe``, ``grpcurl``) work against it.
+reflection (v1 and v1alpha), so stock tools (``grpc_health_probe``, ``grpcurl``) work against it.
 
 Every client is treated as hostile: requests arrive as raw bytes and are parsed here (undecodable
 bytes are INVALID_ARGUMENT), each call's work and reply are bounded by ``ServerConfig`` limits and
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Callable
 
 import grpc
-from google.protobuf import message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from rest_spec.datastore import wire
 from rest_spec.datastore.errors import first_line
@@ -369,6 +369,47 @@ def server_credentials(cert: Path, key: Path) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([pems])
 
 
+def _register_reflection_v1() -> str:
+    """Add ``grpc.reflection.v1``'s file to the default descriptor pool and return its service name.
+
+    grpcio-reflection ships only v1alpha; v1 declares the same messages with the same field numbers
+    under another package, so v1's file is v1alpha's renamed (which lets clients describe it too)."""
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old, new = reflection_pb2.DESCRIPTOR.package, "grpc.reflection.v1"
+    proto.name, proto.package = "grpc/reflection/v1/reflection.proto", new
+    proto.ClearField("options")  # v1alpha's per-language package names
+    for message in proto.message_type:
+        for f in message.field:
+            if f.HasField("type_name"):
+                f.type_name = f.type_name.replace(f".{old}.", f".{new}.")
+    for method in proto.service[0].method:
+        method.input_type = method.input_type.replace(f".{old}.", f".{new}.")
+        method.output_type = method.output_type.replace(f".{old}.", f".{new}.")
+    return descriptor_pool.Default().AddSerializedFile(proto.SerializeToString()).services_by_name[
+        "ServerReflection"
+    ].full_name
+
+
+REFLECTION_V1_SERVICE_NAME = _register_reflection_v1()  # "grpc.reflection.v1.ServerReflection"
+
+
+def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> None:
+    """Serve server reflection as both ``grpc.reflection.v1`` and ``v1alpha`` (tools that speak only
+    v1, such as recent grpcurl, get UNIMPLEMENTED from v1alpha alone): one servicer answers both,
+    since their messages are the same on the wire."""
+    names = (*service_names, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE_NAME)
+    servicer = reflection.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_registered_method_handlers(REFLECTION_V1_SERVICE_NAME, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        )
+    })
+
+
 class DatastoreServer:
     """A running gRPC server answering from ``store`` and ``outputs`` (which the caller keeps and
     closes; None: no output store, whatever ``config.outputs_max_tokens`` says).
@@ -395,7 +436,7 @@ class DatastoreServer:
         self._server.add_registered_method_handlers(SERVICE_NAME, DatastoreServicer(store, config, outputs).handlers())
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server)
+        enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)
         target = format_address(config.host, config.port)
         try:
             if credentials is None:
