@@ -18,7 +18,8 @@ from typing import Callable, Protocol, Sequence
 
 from rest_spec.datastore.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import accepted_nodes
-from rest_spec.drafter.budget import VerifyCost, cache_dir, cost_key
+from rest_spec.drafter.cost import VerifyCost
+from rest_spec.drafter.measure import cache_dir, cost_key
 from rest_spec.drafter.generate import generate
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ the base drafter, one RPC when remote) and from the request's own text (``Reques
 merges them into one tree scored by estimated acceptance (``drafter.merge``: per-source path
 probabilities, weights calibrated per source and sample size, noisy-OR) and keeps the part that
 maximizes expected tokens per second of verification, (1 + sum of kept scores) / t(1 + kept)
-(``drafter.budget.select_tree``, Sequoia's hardware-aware size; NOTES section 4). On a CPU where a 64-token verification costs 4x
+(``drafter.cost.select_tree``, Sequoia's hardware-aware size; NOTES section 4). On a CPU where a 64-token verification costs 4x
 a 1-token step (section 8) that is a small tree, or none at all.
 
 The decoding loop (``drafter.generate``) needs no change: it only calls ``draft``. What the
@@ -27,7 +27,7 @@ from rest_spec.drafter.merge import SourceCalibration, merge_trees
 from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.base import Drafter, SourceDrafter
-from rest_spec.drafter.budget import VerifyCost, select_tree
+from rest_spec.drafter.cost import VerifyCost, select_tree
 
 SOURCES = ("index", "request", "outputs")
 
@@ -72,7 +72,7 @@ class AdaptiveDrafter:
 
     base         where the index and outputs trees come from: a ``SourceDrafter`` (``LocalDrafter``,
                  ``RemoteDrafter``); a plain ``Drafter`` does when "outputs" is not a source
-    cost         the measured verification cost (``drafter.budget.load_or_measure``); None keeps
+    cost         the measured verification cost (``drafter.measure.load_or_measure``); None keeps
                  the ``budget`` best-scored nodes (no hardware-aware size)
     config       how each source drafts its candidates (budget 64 per source and for the merge)
     calibration  per-source, per-sample-class weights, learned from what the verifier accepts;

@@ -254,7 +254,7 @@ def load_parts(args: argparse.Namespace):
     log.info("loaded %s on %s in %.1f s", type(model).__name__, model.device, time.perf_counter() - started)
     if args.adaptive and drafter is not None:
         from rest_spec.drafter.adaptive import AdaptiveDrafter
-        from rest_spec.drafter.budget import load_or_measure
+        from rest_spec.drafter.measure import load_or_measure
 
         drafter = AdaptiveDrafter(drafter, cost=load_or_measure(model), config=draft_config(args))
     return tokenizer, model, drafter

@@ -1,0 +1,149 @@
+"""What verifying n tokens costs, and the draft tree that pays off most: used every decoding step.
+
+Sequoia (NOTES section 4): verification time t(n) is not constant -- nearly flat up to ~64 tokens
+on a GPU for a small model, but several times t(1) at 64 on a CPU -- so the best tree size depends
+on the machine. With node scores that estimate acceptance probabilities (``drafter.merge``),
+keeping nodes K yields 1 + sum_K score tokens per step (the accepted ones plus the model's own
+bonus token) in t(1 + |K|) seconds. For each size the best prefix-closed set is the top |K| nodes
+by score, since scores never grow down a path; scanning the size is exact. Chains are verified on
+the model's plain causal path, without the tree mask, and have their own measured cost; the
+selection weighs the best chain against the best tree.
+
+t(n) itself is measured once per model, device and dtype by ``drafter.measure``; this module
+needs neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from rest_spec.datastore.types import DraftTree
+
+
+@dataclass(frozen=True)
+class CostKey:
+    """What a measurement is valid for: the model (name or path, revision, parameter count, so
+    two checkpoints at one path differ), the device (GPU name, or CPU and thread count) and dtype."""
+
+    model: str
+    revision: str
+    parameters: int
+    device: str
+    dtype: str
+
+    def file_name(self) -> str:
+        """A readable, unique JSON file name for this key."""
+        digest = hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        readable = re.sub(r"[^A-Za-z0-9.]+", "-", f"{Path(self.model).name}-{self.device}-{self.dtype}").strip("-")
+        return f"{readable[:80]}-{digest}.json"
+
+
+def check_sizes(sizes: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless ``sizes`` start at 1 (t(1) is the baseline) and increase strictly."""
+    array = np.asarray(sizes)
+    if array.ndim != 1 or array.size == 0 or array[0] != 1 or np.any(np.diff(array) <= 0):
+        raise ValueError(f"sizes must start at 1 and increase strictly, got {list(sizes)}")
+
+
+def _interpolate(sizes: Sequence[int], seconds: Sequence[float], n: np.ndarray) -> np.ndarray:
+    """Running maximum of ``seconds`` at ``sizes``, interpolated linearly at ``n`` and continued
+    along the last segment past the largest size."""
+    sizes, seconds = np.asarray(sizes, np.float64), np.maximum.accumulate(np.asarray(seconds, np.float64))
+    inside = np.interp(n, sizes, seconds)
+    if sizes.size == 1:
+        return inside
+    slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
+    return np.where(n > sizes[-1], seconds[-1] + slope * (n - sizes[-1]), inside)
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Measured seconds of one verification step of ``sizes[i]`` tokens (the pending token
+    included, so a tree of k nodes costs ``self(k + 1)``), over a KV cache of ``context_length``:
+    ``seconds`` for branching trees (custom tree mask), ``chain_seconds`` for chains, which the
+    verifier runs on the model's plain causal path (``tree_attention.TreeInputs.causal``); empty
+    when not measured, and chains then cost what trees cost.
+
+    Queries use the running maximum of the measurements (verifying more tokens never costs less;
+    a noisy dip would otherwise pull every tree to that size), interpolated linearly between
+    sizes and continued along the last segment past the largest.
+    """
+
+    key: CostKey
+    context_length: int
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    chain_seconds: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_sizes(self.sizes)
+        for name, times in (("seconds", self.seconds), ("chain_seconds", self.chain_seconds or self.seconds)):
+            times = np.asarray(times, dtype=np.float64)
+            if times.shape != (len(self.sizes),) or not np.all(np.isfinite(times) & (times > 0)):
+                raise ValueError(f"{name} must be one positive time per size, got {list(times)}")
+
+    def __call__(self, n: int | np.ndarray) -> np.ndarray:
+        """float64 seconds for a tree of ``n`` (>= 1) verified tokens; same shape as ``n``."""
+        return _interpolate(self.sizes, self.seconds, np.asarray(n, dtype=np.float64))
+
+    def chain(self, n: int | np.ndarray) -> np.ndarray:
+        """float64 seconds for a chain of ``n`` (>= 1) verified tokens; same shape as ``n``."""
+        return _interpolate(self.sizes, self.chain_seconds or self.seconds, np.asarray(n, dtype=np.float64))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "VerifyCost":
+        data = json.loads(text)
+        return cls(CostKey(**data["key"]), data["context_length"], tuple(data["sizes"]), tuple(data["seconds"]),
+                   tuple(data["chain_seconds"]))
+
+
+def select_tree(tree: DraftTree, cost: VerifyCost, max_depth: int | None = None) -> DraftTree:
+    """The prefix-closed part of ``tree`` maximizing expected tokens per second,
+    (1 + sum of kept scores) / cost of verifying 1 + kept tokens, keeping only nodes at most
+    ``max_depth`` deep; no nodes at all when no draft beats verifying the pending token alone.
+
+    Two kinds of candidates compete: for each size k, the top k nodes by score at the tree cost
+    ``cost(1 + k)``; and for each node, the chain from the root to it at the chain cost
+    ``cost.chain(1 + depth)`` (the causal path, no custom mask). Of equally good choices the
+    smaller, and then the tree, wins."""
+    candidates = np.arange(len(tree)) if max_depth is None else np.flatnonzero(tree.depths <= max_depth)
+    ranked = candidates[np.lexsort((candidates, -tree.scores[candidates]))]  # a parent before its children
+    gain = 1.0 + np.concatenate(([0.0], np.cumsum(tree.scores[ranked])))  # [k + 1]: keeping the top 0..k
+    rate = gain / cost(1 + np.arange(ranked.size + 1))
+    best = int(np.argmax(rate))
+    chain_rate = (1.0 + path_sums(tree)[candidates]) / cost.chain(1 + tree.depths[candidates])
+    if chain_rate.size and chain_rate.max() > rate[best] * (1 + 1e-12):
+        return tree.subset(path_to(tree, int(candidates[np.argmax(chain_rate)])))
+    if best == len(tree):
+        return tree  # all of it: no copy
+    return tree.subset(np.sort(ranked[:best]))
+
+
+def path_to(tree: DraftTree, node: int) -> np.ndarray:
+    """int64 [depth]: the nodes from the root's child down to ``node``, in order."""
+    path = [node]
+    while tree.parents[path[-1]] >= 0:
+        path.append(int(tree.parents[path[-1]]))
+    return np.array(path[::-1], dtype=np.int64)
+
+
+def path_sums(tree: DraftTree) -> np.ndarray:
+    """float64 [n]: the sum of the scores on the path from the root to each node, itself included
+    (one vectorized step per depth level; parents precede children)."""
+    sums = np.asarray(tree.scores, dtype=np.float64).copy()
+    depths = tree.depths
+    for depth in range(2, int(depths.max(initial=0)) + 1):
+        level = np.flatnonzero(depths == depth)
+        sums[level] += sums[tree.parents[level]]
+    return sums
