@@ -1,8 +1,8 @@
 """build_index: tokenize a corpus with the target model's tokenizer into a sharded suffix-array index.
 
-The thin CLI over ``build_index.build.build``: flags -> ``BuildConfig``, summary to stdout; bad
-input -> one line on stderr and exit status 2, a failed build (the index cannot be written, a
-worker died) -> one line and status 1, a stop signal -> one line and status 128 + its number.
+The thin CLI over ``build_index.build.build``: flags -> ``BuildConfig``, summary to stdout. Exit
+statuses follow every rest-spec command: 2 for a command line no build could use,
+1 for a build that failed (one line on stderr), 128 + N for stop signal N; see --help.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ the output directory:
   "rest-index") and nothing but index files; anything else is refused. The old index is removed only
   after the new one is in place. A build that fails, or is stopped by SIGINT, SIGTERM or SIGHUP,
   removes its temporary directory, stops its workers and leaves --out as it was.
+
+exit status:
+  0 built; 2 usage error: an unknown flag or a value out of range (with the usage line); 1 the build
+  failed: the corpus cannot be found or read or holds nothing to index, the tokenizer cannot be
+  loaded, --out exists or is not an index, the index cannot be written, a worker died;
+  128+N stopped by signal N. Errors are one line on stderr.
 
 examples:
   build_index --corpus python-stdlib --out indexes/stdlib
@@ -109,24 +115,28 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         max_docs=args.max_docs,
         skip_last=args.skip_last,
     )
-    try:
-        tokenize = TokenizeConfig(workers=args.workers, batch_size=args.batch_size)
-    except ValueError as exc:
-        raise BuildInputError(str(exc)) from exc
+    tokenize = TokenizeConfig(workers=args.workers, batch_size=args.batch_size)
     return BuildConfig(
         spec, args.out, args.tokenizer, tokenize, args.shard_tokens, args.overwrite, progress=not args.quiet
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        report = build(_config(args))
-    except (CorpusError, BuildInputError, FileExistsError) as exc:
+        config = _config(args)
+    except ValueError as exc:  # a flag value the configs refuse: a usage error, like argparse's own
+        parser.print_usage(sys.stderr)
         print(f"build_index: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        report = build(config)
+    except (CorpusError, BuildInputError, FileExistsError) as exc:
+        print(f"build_index: error: {exc}", file=sys.stderr)
+        return 1
     except IndexWriteError as exc:
         print(f"build_index: error: {exc}; the partial build was removed, {exc.directory} is unchanged", file=sys.stderr)
         return 1

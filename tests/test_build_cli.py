@@ -187,9 +187,9 @@ def test_overwrite_and_failed_builds_leave_the_target_untouched(tmp_path, tiny_t
     before = (out / fmt.MANIFEST).read_bytes()
 
     refused = run_cli("--corpus", second, "--tokenizer", tiny_tokenizer, "--out", out, cwd=tmp_path)
-    assert refused.returncode == 2 and "already exists; pass --overwrite" in refused.stderr
+    assert refused.returncode == 1 and "already exists; pass --overwrite" in refused.stderr
     failed = run_cli("--corpus", rows, "--tokenizer", tiny_tokenizer, "--out", out, "--overwrite", cwd=tmp_path)
-    assert failed.returncode == 2 and "no field 'text'" in failed.stderr
+    assert failed.returncode == 1 and "no field 'text'" in failed.stderr
     assert (out / fmt.MANIFEST).read_bytes() == before
     assert leftovers(out.parent) == []
 
@@ -215,18 +215,35 @@ def test_default_out_is_indexes_slash_corpus(tmp_path, tiny_tokenizer):
         (["--corpus", "rows.jsonl", "--field", "txt"], "rows.jsonl has no field 'txt'; available fields: id, body"),
         (["--corpus", "notes.txt", "--tokenizer", "empty_dir"], "cannot load tokenizer empty_dir"),
         (["--corpus", "the-stack"], "--data-files"),
-        (["--corpus", "notes.txt", "--workers", "0"], "workers and batch_size must be positive"),
     ],
-    ids=["missing-path", "unknown-name", "wrong-field", "bad-tokenizer", "offline-hub", "bad-workers"],
+    ids=["missing-path", "unknown-name", "wrong-field", "bad-tokenizer", "offline-hub"],
 )
-def test_bad_input_is_one_error_line_with_status_2(tmp_path, tiny_tokenizer, args, message):
+def test_bad_input_is_one_error_line_with_status_1(tmp_path, tiny_tokenizer, args, message):
     (tmp_path / "rows.jsonl").write_text(json.dumps({"id": 1, "body": "x"}) + "\n")
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / "empty_dir").mkdir()
     tokenizer = [] if "--tokenizer" in args else ["--tokenizer", tiny_tokenizer]
     out = run_cli(*args, *tokenizer, "--out", tmp_path / "idx", cwd=tmp_path)
-    assert out.returncode == 2
+    assert out.returncode == 1
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("build_index: error: "), out.stderr
     assert message in lines[0]
+    assert not (tmp_path / "idx").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workers", "0"], "workers and batch_size must be positive"),
+        (["--shard-tokens", "0"], "shard_tokens must be positive"),
+        (["--max-docs", "0"], "max_docs must be positive"),
+        (["--workers", "two"], "argument --workers: invalid int value: 'two'"),
+    ],
+    ids=["workers", "shard-tokens", "max-docs", "not-a-number"],
+)
+def test_a_flag_value_out_of_range_is_a_usage_error_with_status_2(tmp_path, args, message):
+    out = run_cli("--corpus", "notes.txt", *args, "--out", tmp_path / "idx", cwd=tmp_path)
+    assert out.returncode == 2
+    usage, error = out.stderr.strip().split("\nbuild_index: error: ")
+    assert usage.startswith("usage: build_index ") and message in error, out.stderr
     assert not (tmp_path / "idx").exists() and leftovers(tmp_path) == []

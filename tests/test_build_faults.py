@@ -132,7 +132,7 @@ def test_overwrite_refuses_what_is_not_an_index(tmp_path, tiny_tokenizer, previo
 
     result = run_cli("--corpus", corpus, "--tokenizer", tiny_tokenizer, "--out", out, "--overwrite", cwd=tmp_path, timeout=120)
 
-    assert result.returncode == 2
+    assert result.returncode == 1
     assert one_line(result.stderr).startswith(f"build_index: error: refusing to replace {out}: {reason}")
     assert snapshot(out.parent) == before and leftovers(out.parent) == []
 
@@ -270,7 +270,7 @@ def test_a_special_file_named_as_the_corpus_is_an_error(tmp_path, tiny_tokenizer
         result = run_cli(*args, "--tokenizer", tiny_tokenizer, "--out", tmp_path / "idx", cwd=tmp_path, timeout=60)
     finally:
         server.close()
-    assert result.returncode == 2
+    assert result.returncode == 1
     assert one_line(result.stderr) == f"build_index: error: {message}"
     assert not (tmp_path / "idx").exists() and leftovers(tmp_path) == []
 
