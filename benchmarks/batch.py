@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import platform
 import statistics
 import sys
 import time
@@ -25,14 +23,12 @@ from typing import Sequence
 
 import torch
 
-from benchmarks.data import humaneval_inputs, save_report
+from benchmarks.common import RESULTS, humaneval_inputs, report_header, save_report
 from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.model import load_model
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -171,19 +167,16 @@ def main(argv=None) -> int:
               f"{r['speedup']:>6.2f} {r['mean_accepted']:>9.2f} {r['rows_identical_to_plain']:>5}/{r['rows']:<4}",
               file=sys.stderr)
     report = {
-        "benchmark": "batch",
-        "command": "python -m benchmarks.batch " + " ".join(sys.argv[1:] if argv is None else argv),
+        **report_header("batch", argv),
         "config": {"index": str(args.index), "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)",
                    "prompts": args.prompts, "chat_template": args.chat, "batch_sizes": args.batch_sizes,
                    "max_new_tokens": args.max_new_tokens, "budget": args.budget, "max_depth": args.max_depth,
                    "repeats": args.repeats, "decoding": "greedy"},
-        "hardware": {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                     "torch_threads": torch.get_num_threads(), "device": str(model.device),
-                     "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None},
-        "date": time.strftime("%Y-%m-%d"),
         "all_rows_identical_to_plain": all(r["rows_identical_to_plain"] == r["rows"] for r in results),
         "per_batch_size": results,
     }
+    report["machine"].update(torch_threads=torch.get_num_threads(), device=str(model.device),
+                             gpu=torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None)
     save_report(report, args.out)
     return 0
 

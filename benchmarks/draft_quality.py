@@ -6,7 +6,7 @@ The model's plain greedy outputs for the first N HumanEval prompts are computed 
 then, for every drafter, the decoding loop is replayed without the model (``benchmarks.replay``):
 at each step the drafter is asked for a tree, the longest tree path that the greedy output
 continues with is accepted, plus one token. For our engine this equals what
-``benchmarks.humaneval`` measures with the real verifier (the verifier loses nothing); it lets
+``benchmarks.e2e``'s ``paper`` mode measures with the real verifier (the verifier loses nothing); it lets
 drafters be compared on identical contexts. Compared:
 
 - ours at several ``n_max`` (REST semantics: the longest matching suffix up to n_max);
@@ -21,22 +21,14 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Sequence
 
-import numpy as np
-
-from benchmarks.data import humaneval_inputs, save_report
+from benchmarks.common import RESULTS, DraftRetriever, humaneval_inputs, report_header, save_report
 from benchmarks.replay import Example, greedy_outputs, replay
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.sources import SEP
 from rest_spec.datastore.tokenizer import load_tokenizer
-from rest_spec.datastore.trie import top_c_tree
-from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.model import load_model
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def quality(examples: list[Example], drafter, config: DraftConfig) -> dict:
@@ -45,38 +37,6 @@ def quality(examples: list[Example], drafter, config: DraftConfig) -> dict:
     result = replay(examples, drafter, config)
     return {"mean_accepted": result["mean_accepted"], "mean_tree_nodes": result["verified_per_step"] - 1,
             "median_draft_ms": result["median_draft_ms"]}
-
-
-class DraftRetriever:
-    """REST's engine over the same documents as a ``Datastore``, queried the way REST's code does;
-    ``draft`` makes its paths one tree (``top_c_tree`` keeps every distinct prefix)."""
-
-    def __init__(self, store: Datastore, budget: int, workdir: Path) -> None:
-        import draftretriever
-
-        path = str(workdir / "draftretriever.idx")
-        writer = draftretriever.Writer(file_path=path, vocab_size=store.vocab_size)
-        for document in store.documents():
-            writer.add_entry(document.tolist())
-        writer.finalize()
-        self.reader, self.budget = draftretriever.Reader(index_file_path=path), budget
-
-    def paths(self, context: Sequence[int]) -> list[list[int]]:
-        for n in range(16, 1, -1):
-            if len(context) >= n:
-                found = self.reader.search(list(context[-n:]), k=5000, choices=self.budget, long=10)[0]
-                if found:
-                    return [[t for t in p if t >= 0] for p in found]  # -2 pads short paths
-        return []
-
-    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
-        paths = [p for p in self.paths(context) if p]
-        if not paths:
-            return DraftTree.empty()
-        rows = np.full((len(paths), max(map(len, paths))), SEP, dtype=np.uint32)
-        for row, path in zip(rows, paths):
-            row[: len(path)] = path
-        return DraftTree(*top_c_tree(rows, SEP, rows.size))
 
 
 def main(argv=None) -> int:
@@ -102,18 +62,16 @@ def main(argv=None) -> int:
             results[f"ours_n_max_{n_max}"] = quality(examples, store, config)
             print(f"ours n_max={n_max}: {results[f'ours_n_max_{n_max}']}", file=sys.stderr)
         try:
-            reference = DraftRetriever(store, args.budget, Path(tmp))
+            reference = DraftRetriever(store, Path(tmp))
         except ImportError:
             print("draftretriever is not installed: REST's engine not compared", file=sys.stderr)
         else:
             results["draftretriever"] = quality(examples, reference, DraftConfig(budget=args.budget))
             print(f"draftretriever: {results['draftretriever']}", file=sys.stderr)
     report = {
-        "benchmark": "draft_quality",
-        "command": "python -m benchmarks.draft_quality " + " ".join(sys.argv[1:] if argv is None else argv),
+        **report_header("draft_quality", argv),
         "config": {"index": args.index, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
                    "budget": args.budget, "chat_template": args.chat},
-        "date": time.strftime("%Y-%m-%d"),
         "results": results,
     }
     save_report(report, out_path)

@@ -32,10 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,22 +40,21 @@ from typing import Callable, Sequence
 
 import torch
 
-from benchmarks.data import humaneval_inputs, save_report
+from benchmarks.common import RESULTS, REPO, chat_prompt, ensure_index, humaneval_inputs, report_header, save_report
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
 from rest_spec.datastore.format import read_manifest
 from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.base import Drafter
-from rest_spec.drafter.budget import VerifyCost, load_or_measure
+from rest_spec.drafter.cost import VerifyCost
+from rest_spec.drafter.measure import load_or_measure
 from rest_spec.drafter.generate import GenerationResult, generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.model import load_model
 
 log = logging.getLogger("benchmarks.e2e")
 
-RESULTS = Path(__file__).parent / "results"
-REPO = Path(__file__).resolve().parents[1]
 MODES = ("plain", "hf", "paper", "new")
 SETS = ("humaneval", "sharegpt")
 # each set's default index and the build command that makes it when it is missing
@@ -100,21 +96,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # ---- prompts and indexes ----------------------------------------------------------------------
-
-
-def ensure_index(path: Path, build_args: list[str]) -> Path:
-    """``path``, built with ``build_index`` first when it holds no index."""
-    if not (path / "manifest.json").exists():
-        log.warning("no index at %s: building it (build_index %s)", path, " ".join(build_args))
-        subprocess.run([sys.executable, "-m", "rest_spec.build_index", *build_args, "--out", str(path), "--quiet"], check=True)
-    return path
-
-
-def chat_prompt(tokenizer, text: str) -> list[int]:
-    """``text`` as one user turn, rendered with the chat template and a generation prompt."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)
-    return list(rendered["input_ids"])
 
 
 def sharegpt_prompts(tokenizer, index: Path, count: int, max_tokens: int) -> list[list[int]]:
@@ -296,7 +277,7 @@ def plot(report: dict, path: Path) -> bool:
         axis.axhline(1.0, color="gray", linewidth=0.5)
     axes[0].legend()
     figure.suptitle(f"{report['config']['model']}, greedy, {report['config']['max_new_tokens']} new tokens, "
-                    f"{report['hardware']['device']}", fontsize=9)
+                    f"{report['machine']['device']}", fontsize=9)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
@@ -312,8 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fingerprint = tokenizer_fingerprint(tokenizer)
     cost = load_or_measure(model, remeasure=args.remeasure)
     report = {
-        "benchmark": "e2e",
-        "command": "python -m benchmarks.e2e " + " ".join(sys.argv[1:] if argv is None else argv),
+        **report_header("e2e", argv),
         "config": {"model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)", "greedy": True,
                    "prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
                    "max_depth": args.max_depth, "max_prompt_tokens_sharegpt": args.max_prompt_tokens,
@@ -323,14 +303,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "calibration (per source and sample class) carries over between prompts of a set",
                    "humaneval_prompts": "raw code to complete", "sharegpt_prompts":
                    "first user turn of held-out conversations, chat template"},
-        "hardware": {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                     "torch_threads": torch.get_num_threads(), "device": str(model.device)},
         "verify_cost": {"sizes": list(cost.sizes), "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds],
                         "chain_relative_to_one_token": [s / cost.seconds[0] for s in cost.chain_seconds],
                         "one_token_ms": 1e3 * cost.seconds[0], "key": dataclasses.asdict(cost.key)},
-        "date": time.strftime("%Y-%m-%d"),
         "sets": {},
     }
+    report["machine"].update(torch_threads=torch.get_num_threads(), device=str(model.device))
     for name in args.sets:
         index = args.humaneval_index if name == "humaneval" else args.sharegpt_index
         ensure_index(index, INDEXES[name][1])

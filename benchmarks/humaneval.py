@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.data import humaneval_inputs, save_report
+from benchmarks.common import humaneval_inputs, save_report
 from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.datastore.tokenizer import check_tokenizer

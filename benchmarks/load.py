@@ -19,7 +19,6 @@ import argparse
 import logging
 import multiprocessing
 import os
-import platform
 import queue
 import signal
 import subprocess
@@ -32,12 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.data import save_report
+from benchmarks.common import REPO, RESULTS, ensure_index, report_header, save_report
 
 log = logging.getLogger("benchmarks.load")
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 CALL_TIMEOUT = 10.0
 SETUP_SECONDS = 120.0  # for client processes to start, and the server to print its address
 DRAFT_METHOD = "/rest.datastore.v1.Datastore/Draft"
@@ -196,20 +193,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    if not (args.index / "manifest.json").exists():
-        log.info("building %s (python-stdlib)", args.index)
-        subprocess.run([sys.executable, "-m", "rest_spec.build_index", "--corpus", "python-stdlib", "--out", str(args.index)],
-                       cwd=REPO, check=True)
+    ensure_index(args.index, ["--corpus", "python-stdlib"])
     figures = run_load(args.index, clients=args.clients, seconds=args.seconds, processes=args.processes,
                        warmup=args.warmup, workers=args.workers)
     report = {
-        "benchmark": "load",
-        "command": "python -m benchmarks.load " + " ".join(argv if argv is not None else sys.argv[1:]),
+        **report_header("load", argv),
         "index": str(args.index),
-        "machine": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
-                    "load_average_1min_at_end": round(os.getloadavg()[0], 2)},
         **figures,
     }
+    report["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     save_report(report, args.out)
     return 0
 

@@ -30,7 +30,6 @@ import json
 import logging
 import multiprocessing
 import os
-import platform
 import queue
 import shutil
 import signal
@@ -45,7 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.data import save_report
+from benchmarks.common import (REPO, REST_N_MAX, REST_SEARCH, RESULTS, open_draftretriever, report_header,
+                               rest_nodes, rest_paths, rest_search, save_report, write_draftretriever)
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records, iter_records
 from rest_spec.build_index.writer import IndexWriter
 from rest_spec.datastore.index import Datastore
@@ -54,15 +54,11 @@ from rest_spec.datastore.types import DraftConfig
 
 log = logging.getLogger("benchmarks.retrieval")
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
-QUERY_TOKENS = 16  # REST's n_max: the longest suffix either engine looks at
+QUERY_TOKENS = REST_N_MAX  # the longest suffix either engine looks at
 BUDGETS = (16, 64)
 NODES_BUDGET = 64
 GRPC_BUDGET = 64
 GROWTH_BUDGET = 64
-REST_SUFFIX_LENGTHS = range(QUERY_TOKENS, 1, -1)  # REST's retrieval loop: 16 down to 2
-REST_SEARCH = {"k": 5000, "long": 10}  # REST's draftretriever.search arguments (choices = budget)
 WARMUP_QUERIES = 200
 ROUNDS = 3
 OPEN_REPEATS = 10
@@ -148,17 +144,12 @@ def build_draftretriever(index: str, out: str) -> dict:
     """draftretriever's Writer over every document of our index at ``index``, in build order, to
     ``out``; then one Reader, which decompresses the tokens and builds the suffix array (it does
     so at every load). Run through ``run_function``."""
-    import draftretriever
-
     with Datastore.open(index) as store:
         start = time.perf_counter()
-        writer = draftretriever.Writer(file_path=out, vocab_size=store.vocab_size)
-        for document in store.documents():
-            writer.add_entry(document.tolist())
-        writer.finalize()
+        write_draftretriever(store, out)
         writer_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    draftretriever.Reader(index_file_path=out)
+    open_draftretriever(out)
     return {"writer_seconds": writer_seconds, "reader_seconds": time.perf_counter() - start,
             "bytes_on_disk": os.path.getsize(out)}
 
@@ -303,31 +294,6 @@ def sample_queries(spec: CorpusSpec, count: int, seed: int, tokenizer) -> list[l
 # ----------------------------------------------------------------------------- in-process engines
 
 
-def open_reference(path: Path):
-    import draftretriever
-
-    return draftretriever.Reader(index_file_path=str(path))
-
-
-def rest_search(reader, context: list[int], budget: int) -> list[list[int]]:
-    """REST's retrieval: the first suffix length from 16 down to 2 with any result."""
-    for n in REST_SUFFIX_LENGTHS:
-        if len(context) >= n:
-            paths = reader.search(context[-n:], choices=budget, **REST_SEARCH)[0]
-            if paths:
-                return paths
-    return []
-
-
-def rest_nodes(paths: list[list[int]]) -> int:
-    """Nodes of the tree REST builds from ``paths``: their distinct prefixes (-2 pads short paths)."""
-    prefixes = set()
-    for path in paths:
-        real = tuple(t for t in path if t >= 0)
-        prefixes.update(real[:d] for d in range(1, len(real) + 1))
-    return len(prefixes)
-
-
 def our_engine(store: Datastore) -> DraftFn:
     configs = {budget: DraftConfig(budget=budget) for budget in {*BUDGETS, GROWTH_BUDGET}}
     return lambda context, budget: store.draft(context, configs[budget])
@@ -372,7 +338,7 @@ def node_counts(store: Datastore, reader, queries: list[list[int]]) -> dict:
     """Draft nodes each engine returns for a budget of ``NODES_BUDGET`` on ``queries``."""
     config = DraftConfig(budget=NODES_BUDGET)
     ours = np.array([len(store.draft(q, config)) for q in queries])
-    theirs = np.array([rest_nodes(rest_search(reader, q, NODES_BUDGET)) for q in queries])
+    theirs = np.array([rest_nodes(rest_paths(reader, q, NODES_BUDGET)) for q in queries])
 
     def stats(nodes: np.ndarray) -> dict:
         return {"mean": float(nodes.mean()), "median": float(np.median(nodes)),
@@ -393,10 +359,10 @@ def median_seconds(action: Callable[[], object], repeats: int) -> float:
 def open_rss(engine: str, path: str) -> int:
     """Resident bytes added by opening ``path`` with ``engine`` ("ours" or "draftretriever"),
     from /proc/self/status after the imports; run in a fresh process."""
-    import draftretriever
+    import draftretriever  # noqa: F401 (imported before measuring, like ours)
 
     before = _vm_rss()
-    opened = Datastore.open(path) if engine == "ours" else draftretriever.Reader(index_file_path=path)  # noqa: F841
+    opened = Datastore.open(path) if engine == "ours" else open_draftretriever(path)  # noqa: F841
     return _vm_rss() - before
 
 
@@ -418,7 +384,7 @@ def open_figures(index: Path, index_bytes: int, reference: Path | None = None) -
                         "rss_added_bytes": rss_in_fresh_process("ours", index), "index_bytes": index_bytes}}
     if reference is not None:
         figures["draftretriever"] = {
-            "open_seconds": median_seconds(lambda: open_reference(reference), REFERENCE_OPEN_REPEATS),
+            "open_seconds": median_seconds(lambda: open_draftretriever(reference), REFERENCE_OPEN_REPEATS),
             "rss_added_bytes": rss_in_fresh_process("draftretriever", reference),
             "index_bytes": reference.stat().st_size,
         }
@@ -509,7 +475,7 @@ def benchmark_index(spec: IndexSpec, index: Path, build: dict, queries: list[lis
     with Datastore.open(index) as store:
         manifest = store.manifest
         log.info("%s: in-process latency (%d queries, %d rounds)", spec.name, len(queries), ROUNDS)
-        reader = open_reference(reference)
+        reader = open_draftretriever(reference)
         latency = compare_latency({"ours": our_engine(store), "draftretriever": reference_engine(reader)},
                                   queries, BUDGETS)
         nodes = node_counts(store, reader, queries)
@@ -732,8 +698,7 @@ def main(argv=None) -> int:
         query_sets[spec.name] = sample_queries(spec.corpus_spec(args.max_records), args.queries, args.seed, tokenizer)
         indexes[spec.name] = benchmark_index(spec, index, build, query_sets[spec.name], args)
     report = {
-        "benchmark": "retrieval",
-        "command": "python -m benchmarks.retrieval " + " ".join(sys.argv[1:] if argv is None else argv),
+        **report_header("retrieval", argv),
         "config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                    "indexes": [asdict(s) for s in specs], "query_tokens": QUERY_TOKENS, "budgets": BUDGETS,
                    "warmup_queries": WARMUP_QUERIES, "rounds": ROUNDS, "open_repeats": OPEN_REPEATS,
@@ -741,9 +706,6 @@ def main(argv=None) -> int:
                    "draftretriever_search": {"suffix_lengths": f"{QUERY_TOKENS}..2", **REST_SEARCH,
                                              "choices": "budget"},
                    "tokenizer": "SmolLM2-135M-Instruct (packaged)"},
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": {"cpus": os.cpu_count(), "machine": platform.machine(), "processor": platform.processor(),
-                    "python": platform.python_version()},
         "queries": "windows of held-out text only (records the index never saw), ending at uniformly random positions",
         "indexes": indexes,
     }

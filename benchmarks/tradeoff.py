@@ -22,17 +22,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks.data import humaneval_inputs, save_report
-from benchmarks.e2e import INDEXES, RESULTS, SETS, ensure_index, sharegpt_prompts
+from benchmarks.common import RESULTS, ensure_index, humaneval_inputs, report_header, save_report
+from benchmarks.e2e import INDEXES, SETS, sharegpt_prompts
 from benchmarks.replay import Example, greedy_outputs, replay
 from rest_spec.datastore.tokenizer import load_tokenizer
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.budget import VerifyCost, load_or_measure
+from rest_spec.drafter.cost import VerifyCost
+from rest_spec.drafter.measure import load_or_measure
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.model import load_model
 
@@ -77,12 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, tokenizer = load_model(None), load_tokenizer(None)
     cost = load_or_measure(model)
     report = {
-        "benchmark": "tradeoff",
-        "command": "python -m benchmarks.tradeoff " + " ".join(sys.argv[1:] if argv is None else argv),
+        **report_header("tradeoff", argv),
         "config": {"prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
                    "speed": "modeled: t(1) per token / t(1 + tree nodes) per step, t from drafter.budget"},
         "verify_cost": {"sizes": list(cost.sizes), "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds]},
-        "date": time.strftime("%Y-%m-%d"),
         "sets": {},
     }
     for name in args.sets:

@@ -26,7 +26,7 @@ grep -q "^listening on" "$SERVER_LOG" || { echo "quickstart: the datastore serve
 
 python - "$PROMPTS" <<'PY'
 import json, sys
-from benchmarks.data import humaneval_prompts
+from benchmarks.common import humaneval_prompts
 with open(sys.argv[1], "w") as f:
     f.write(json.dumps({"prompt": humaneval_prompts(1)[0]}) + "\n")
 PY

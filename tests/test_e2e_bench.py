@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.data import humaneval_inputs
+from benchmarks.common import humaneval_inputs
 from benchmarks.e2e import MODES, parse_args, run_set, targets
 from benchmarks.replay import replay
 from rest_spec.datastore.types import DraftConfig

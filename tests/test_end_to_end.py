@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.data import humaneval_prompts
+from benchmarks.common import humaneval_prompts
 from rest_spec.datastore.tokenizer import tokenizer_fingerprint
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.datastore.index import Datastore

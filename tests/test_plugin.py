@@ -9,7 +9,7 @@ import torch
 from transformers import TextStreamer
 from transformers.generation import BaseStreamer, GenerateDecoderOnlyOutput, StoppingCriteria, StoppingCriteriaList
 
-from benchmarks.data import humaneval_prompts
+from benchmarks.common import humaneval_prompts
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
 from rest_spec.datastore.tokenizer import tokenizer_fingerprint

