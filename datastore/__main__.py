@@ -10,7 +10,9 @@
     rest-datastore verify --index DIR
     rest-datastore draft  --index DIR | --server HOST:PORT  --tokens 1,2,3 | --text "..." [--tokenizer SPEC]
 
-Errors are one line on stderr and exit status 1; usage errors exit 2.
+Exit statuses, as every rest-spec command's: 2 for a usage error (argparse's own, a missing --index,
+a flag value the configs refuse: with the usage line), 1 for a failure (a missing or corrupt index,
+an unreachable server, a refused call, a port in use: one line on stderr), 130 for Ctrl-C.
 """
 
 from __future__ import annotations
@@ -36,6 +38,20 @@ from rest_spec.datastore.client import DatastoreClient  # noqa: E402
 
 DEFAULT_CONFIG = DraftConfig()
 DEFAULT_SERVER = ServerConfig()
+EXIT_STATUSES = ("exit status: 0 done; 2 usage error (an unknown flag, a missing --index, a value out of range); "
+                 "1 failure (index missing or corrupt, server unreachable, call refused, port in use); 130 Ctrl-C.")
+
+
+class UsageError(Exception):
+    """A command line the command cannot run: reported like argparse's own errors, with status 2."""
+
+
+def _flag_values(make, **values):
+    """``make(**values)``, a config built from flag values: a value it refuses is a usage error."""
+    try:
+        return make(**values)
+    except ValueError as exc:
+        raise UsageError(first_line(exc)) from None
 
 
 def _token_list(text: str) -> list[int]:
@@ -70,11 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rest-datastore",
         description="Serve, inspect and query a REST suffix-array datastore.",
-        epilog="gRPC's own log is silenced unless GRPC_VERBOSITY is set (e.g. GRPC_VERBOSITY=debug).",
+        epilog=f"gRPC's own log is silenced unless GRPC_VERBOSITY is set (e.g. GRPC_VERBOSITY=debug). {EXIT_STATUSES}",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve_cmd = sub.add_parser("serve", help="serve an index over gRPC until SIGTERM/SIGINT")
+    serve_cmd = sub.add_parser("serve", help="serve an index over gRPC until SIGTERM/SIGINT", epilog=EXIT_STATUSES)
     serve_cmd.add_argument("--index", default=env("REST_INDEX"), help="index directory (default: $REST_INDEX)")
     serve_cmd.add_argument("--host", default=env("REST_HOST", DEFAULT_SERVER.host),
                            help="address to bind (default: $REST_HOST or %(default)s)")
@@ -130,17 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
                            help="open an --outputs-dir log that has damaged records by keeping every valid "
                            "record and dropping the damaged bytes (a warning says how many); without it such a "
                            "log is refused")
-    serve_cmd.set_defaults(run=run_serve)
+    serve_cmd.set_defaults(run=run_serve, parser=serve_cmd)
 
-    info_cmd = sub.add_parser("info", help="print the index summary as JSON")
+    info_cmd = sub.add_parser("info", help="print the index summary as JSON", epilog=EXIT_STATUSES)
     _add_source(info_cmd)
-    info_cmd.set_defaults(run=run_info)
+    info_cmd.set_defaults(run=run_info, parser=info_cmd)
 
-    verify_cmd = sub.add_parser("verify", help="check every index file against its sha256 in the manifest")
+    verify_cmd = sub.add_parser("verify", help="check every index file against its sha256 in the manifest",
+                                epilog=EXIT_STATUSES)
     verify_cmd.add_argument("--index", default=env("REST_INDEX"), help="index directory (default: $REST_INDEX)")
-    verify_cmd.set_defaults(run=run_verify)
+    verify_cmd.set_defaults(run=run_verify, parser=verify_cmd)
 
-    draft_cmd = sub.add_parser("draft", help="print the draft tree for one context")
+    draft_cmd = sub.add_parser("draft", help="print the draft tree for one context", epilog=EXIT_STATUSES)
     _add_source(draft_cmd)
     context = draft_cmd.add_mutually_exclusive_group(required=True)
     context.add_argument("--tokens", type=_token_list, help="context token ids, e.g. 1,2,3")
@@ -150,13 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     draft_cmd.add_argument("--max-depth", type=int, default=DEFAULT_CONFIG.max_depth)
     draft_cmd.add_argument("--n-max", type=int, default=DEFAULT_CONFIG.n_max)
     draft_cmd.add_argument("--n-min", type=int, default=DEFAULT_CONFIG.n_min)
-    draft_cmd.set_defaults(run=run_draft)
+    draft_cmd.set_defaults(run=run_draft, parser=draft_cmd)
     return parser
 
 
 def _need_index(args: argparse.Namespace) -> str:
     if not args.index:
-        raise ValueError("no index given: pass --index DIR (or set REST_INDEX)")
+        raise UsageError("no index given: pass --index DIR (or set REST_INDEX)")
     return args.index
 
 
@@ -178,7 +195,9 @@ def _auth_token(args: argparse.Namespace) -> str | None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    config = ServerConfig(
+    index, auth_token = _need_index(args), _auth_token(args)
+    config = _flag_values(
+        ServerConfig,
         host=args.host,
         port=args.port,
         workers=args.workers,
@@ -193,11 +212,11 @@ def run_serve(args: argparse.Namespace) -> None:
         check_index=args.check_index,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        auth_token=_auth_token(args),
+        auth_token=auth_token,
         auth_scope=args.auth_scope,
     )
     # the one stdout line: scripts (and tests) wait for it to learn the bound port
-    serve(_need_index(args), config, ready=lambda address: print(f"listening on {address}", flush=True))
+    serve(index, config, ready=lambda address: print(f"listening on {address}", flush=True))
 
 
 def run_info(args: argparse.Namespace) -> None:
@@ -212,7 +231,7 @@ def run_verify(args: argparse.Namespace) -> None:
 
 
 def run_draft(args: argparse.Namespace) -> None:
-    config = DraftConfig(budget=args.budget, max_depth=args.max_depth, n_max=args.n_max, n_min=args.n_min)
+    config = _flag_values(DraftConfig, budget=args.budget, max_depth=args.max_depth, n_max=args.n_max, n_min=args.n_min)
     with _open(args) as source:
         tokenizer = None
         if args.text is not None or args.tokenizer is not None:
@@ -261,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         args.run(args)
+    except UsageError as exc:
+        args.parser.print_usage(sys.stderr)
+        print(f"{args.parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError, RuntimeError) as exc:  # index, connection, tokenizer and request errors
         print(f"rest-datastore: error: {first_line(exc)}", file=sys.stderr)
         return 1

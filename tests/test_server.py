@@ -243,7 +243,7 @@ def test_added_outputs_are_drafted_in_the_same_reply_as_the_index(index, store, 
 
 BAD_OUTPUTS = {
     "empty": ([], "tokens is empty"),
-    "out of vocabulary": ([1, VOCAB], r"tokens token id 500 is outside \[0, 500\)"),
+    "out of vocabulary": ([1, VOCAB], r"tokens\[1\] = 500 is outside the vocabulary \[0, 500\)"),
     "longer than the store": ([1] * 101, "a document of 101 tokens exceeds the store's max_tokens=100"),
 }
 
@@ -351,11 +351,29 @@ def test_outputs_survive_a_restart_with_an_outputs_dir(index, tmp_path):
         _stop_server(proc)
 
 
-def test_cli_refuses_an_outputs_dir_without_outputs(index, tmp_path, capsys):
+def test_cli_refuses_an_outputs_dir_without_outputs_as_a_usage_error(index, tmp_path, capsys):
     argv = ["serve", "--index", str(index[0]), "--outputs-max-tokens", "0", "--outputs-dir", str(tmp_path)]
-    assert cli(argv) == 1
-    assert capsys.readouterr().err == "rest-datastore: error: outputs_dir is set but outputs_max_tokens is 0 " \
-        "(no outputs are kept)\n"
+    assert cli(argv) == 2
+    usage, error = capsys.readouterr().err.split("\nrest-datastore serve: error: ")
+    assert usage.startswith("usage: rest-datastore serve ")
+    assert error == "outputs_dir is set but outputs_max_tokens is 0 (no outputs are kept)\n"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve"], "no index given: pass --index DIR (or set REST_INDEX)"),
+        (["draft", "--tokens", "1"], "no index given"),
+        (["draft", "--index", "idx", "--tokens", "1", "--budget", "0"], "budget must be in [1, "),
+        (["serve", "--index", "idx", "--port", "70000"], "port must be in [0, 65535]"),
+    ],
+    ids=["serve-without-index", "draft-without-index", "budget", "port"],
+)
+def test_cli_usage_errors_exit_2_with_the_usage_line(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("REST_INDEX", raising=False)
+    assert cli(argv) == 2
+    usage, error = capsys.readouterr().err.split(f"\nrest-datastore {argv[0]}: error: ")
+    assert usage.startswith(f"usage: rest-datastore {argv[0]} ") and error.startswith(message)
 
 
 def test_cli_serve_reads_the_environment(monkeypatch, tmp_path, capsys):
