@@ -2,9 +2,10 @@
 
     python -m benchmarks.e2e --prompts 40 --max-new-tokens 128 --sets humaneval,sharegpt --modes plain,hf,paper,new
 
-Two prompt sets, each with its own index: the first N HumanEval prompts (raw code to complete)
-with the ``python-stdlib`` index, and the first user turn of the first N held-out ShareGPT
-conversations (rendered with the chat template; never in the index, which is built with
+Prompt sets, each with its index: ``humaneval``, the first N HumanEval prompts (raw code to
+complete), and ``humaneval-chat``, the same prompts as a user turn rendered with the chat template,
+both with the ``python-stdlib`` index; ``sharegpt``, the first user turn of the first N held-out
+ShareGPT conversations (rendered with the chat template; never in the index, which is built with
 ``--skip-last``) with the ``sharegpt`` index. Greedy decoding, N new tokens. Modes:
 
 - ``plain``: the REST loop without drafts (one token per step), the reference output;
@@ -56,10 +57,13 @@ from rest_spec.drafter.model import load_model
 log = logging.getLogger("benchmarks.e2e")
 
 MODES = ("plain", "hf", "paper", "new")
-SETS = ("humaneval", "sharegpt")
+SETS = ("humaneval", "humaneval-chat", "sharegpt")
+DEFAULT_SETS = ("humaneval", "sharegpt")
+STDLIB_INDEX = (REPO / "indexes/python-stdlib", ["--corpus", "python-stdlib"])
 # each set's default index and the build command that makes it when it is missing
 INDEXES = {
-    "humaneval": (REPO / "indexes/python-stdlib", ["--corpus", "python-stdlib"]),
+    "humaneval": STDLIB_INDEX,
+    "humaneval-chat": STDLIB_INDEX,
     "sharegpt": (REPO / "indexes/bench/sharegpt", ["--corpus", "sharegpt", "--skip-last", "400"]),
 }
 
@@ -68,9 +72,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--sets", default=",".join(SETS), help="comma-separated, of %(default)s")
+    p.add_argument("--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} "
+                   "(default: %(default)s)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs)")
-    p.add_argument("--humaneval-index", type=Path, default=INDEXES["humaneval"][0], help="default: %(default)s")
+    p.add_argument("--humaneval-index", type=Path, default=INDEXES["humaneval"][0],
+                   help="the index of both humaneval sets (default: %(default)s)")
     p.add_argument("--sharegpt-index", type=Path, default=INDEXES["sharegpt"][0],
                    help="a sharegpt index built with --skip-last; its held-out conversations give the prompts "
                    "(default: %(default)s)")
@@ -96,6 +102,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # ---- prompts and indexes ----------------------------------------------------------------------
+
+
+def set_prompts(name: str, tokenizer, index: Path, count: int, max_prompt_tokens: int) -> list[list[int]]:
+    """The first ``count`` prompts of set ``name`` (see the module docstring), ``index`` being its index."""
+    if name == "sharegpt":
+        return sharegpt_prompts(tokenizer, index, count, max_prompt_tokens)
+    return humaneval_inputs(tokenizer, count, chat=name == "humaneval-chat")
 
 
 def sharegpt_prompts(tokenizer, index: Path, count: int, max_tokens: int) -> list[list[int]]:
@@ -301,7 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "new_mode": "AdaptiveDrafter(sources=index,request,outputs, cost=measured t(n)); its output "
                    "store starts empty and gets each new-mode output after its prompt (add_output); its "
                    "calibration (per source and sample class) carries over between prompts of a set",
-                   "humaneval_prompts": "raw code to complete", "sharegpt_prompts":
+                   "humaneval_prompts": "raw code to complete",
+                   "humaneval_chat_prompts": "the HumanEval prompts as a user turn, chat template",
+                   "sharegpt_prompts":
                    "first user turn of held-out conversations, chat template"},
         "verify_cost": {"sizes": list(cost.sizes), "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds],
                         "chain_relative_to_one_token": [s / cost.seconds[0] for s in cost.chain_seconds],
@@ -310,12 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     report["machine"].update(torch_threads=torch.get_num_threads(), device=str(model.device))
     for name in args.sets:
-        index = args.humaneval_index if name == "humaneval" else args.sharegpt_index
-        ensure_index(index, INDEXES[name][1])
-        if name == "humaneval":
-            prompts = humaneval_inputs(tokenizer, args.prompts)
-        else:
-            prompts = sharegpt_prompts(tokenizer, index, args.prompts, args.max_prompt_tokens)
+        index = ensure_index(args.sharegpt_index if name == "sharegpt" else args.humaneval_index, INDEXES[name][1])
+        prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
         with LocalDrafter.open(index, expected_fingerprint=fingerprint) as base:
             report["sets"][name] = run_set(name, prompts, base, model, cost, args)
     report["targets"] = targets(report)

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks.common import RESULTS, ensure_index, humaneval_inputs, report_header, save_report
-from benchmarks.e2e import INDEXES, SETS, sharegpt_prompts
+from benchmarks.common import RESULTS, ensure_index, report_header, save_report
+from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.replay import Example, greedy_outputs, replay
 from rest_spec.datastore.tokenizer import load_tokenizer
 from rest_spec.datastore.types import DraftConfig
@@ -41,7 +41,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--sets", default=",".join(SETS), help="comma-separated, of %(default)s")
+    p.add_argument("--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} "
+                   "(default: %(default)s)")
     p.add_argument("--sizes", default="2,4,8,16,32,64", help="fixed tree sizes to compare (default: %(default)s)")
     p.add_argument("--budget", type=int, default=64, help="paper mode's tree size; the adaptive candidates (default 64)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="as in benchmarks.e2e (default: %(default)s)")
@@ -85,8 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for name in args.sets:
         index = ensure_index(INDEXES[name][0], INDEXES[name][1])
-        prompts = (humaneval_inputs(tokenizer, args.prompts) if name == "humaneval"
-                   else sharegpt_prompts(tokenizer, index, args.prompts, args.max_prompt_tokens))
+        prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
         results = run_set(greedy_outputs(model, name, prompts, args.max_new_tokens), index, cost, args)
         report["sets"][name] = results
         print(f"{name}: {'drafter':<14} {'accepted':>9} {'x paper':>8} {'verified':>9} {'speed':>7}")

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.common import humaneval_inputs
-from benchmarks.e2e import MODES, parse_args, run_set, targets
+from pathlib import Path
+
+from benchmarks.common import chat_prompt, humaneval_inputs, humaneval_prompts
+from benchmarks.e2e import MODES, parse_args, run_set, set_prompts, targets
 from benchmarks.replay import replay
+from rest_spec.datastore.tokenizer import load_tokenizer
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.generate import generate
@@ -19,9 +22,21 @@ from tests.test_adaptive import CPU_COST
 def test_arguments_are_checked_and_plain_always_runs():
     args = parse_args(["--modes", "new,paper", "--sets", "sharegpt"])
     assert args.modes == ["plain", "paper", "new"] and args.sets == ["sharegpt"]
+    assert parse_args([]).sets == ["humaneval", "sharegpt"]
+    assert parse_args(["--sets", "humaneval-chat"]).sets == ["humaneval-chat"]
     for bad in (["--modes", "plain,fast"], ["--sets", "mtbench"], ["--prompts", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_humaneval_sets_are_the_raw_code_and_the_same_prompts_as_a_chat_turn():
+    tokenizer = load_tokenizer(None)
+    texts = humaneval_prompts(2)
+    raw = set_prompts("humaneval", tokenizer, Path("indexes/python-stdlib"), 2, 1024)
+    chat = set_prompts("humaneval-chat", tokenizer, Path("indexes/python-stdlib"), 2, 1024)
+    assert raw == [tokenizer(text).input_ids for text in texts]
+    assert chat == [chat_prompt(tokenizer, text) for text in texts]
+    assert all(len(c) > len(r) for c, r in zip(chat, raw))  # the template wraps the code
 
 
 @pytest.mark.slow
