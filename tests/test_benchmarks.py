@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.retrieval import QUERY_TOKENS, ROUNDS, sample_queries
+from benchmarks.retrieval import QUERY_TOKENS, ROUNDS
+from benchmarks.retrieval.engines import sample_queries
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.tokenizer import load_tokenizer
