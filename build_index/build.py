@@ -56,7 +56,7 @@ class _StopSignals:
         self._stopping = False
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "_StopSignals":
+    def __enter__(self) -> _StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 if signal.getsignal(signum) is not signal.SIG_IGN:

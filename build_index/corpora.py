@@ -43,10 +43,10 @@ import stat
 import sys
 import sysconfig
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from itertools import chain, islice
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 from urllib.parse import urlparse
 
 from rest_spec.datastore.errors import first_line
@@ -110,7 +110,7 @@ class CorpusSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CorpusSpec":
+    def from_dict(cls, data: dict) -> CorpusSpec:
         """The inverse of ``to_dict`` (JSON turns tuples into lists)."""
         data = dict(data)
         for key in ("data_files", "extensions"):

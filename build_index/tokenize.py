@@ -12,10 +12,10 @@ import multiprocessing
 import os
 import signal
 from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from itertools import chain, islice
-from typing import Iterable, Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -125,7 +125,7 @@ class BatchTokenizer:
         self._pool: ProcessPoolExecutor | None = None
         self._local: Tokenizer | None = None
 
-    def __enter__(self) -> "BatchTokenizer":
+    def __enter__(self) -> BatchTokenizer:
         if self.config.workers == 1:
             self._local = _rebuild(self._json)
         else:

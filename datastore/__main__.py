@@ -29,12 +29,12 @@ from pathlib import Path
 # is first imported, so it is set before the imports below (GRPC_VERBOSITY=debug still wins)
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
+from rest_spec.datastore.client import DatastoreClient  # noqa: E402
 from rest_spec.datastore.errors import first_line  # noqa: E402
 from rest_spec.datastore.index import Datastore  # noqa: E402
 from rest_spec.datastore.server import AUTH_SCOPES, ServerConfig, serve  # noqa: E402
 from rest_spec.datastore.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
 from rest_spec.datastore.types import DraftConfig, DraftTree  # noqa: E402
-from rest_spec.datastore.client import DatastoreClient  # noqa: E402
 
 DEFAULT_CONFIG = DraftConfig()
 DEFAULT_SERVER = ServerConfig()

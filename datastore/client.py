@@ -8,8 +8,8 @@ the server never looks further back; one call per step answers both the index an
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import grpc
 
@@ -134,7 +134,7 @@ class DatastoreClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "DatastoreClient":
+    def __enter__(self) -> DatastoreClient:
         return self
 
     def __exit__(self, *exc) -> None:

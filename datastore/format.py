@@ -129,7 +129,7 @@ class FileEntry:
     spot_sha256: str
 
     @classmethod
-    def of(cls, path: Path) -> "FileEntry":
+    def of(cls, path: Path) -> FileEntry:
         return cls(path.name, path.stat().st_size, file_digest(path), spot_digest(path))
 
 
@@ -182,7 +182,7 @@ class Manifest:
         return json.dumps(data, indent=2, sort_keys=False) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, source: str = MANIFEST) -> "Manifest":
+    def from_json(cls, text: str, source: str = MANIFEST) -> Manifest:
         """Parse and check a manifest; every problem is one ``IndexFormatError`` line
         ``"<source>: <field>: <problem>"``."""
         try:

@@ -24,10 +24,10 @@ import signal
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -465,7 +465,7 @@ class DatastoreServer:
         self._server.stop(self.config.grace_seconds if grace is None else grace).wait()
         log.info("datastore service on %s stopped", self.address)
 
-    def __enter__(self) -> "DatastoreServer":
+    def __enter__(self) -> DatastoreServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from benchmarks.common import humaneval_inputs
-from rest_spec.drafter.merge import SourceCalibration
 from rest_spec.datastore.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import AdaptiveDrafter, accepted_nodes
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.merge import SourceCalibration
 from tests.helpers import MODEL_VOCAB, tiny_causal_lm, tree_from_paths, write_index
 
 KEY = CostKey("synthetic", "", 0, "test", "float32")

@@ -7,7 +7,7 @@ string. Sampling in batches: ``test_sampling.py``."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from rest_spec.datastore.types import DraftTree
 from rest_spec.drafter.cost import CostKey, VerifyCost, select_tree
 
-
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
 
 

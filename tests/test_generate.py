@@ -9,8 +9,8 @@ Batches: ``test_batch.py``; sampling: ``test_sampling.py``."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import torch
@@ -18,8 +18,8 @@ from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from rest_spec.datastore.types import DraftConfig, DraftTree
-from rest_spec.drafter.cli import main
 from rest_spec.drafter.base import Drafter
+from rest_spec.drafter.cli import main
 from rest_spec.drafter.generate import GenerationResult, eos_ids, generate
 from rest_spec.drafter.sampling import prepare_generation_config
 from tests.helpers import (

@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rest_spec.drafter.merge import SourceCalibration, merge_trees
 from rest_spec.datastore.bigram import SEP, RequestMatcher
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.trie import top_c_tree
 from rest_spec.datastore.types import DraftConfig, DraftTree
 from rest_spec.drafter.kv_cache import CacheRows, new_cache
+from rest_spec.drafter.merge import SourceCalibration, merge_trees
 from rest_spec.drafter.verify import verify_trees
 from tests.helpers import tiny_causal_lm
 

@@ -24,8 +24,8 @@ from grpc_reflection.v1alpha import reflection_pb2
 from rest_spec.datastore import wire
 from rest_spec.datastore.__main__ import main as cli
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.server import SERVICE_NAME, DatastoreServer, ServerConfig
 from rest_spec.datastore.outputs import OutputStore
+from rest_spec.datastore.server import SERVICE_NAME, DatastoreServer, ServerConfig
 from rest_spec.datastore.types import DraftConfig, DraftTree
 from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc

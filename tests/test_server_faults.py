@@ -27,6 +27,7 @@ from rest_spec.datastore.__main__ import main as cli
 from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.format import IndexCorruptError
 from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.outputs import OutputStore, OutputStoreWriteError, open_output_store
 from rest_spec.datastore.server import (
     MAX_MESSAGE_BYTES,
     SERVICE,
@@ -38,7 +39,6 @@ from rest_spec.datastore.server import (
     is_loopback,
     status_of,
 )
-from rest_spec.datastore.outputs import OutputStore, OutputStoreWriteError, open_output_store
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc

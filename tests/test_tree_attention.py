@@ -6,7 +6,7 @@ batch whose rows have different prefix lengths.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -22,6 +22,7 @@ from rest_spec.drafter.tree_attention import PADDING_DEPTH, ancestor_matrix, bui
 from rest_spec.drafter.verify import tree_logits
 from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
 from tests.helpers import MODEL_VOCAB as VOCAB
+
 
 @st.composite
 def trees(draw, max_nodes: int = 48, vocab: int = VOCAB) -> DraftTree:

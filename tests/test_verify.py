@@ -5,7 +5,7 @@ cannot be compacted by slot index."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
