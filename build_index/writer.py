@@ -28,6 +28,7 @@ import numpy as np
 
 from rest_spec.build_index.signals import stop_signals_deferred
 from rest_spec.datastore import format as fmt
+from rest_spec.datastore.types import token_ids
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +152,9 @@ class IndexWriter:
 
     def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one document (token ids); documents longer than a shard are split."""
-        doc = np.asarray(tokens)
-        if doc.ndim != 1:
-            raise ValueError("a document must be a 1-D sequence of token ids")
+        doc = token_ids(tokens, "document", self.vocab_size)
         if doc.size == 0:
             return
-        if doc.min() < 0 or doc.max() >= self.vocab_size:
-            raise ValueError(f"token id out of range [0, {self.vocab_size}) in document")
         doc = doc.astype(self.dtype, copy=False)
         for start in range(0, doc.size, self.shard_tokens):
             piece = doc[start : start + self.shard_tokens]

@@ -24,26 +24,10 @@ import numpy as np
 
 from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.datastore.types import MAX_DEPTH, DraftConfig, DraftTree
+from rest_spec.datastore.types import MAX_DEPTH, DraftConfig, DraftTree, token_ids
 
 SEP = 0xFFFFFFFF  # document separator: larger than every token id, as top_c_tree needs
 _MIN_TAIL = 4096  # unsorted bigram entries a lookup scans before they are merged into the table
-
-
-def token_array(values: Sequence[int] | np.ndarray, what: str, limit: int = SEP) -> np.ndarray:
-    """uint32 [n] from a 1-D sequence of token ids in [0, limit) (limit <= SEP); ``ValueError``
-    naming ``what``."""
-    array = np.asarray(values)
-    if array.ndim != 1:
-        raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {array.shape}")
-    if array.size == 0:
-        return np.zeros(0, np.uint32)
-    if not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{what} must hold integer token ids, got {array.dtype}")
-    bad = array[(array < 0) | (array >= limit)]
-    if bad.size:
-        raise ValueError(f"{what} token id {int(bad[0])} is outside [0, {limit})")
-    return array.astype(np.uint32)
 
 
 def _bigram_keys(first: np.ndarray, second: np.ndarray) -> np.ndarray:
@@ -163,7 +147,7 @@ class RequestMatcher:
             )
         if len(context) == 0:
             raise ValueError("context must be a non-empty 1-D sequence of token ids")
-        self._index.append(token_array(context[seen:], "context"))
+        self._index.append(token_ids(context, "context", SEP, last=len(context) - seen).astype(np.uint32))
         size = self._index.size
         query = self._index.tokens[max(1, size - config.n_max) : size][::-1]
         return self._index.draft(query, config, 1, self.max_candidates)

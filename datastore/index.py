@@ -33,7 +33,7 @@ import numpy as np
 
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, ShardInfo
+from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -246,14 +246,9 @@ class Datastore:
 
     def _query(self, context: Sequence[int] | np.ndarray, n_max: int) -> np.ndarray:
         """The last ``n_max`` context tokens, newest first, as int64 (validated)."""
-        tail = np.asarray(context[-n_max:])  # slicing first: a long Python list is not converted whole
-        if tail.ndim != 1 or tail.size == 0:
+        tail = token_ids(context, "context", self.vocab_size, last=n_max)
+        if tail.size == 0:
             raise ValueError("context must be a non-empty 1-D sequence of token ids")
-        if not np.issubdtype(tail.dtype, np.integer):
-            raise ValueError(f"context must hold integer token ids, got {tail.dtype}")
-        if tail.min() < 0 or tail.max() >= self.vocab_size:
-            bad = int(tail[(tail < 0) | (tail >= self.vocab_size)][0])
-            raise ValueError(f"context token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return tail[::-1].astype(np.int64)
 
     def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:

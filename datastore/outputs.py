@@ -21,9 +21,9 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from rest_spec.datastore.bigram import SEP, BigramIndex, token_array
+from rest_spec.datastore.bigram import SEP, BigramIndex
 from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES
-from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.datastore.types import DraftConfig, DraftTree, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ class OutputStore:
 
     def add(self, tokens: Sequence[int] | np.ndarray) -> int:
         """Store ``tokens`` as one document; returns its sequence number once it is durable."""
-        array = token_array(tokens, "tokens", self.vocab_size)
+        array = token_ids(tokens, "tokens", self.vocab_size).astype(np.uint32)
         if array.size == 0:
             raise ValueError("tokens is empty: a document needs at least one token")
         if array.size > self.max_tokens:
@@ -392,7 +392,7 @@ class OutputStore:
 
     def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:
         """The draft tree continuing ``context`` from the live documents (as ``Datastore.draft``)."""
-        query = token_array(context[-config.n_max :], "context")[::-1]
+        query = token_ids(context, "context", SEP, last=config.n_max).astype(np.uint32)[::-1]
         if query.size == 0:
             raise ValueError("context must be a non-empty 1-D sequence of token ids")
         with self._lock:

@@ -1,4 +1,4 @@
-"""The small typed values that cross module boundaries: draft trees and draft requests.
+"""The small typed values that cross module boundaries: token ids, draft trees and draft requests.
 
 A draft tree is what a datastore answers and what a verifier consumes, whether it came from an
 in-process index or over gRPC. Nodes are in BFS order (parents before children, siblings grouped
@@ -8,6 +8,7 @@ under their parent in ascending token order), so position ``i`` of every array d
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -15,6 +16,33 @@ import numpy as np
 MAX_BUDGET = 1024
 MAX_DEPTH = 64
 MAX_SUFFIX = 64
+
+
+def token_ids(
+    values: Sequence[int] | np.ndarray, what: str, vocab_size: int | None = None, *, last: int | None = None
+) -> np.ndarray:
+    """``values`` -- only the ``last`` ones if given (a context's tail: a long Python list is not
+    converted whole) -- as a 1-D integer array (its own dtype; may be empty), every id in
+    [0, ``vocab_size``), or only >= 0 without a ``vocab_size``.
+
+    The one check every entry point (index, output store, request matcher, wire, index writer)
+    makes, so a bad id fails with the same ``ValueError`` everywhere, naming ``what`` and the
+    id's position in it."""
+    start = 0 if last is None else max(len(values) - last, 0)
+    array = np.asarray(values[start:])
+    if array.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {array.shape}")
+    if array.size == 0:
+        return array
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{what} must hold integer token ids, got {array.dtype}")
+    bad = np.flatnonzero((array < 0) if vocab_size is None else (array < 0) | (array >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        where = f"{what}[{start + i}] = {int(array[i])}"
+        raise ValueError(f"{where} is negative" if vocab_size is None else
+                         f"{where} is outside the vocabulary [0, {vocab_size})")
+    return array
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from rest_spec.datastore.types import MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo
+from rest_spec.datastore.types import MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
 from rest_spec.proto.v1 import datastore_pb2 as pb
 
 DEFAULT_CONFIG = DraftConfig()
@@ -46,24 +46,9 @@ def config_from_message(params: pb.DraftParams) -> DraftConfig:
     )
 
 
-def _token_list(tokens: Sequence[int] | np.ndarray, field: str) -> list[int]:
-    """``tokens`` as a list of ints the wire can carry (uint32), or ``ValueError`` naming ``field``."""
-    array = np.asarray(tokens)
-    if array.ndim != 1:
-        raise ValueError(f"{field} must be a 1-D sequence of token ids, got shape {array.shape}")
-    if array.size and not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(f"{field} must hold integer token ids, got {array.dtype}")
-    if array.size and array.min() < 0:
-        raise ValueError(f"{field} token id {int(array.min())} is negative")
-    return array.tolist()
-
-
 def context_to_message(context: Sequence[int] | np.ndarray, n_max: int) -> pb.Context:
     """The last ``n_max`` tokens of ``context``: the server never looks further back."""
-    tokens = np.asarray(context)
-    if tokens.ndim != 1:
-        raise ValueError(f"context must be a 1-D sequence of token ids, got shape {tokens.shape}")
-    return pb.Context(tokens=_token_list(tokens[-n_max:], "context"))
+    return pb.Context(tokens=token_ids(context, "context", last=n_max).tolist())
 
 
 def context_from_message(message: pb.Context, vocab_size: int, max_tokens: int, field: str = "context") -> np.ndarray:
@@ -75,11 +60,7 @@ def context_from_message(message: pb.Context, vocab_size: int, max_tokens: int, 
         raise ValueError(
             f"{field} has {tokens.size} tokens, more than this server's limit of {max_tokens} (--max-context-tokens)"
         )
-    bad = np.flatnonzero(tokens >= vocab_size)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{field}[{i}] = {int(tokens[i])} is outside the vocabulary [0, {vocab_size})")
-    return tokens
+    return token_ids(tokens, field, vocab_size)
 
 
 def draft_request(
@@ -103,7 +84,7 @@ def draft_batch_request(
 
 
 def add_output_request(tokens: Sequence[int] | np.ndarray) -> pb.AddOutputRequest:
-    return pb.AddOutputRequest(tokens=_token_list(tokens, "tokens"))
+    return pb.AddOutputRequest(tokens=token_ids(tokens, "tokens").tolist())
 
 
 def output_from_message(request: pb.AddOutputRequest) -> np.ndarray:

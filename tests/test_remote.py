@@ -126,7 +126,7 @@ def test_drafters_are_source_drafters(store, remote):
 
 def test_bad_outputs_are_value_errors_with_the_same_message(local_and_remote_with_outputs):
     local, remote = local_and_remote_with_outputs
-    for bad, message in (([1, VOCAB], r"token id 500 is outside \[0, 500\)"), ([], "empty"),
+    for bad, message in (([1, VOCAB], r"tokens\[1\] = 500 is outside the vocabulary \[0, 500\)"), ([], "empty"),
                          ([1] * (OUTPUTS_MAX_TOKENS + 1), "exceeds the store's max_tokens=1500")):
         with pytest.raises(ValueError, match=message) as remote_error:
             remote.add_output(bad)

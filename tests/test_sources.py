@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.bigram import SEP, RequestMatcher
+from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore, OutputStoreError
 from rest_spec.datastore.trie import top_c_tree
 from rest_spec.datastore.types import DraftConfig, DraftTree
@@ -91,7 +91,7 @@ def test_request_matcher_refuses_a_context_it_has_not_seen_grow():
     matcher.draft([1, 2, 3], DraftConfig())
     with pytest.raises(ValueError, match="one RequestMatcher per request"):
         matcher.draft([1, 2, 4, 5], DraftConfig())
-    with pytest.raises(ValueError, match="token id -1"):
+    with pytest.raises(ValueError, match=r"context\[1\] = -1 is outside"):
         RequestMatcher().draft([1, -1], DraftConfig())
     with pytest.raises(ValueError, match="non-empty"):
         RequestMatcher().draft([], DraftConfig())
@@ -175,6 +175,18 @@ def test_output_store_refuses_bad_documents():
         store.add([1.5, 2.0])
     with pytest.raises(ValueError, match="max_tokens must be positive"):
         OutputStore(0)
+
+
+def test_a_bad_token_is_named_by_its_position_in_the_whole_context():
+    """Drafting checks only the context's tail (or what a matcher has not seen), yet names the
+    position in the context the caller passed."""
+    context = list(range(1, 40)) + [-3]
+    with pytest.raises(ValueError, match=r"context\[39\] = -3 is outside the vocabulary"):
+        OutputStore(max_tokens=5).draft(context, DraftConfig(n_max=4))
+    matcher = RequestMatcher()
+    matcher.draft(context[:30])
+    with pytest.raises(ValueError, match=r"context\[39\] = -3 is outside the vocabulary"):
+        matcher.draft(context)
 
 
 # ---- output store: persistence ---------------------------------------------------------------
