@@ -34,9 +34,8 @@ from rest_spec.datastore.errors import first_line  # noqa: E402
 from rest_spec.datastore.index import Datastore  # noqa: E402
 from rest_spec.datastore.server import AUTH_SCOPES, ServerConfig, serve  # noqa: E402
 from rest_spec.datastore.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
-from rest_spec.datastore.types import DraftConfig, DraftTree  # noqa: E402
+from rest_spec.datastore.types import DEFAULT_CONFIG, DraftConfig, DraftTree  # noqa: E402
 
-DEFAULT_CONFIG = DraftConfig()
 DEFAULT_SERVER = ServerConfig()
 EXIT_STATUSES = ("exit status: 0 done; 2 usage error (an unknown flag, a missing --index, a value out of range); "
                  "1 failure (index missing or corrupt, server unreachable, call refused, port in use); 130 Ctrl-C.")

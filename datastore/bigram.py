@@ -18,7 +18,7 @@ as 2: one shared token predicts little).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -16,8 +16,9 @@ import struct
 import threading
 import zlib
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class _Log:
             raise
 
     @classmethod
-    def open(cls, directory: Path, salvage: bool = False) -> tuple["_Log", list[_Record]]:
+    def open(cls, directory: Path, salvage: bool = False) -> tuple[_Log, list[_Record]]:
         """The log in ``directory``, ready to append, and its records: a torn last one dropped,
         damaged ones before valid ones refused, or with ``salvage`` dropped (the log rewritten)."""
         opened = cls(directory)
@@ -461,7 +462,7 @@ class OutputStore:
                 self._log.close()
                 self._log = None
 
-    def __enter__(self) -> "OutputStore":
+    def __enter__(self) -> OutputStore:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -7,8 +7,8 @@ under their parent in ascending token order), so position ``i`` of every array d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -68,6 +68,10 @@ class DraftConfig:
             raise ValueError(f"n_min must be in [1, {MAX_SUFFIX}], got {self.n_min}")
         if not self.n_min <= self.n_max <= MAX_SUFFIX:
             raise ValueError(f"n_max must be in [n_min={self.n_min}, {MAX_SUFFIX}], got {self.n_max}")
+
+
+# What a request's unset fields and the command lines' omitted flags mean.
+DEFAULT_CONFIG = DraftConfig()
 
 
 def _optional_equal(a: np.ndarray | None, b: np.ndarray | None) -> bool:
@@ -175,7 +179,7 @@ class DraftTree:
         return scores
 
     @classmethod
-    def empty(cls) -> "DraftTree":
+    def empty(cls) -> DraftTree:
         """The tree of no nodes ("no match"): one shared instance (trees are immutable), since
         sources answer it on most steps and building a tree costs tens of microseconds."""
         return _EMPTY_TREE
@@ -187,7 +191,7 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max()) if len(self) else 0
 
-    def subset(self, keep: np.ndarray) -> "DraftTree":
+    def subset(self, keep: np.ndarray) -> DraftTree:
         """The tree of nodes ``keep`` (ascending indices; every kept node's parent kept too), with
         their counts, scores and source probabilities and samples; the match statistics are unchanged."""
         keep = np.asarray(keep, dtype=np.int64)

@@ -14,10 +14,9 @@ from typing import Sequence
 
 import numpy as np
 
-from rest_spec.datastore.types import MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
+from rest_spec.datastore.types import DEFAULT_CONFIG, MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
 from rest_spec.proto.v1 import datastore_pb2 as pb
 
-DEFAULT_CONFIG = DraftConfig()
 # A server accepts at least this many context tokens, so a client sending its last n_max tokens
 # is always within the limit.
 MIN_CONTEXT_LIMIT = MAX_SUFFIX

@@ -19,15 +19,15 @@ enter the output store only through ``add_output``, called by whoever finished a
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from rest_spec.drafter.merge import SourceCalibration, merge_trees
 from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.base import Drafter, SourceDrafter
 from rest_spec.drafter.cost import VerifyCost, select_tree
+from rest_spec.drafter.merge import SourceCalibration, merge_trees
 
 SOURCES = ("index", "request", "outputs")
 
@@ -168,7 +168,7 @@ class AdaptiveDrafter:
     def close(self) -> None:
         self.base.close()
 
-    def __enter__(self) -> "AdaptiveDrafter":
+    def __enter__(self) -> AdaptiveDrafter:
         return self
 
     def __exit__(self, *exc) -> None:

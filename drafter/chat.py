@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
-from rest_spec.drafter.cli import Prompt, add_model_arguments, draft_config, encode_prompt, load_parts, remember_output, run_cli
+from rest_spec.drafter.cli import add_model_arguments, draft_config, load_parts, remember_output, run_cli
+from rest_spec.drafter.prompts import Prompt, encode_prompt
 
 if TYPE_CHECKING:
     from transformers.generation import BaseStreamer
@@ -145,10 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     """Everything after argument parsing; raises on errors."""
-    tokenizer, model, drafter = load_parts(args)
+    config = draft_config(args)
+    tokenizer, model, drafter = load_parts(args, config)
     try:
         session = ChatSession(
-            model, tokenizer, drafter, config=draft_config(args), max_new_tokens=args.max_new_tokens, system=args.system
+            model, tokenizer, drafter, config=config, max_new_tokens=args.max_new_tokens, system=args.system
         )
         chat(session)
     finally:

@@ -16,11 +16,13 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from rest_spec.datastore.errors import first_line
+from rest_spec.datastore.types import DEFAULT_CONFIG, DraftConfig
+from rest_spec.drafter.prompts import Prompt, as_chat, encode_prompt
 
 if TYPE_CHECKING:
     from rest_spec.drafter.base import Drafter
@@ -41,14 +43,6 @@ def _positive_int(text: str) -> int:
 
 class CliError(Exception):
     """A user-facing problem: printed as one line, exit code 2."""
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: raw ``text`` or chat ``messages`` (rendered with the tokenizer's template)."""
-
-    text: str | None = None
-    messages: tuple[dict, ...] | None = None
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,12 +79,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: %(default)s"
     )
     parser.add_argument(
-        "--budget", type=int, default=64, metavar="C", help="draft tree size in nodes (default: %(default)s)"
+        "--budget", type=int, default=DEFAULT_CONFIG.budget, metavar="C", help="draft tree size in nodes (default: %(default)s)"
     )
     parser.add_argument(
         "--max-depth",
         type=_positive_int,
-        default=10,
+        default=DEFAULT_CONFIG.max_depth,
         metavar="M",
         help="draft tree depth in tokens (default: %(default)s)",
     )
@@ -172,21 +166,6 @@ def _is_message(message: object) -> bool:
     )
 
 
-def as_chat(prompt: Prompt) -> Prompt:
-    """A raw-text prompt as one user message (chat prompts unchanged)."""
-    if prompt.messages is not None:
-        return prompt
-    return Prompt(messages=({"role": "user", "content": prompt.text},))
-
-
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt; chat messages go through the chat template with a generation prompt."""
-    if prompt.messages is None:
-        return tokenizer(prompt.text).input_ids
-    text = tokenizer.apply_chat_template(list(prompt.messages), tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
 def open_drafter(spec: str, *, tls_ca: str | None = None, auth_token: str | None = None) -> Drafter:
     """A ``LocalDrafter`` for an index directory, a ``RemoteDrafter`` for HOST:PORT (over TLS with
     ``tls_ca``, sending ``auth_token``).
@@ -233,10 +212,11 @@ def result_record(result: GenerationResult, text: str) -> dict:
     }
 
 
-def load_parts(args: argparse.Namespace):
-    """(tokenizer, model, drafter or None) for the parsed ``add_model_arguments``; the drafter is
-    opened first (a bad datastore fails before the slow model load) and checked against the
-    tokenizer. The caller closes the drafter."""
+def load_parts(args: argparse.Namespace, config: DraftConfig):
+    """(tokenizer, model, drafter or None) for the parsed ``add_model_arguments`` and their
+    ``draft_config`` (which ``--adaptive`` drafts with); the drafter is opened first (a bad
+    datastore fails before the slow model load) and checked against the tokenizer. The caller
+    closes the drafter."""
     from rest_spec.datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
     from rest_spec.drafter.model import load_model
 
@@ -256,7 +236,7 @@ def load_parts(args: argparse.Namespace):
         from rest_spec.drafter.adaptive import AdaptiveDrafter
         from rest_spec.drafter.measure import load_or_measure
 
-        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(model), config=draft_config(args))
+        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(model), config=config)
     return tokenizer, model, drafter
 
 
@@ -274,10 +254,9 @@ def remember_output(drafter, output_ids: list[int]) -> None:
         log.log(logging.DEBUG if expected else logging.WARNING, "output not stored: %s", exc)
 
 
-def draft_config(args: argparse.Namespace):
-    """The ``DraftConfig`` of the parsed ``add_model_arguments``."""
-    from rest_spec.datastore.types import DraftConfig
-
+def draft_config(args: argparse.Namespace) -> DraftConfig:
+    """The ``DraftConfig`` of the parsed ``add_model_arguments``: built once per command, for
+    ``load_parts`` and every generation."""
     return DraftConfig(budget=args.budget, max_depth=args.max_depth)
 
 
@@ -290,7 +269,7 @@ def run(args: argparse.Namespace) -> None:
     if args.chat:
         prompts = [as_chat(prompt) for prompt in prompts]
 
-    tokenizer, model, drafter = load_parts(args)
+    tokenizer, model, drafter = load_parts(args, config)
     try:
         for number, prompt in enumerate(prompts, start=1):
             result = generate(

@@ -19,9 +19,9 @@ import dataclasses
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -102,7 +102,7 @@ class VerifyCost:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "VerifyCost":
+    def from_json(cls, text: str) -> VerifyCost:
         data = json.loads(text)
         return cls(CostKey(**data["key"]), data["context_length"], tuple(data["sizes"]), tuple(data["seconds"]),
                    tuple(data["chain_seconds"]))

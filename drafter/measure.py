@@ -16,8 +16,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,7 +36,7 @@ DEFAULT_CONTEXT_LENGTH = 512
 _BRANCHING = 4  # the measured trees are complete 4-ary BFS trees (only n matters, not the shape)
 
 
-def cost_key(model: "PreTrainedModel") -> CostKey:
+def cost_key(model: PreTrainedModel) -> CostKey:
     """What ``model`` as loaded (device, dtype, threads) would be measured as."""
     import torch
 
@@ -54,7 +55,7 @@ def cost_key(model: "PreTrainedModel") -> CostKey:
 
 
 def measure_verify_cost(
-    model: "PreTrainedModel",
+    model: PreTrainedModel,
     *,
     sizes: Sequence[int] = DEFAULT_SIZES,
     context_length: int = DEFAULT_CONTEXT_LENGTH,
@@ -109,7 +110,7 @@ def cache_dir() -> Path:
 
 
 def load_or_measure(
-    model: "PreTrainedModel", *, directory: Path | None = None, remeasure: bool = False, **measure_options
+    model: PreTrainedModel, *, directory: Path | None = None, remeasure: bool = False, **measure_options
 ) -> VerifyCost:
     """The cached cost for this model, device and dtype, measured and cached when missing (or
     when ``remeasure``). ``measure_options`` go to ``measure_verify_cost``."""

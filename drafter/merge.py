@@ -30,7 +30,7 @@ misranks a few nodes and never changes the output, which verification keeps exac
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numba
 import numpy as np

@@ -19,6 +19,7 @@ from transformers.generation import BaseStreamer
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.chat import ChatSession, chat
 from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.prompts import chat_ids
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 24
@@ -30,15 +31,9 @@ STATUS = re.compile(
 )
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> torch.Tensor:
-    """[1, L]: the conversation rendered with the chat template and a generation prompt."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-
-
 def greedy_reply(model, tokenizer, messages: list[dict]) -> tuple[str, int, int]:
     """(reply text, new tokens, prompt tokens) of plain greedy ``model.generate``."""
-    ids = chat_ids(tokenizer, messages)
+    ids = torch.tensor([chat_ids(tokenizer, messages)])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
     new = out[0, ids.shape[1]:]
@@ -80,7 +75,7 @@ def test_chat_streams_replies_keeps_history_and_reports(stdlib_index, conversati
 def test_rest_generate_chat_flag(smollm2, stdlib_index):
     model, tokenizer = smollm2
     messages = [{"role": "user", "content": TURNS[0]}]
-    ids = chat_ids(tokenizer, messages)
+    ids = torch.tensor([chat_ids(tokenizer, messages)])
     with torch.inference_mode():
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                   max_new_tokens=NEW_TOKENS)[0, ids.shape[1]:].tolist()
@@ -114,7 +109,7 @@ def test_interrupted_reply_leaves_the_history_unchanged(smollm2, session):
     _, tokenizer = smollm2
     session.reset()
     system = [{"role": "system", "content": "Answer in one line."}]
-    expected = chat_ids(tokenizer, [*system, {"role": "user", "content": TURNS[0]}])[0].tolist()
+    expected = chat_ids(tokenizer, [*system, {"role": "user", "content": TURNS[0]}])
     assert session.prompt_ids(TURNS[0]) == expected
     with pytest.raises(KeyboardInterrupt):
         session.reply(TURNS[0], InterruptAfterFirstStep())
