@@ -134,15 +134,12 @@ def tls_file_error(exc: OSError) -> str:
 
 
 def tree_to_message(tree: DraftTree) -> pb.DraftTree:
-    """Every field, the scores twice: exact (``scores``) and as float32 (``scores_f32``, for
-    readers that predate the exact field)."""
-    scores = tree.scores.tolist()
+    """Every field, the scores exact (float64)."""
     return pb.DraftTree(
         tokens=tree.tokens.tolist(),
         parents=tree.parents.tolist(),
         counts=tree.counts.tolist(),
-        scores_f32=scores,
-        scores=scores,
+        scores=tree.scores.tolist(),
         match_len=tree.match_len,
         num_matches=tree.num_matches,
         num_sampled=tree.num_sampled,

@@ -65,13 +65,14 @@ def test_tree_round_trips_through_serialized_message(tree):
     data = wire.tree_to_message(tree).SerializeToString()
     message = pb.DraftTree.FromString(data)
     assert wire.tree_from_message(message) == tree  # scores included, exactly
-    np.testing.assert_array_equal(np.array(message.scores_f32, np.float32), tree.scores.astype(np.float32))
 
 
 def test_tree_from_a_writer_without_exact_scores_derives_them():
-    """A message from a writer that predates field 8 (only counts and the float32 field 4)."""
-    old = pb.DraftTree(tokens=[5, 6], parents=[-1, 0], counts=[3, 1], scores_f32=[0.75, 0.25], num_sampled=4)
-    tree = wire.tree_from_message(pb.DraftTree.FromString(old.SerializeToString()))
+    """A message from a writer that predates field 8: counts, and the float32 copy in the now
+    reserved field 4, which is skipped."""
+    old = pb.DraftTree(tokens=[5, 6], parents=[-1, 0], counts=[3, 1], num_sampled=4).SerializeToString()
+    field_4 = bytes([4 << 3 | 2, 8]) + np.array([0.75, 0.25], "<f4").tobytes()  # packed repeated float
+    tree = wire.tree_from_message(pb.DraftTree.FromString(old + field_4))
     np.testing.assert_array_equal(tree.scores, [0.75, 0.25])
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"rest_spec/proto/v1/datastore.proto\x12\x11rest.datastore.v1\"N\n\x0b\x44raftParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\r\n\x05n_max\x18\x03 \x01(\r\x12\r\n\x05n_min\x18\x04 \x01(\r\"\x19\n\x07\x43ontext\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"\x84\x01\n\x0c\x44raftRequest\x12+\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x1a.rest.datastore.v1.Context\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.rest.datastore.v1.DraftParams\x12\x17\n\x0finclude_outputs\x18\x03 \x01(\x08\"\x8a\x01\n\x11\x44raftBatchRequest\x12,\n\x08\x63ontexts\x18\x01 \x03(\x0b\x32\x1a.rest.datastore.v1.Context\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.rest.datastore.v1.DraftParams\x12\x17\n\x0finclude_outputs\x18\x03 \x01(\x08\"\x9d\x01\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x04\x12\x12\n\nscores_f32\x18\x04 \x03(\x02\x12\x11\n\tmatch_len\x18\x05 \x01(\r\x12\x13\n\x0bnum_matches\x18\x06 \x01(\x04\x12\x13\n\x0bnum_sampled\x18\x07 \x01(\x04\x12\x0e\n\x06scores\x18\x08 \x03(\x01\"g\n\nDraftReply\x12*\n\x04tree\x18\x01 \x01(\x0b\x32\x1c.rest.datastore.v1.DraftTree\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1c.rest.datastore.v1.DraftTree\"m\n\x0f\x44raftBatchReply\x12+\n\x05trees\x18\x01 \x03(\x0b\x32\x1c.rest.datastore.v1.DraftTree\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.rest.datastore.v1.DraftTree\"\"\n\x10\x41\x64\x64OutputRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"\x1d\n\x0e\x41\x64\x64OutputReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\r\n\x0bInfoRequest\"@\n\x05Shard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x15\n\rnum_documents\x18\x03 \x01(\x04\"\xc3\x01\n\tInfoReply\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x16\n\x0etokenizer_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x15\n\rnum_documents\x18\x06 \x01(\x04\x12(\n\x06shards\x18\x07 \x03(\x0b\x32\x18.rest.datastore.v1.Shard2\xcf\x02\n\tDatastore\x12I\n\x05\x44raft\x12\x1f.rest.datastore.v1.DraftRequest\x1a\x1d.rest.datastore.v1.DraftReply\"\x00\x12X\n\nDraftBatch\x12$.rest.datastore.v1.DraftBatchRequest\x1a\".rest.datastore.v1.DraftBatchReply\"\x00\x12\x46\n\x04Info\x12\x1e.rest.datastore.v1.InfoRequest\x1a\x1c.rest.datastore.v1.InfoReply\"\x00\x12U\n\tAddOutput\x12#.rest.datastore.v1.AddOutputRequest\x1a!.rest.datastore.v1.AddOutputReply\"\x00\x42\xa1\x01\n\x19\x64\x65v.restspec.datastore.v1B\x0e\x44\x61tastoreProtoP\x01Z.rest-spec/gen/go/rest/datastore/v1;datastorev1\xa2\x02\x03RDX\xaa\x02\x11Rest.Datastore.V1\xca\x02\x11Rest\\Datastore\\V1\xea\x02\x13Rest::Datastore::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"rest_spec/proto/v1/datastore.proto\x12\x11rest.datastore.v1\"N\n\x0b\x44raftParams\x12\x0e\n\x06\x62udget\x18\x01 \x01(\r\x12\x11\n\tmax_depth\x18\x02 \x01(\r\x12\r\n\x05n_max\x18\x03 \x01(\r\x12\r\n\x05n_min\x18\x04 \x01(\r\"\x19\n\x07\x43ontext\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"\x84\x01\n\x0c\x44raftRequest\x12+\n\x07\x63ontext\x18\x01 \x01(\x0b\x32\x1a.rest.datastore.v1.Context\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.rest.datastore.v1.DraftParams\x12\x17\n\x0finclude_outputs\x18\x03 \x01(\x08\"\x8a\x01\n\x11\x44raftBatchRequest\x12,\n\x08\x63ontexts\x18\x01 \x03(\x0b\x32\x1a.rest.datastore.v1.Context\x12.\n\x06params\x18\x02 \x01(\x0b\x32\x1e.rest.datastore.v1.DraftParams\x12\x17\n\x0finclude_outputs\x18\x03 \x01(\x08\"\x9b\x01\n\tDraftTree\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\x04\x12\x11\n\tmatch_len\x18\x05 \x01(\r\x12\x13\n\x0bnum_matches\x18\x06 \x01(\x04\x12\x13\n\x0bnum_sampled\x18\x07 \x01(\x04\x12\x0e\n\x06scores\x18\x08 \x03(\x01J\x04\x08\x04\x10\x05R\nscores_f32\"g\n\nDraftReply\x12*\n\x04tree\x18\x01 \x01(\x0b\x32\x1c.rest.datastore.v1.DraftTree\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1c.rest.datastore.v1.DraftTree\"m\n\x0f\x44raftBatchReply\x12+\n\x05trees\x18\x01 \x03(\x0b\x32\x1c.rest.datastore.v1.DraftTree\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.rest.datastore.v1.DraftTree\"\"\n\x10\x41\x64\x64OutputRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\r\"\x1d\n\x0e\x41\x64\x64OutputReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\r\n\x0bInfoRequest\"@\n\x05Shard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x04\x12\x15\n\rnum_documents\x18\x03 \x01(\x04\"\xc3\x01\n\tInfoReply\x12\x16\n\x0e\x66ormat_version\x18\x01 \x01(\r\x12\x16\n\x0etokenizer_name\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x15\n\rnum_documents\x18\x06 \x01(\x04\x12(\n\x06shards\x18\x07 \x03(\x0b\x32\x18.rest.datastore.v1.Shard2\xcf\x02\n\tDatastore\x12I\n\x05\x44raft\x12\x1f.rest.datastore.v1.DraftRequest\x1a\x1d.rest.datastore.v1.DraftReply\"\x00\x12X\n\nDraftBatch\x12$.rest.datastore.v1.DraftBatchRequest\x1a\".rest.datastore.v1.DraftBatchReply\"\x00\x12\x46\n\x04Info\x12\x1e.rest.datastore.v1.InfoRequest\x1a\x1c.rest.datastore.v1.InfoReply\"\x00\x12U\n\tAddOutput\x12#.rest.datastore.v1.AddOutputRequest\x1a!.rest.datastore.v1.AddOutputReply\"\x00\x42\xa1\x01\n\x19\x64\x65v.restspec.datastore.v1B\x0e\x44\x61tastoreProtoP\x01Z.rest-spec/gen/go/rest/datastore/v1;datastorev1\xa2\x02\x03RDX\xaa\x02\x11Rest.Datastore.V1\xca\x02\x11Rest\\Datastore\\V1\xea\x02\x13Rest::Datastore::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,21 +41,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTBATCHREQUEST']._serialized_start=300
   _globals['_DRAFTBATCHREQUEST']._serialized_end=438
   _globals['_DRAFTTREE']._serialized_start=441
-  _globals['_DRAFTTREE']._serialized_end=598
-  _globals['_DRAFTREPLY']._serialized_start=600
-  _globals['_DRAFTREPLY']._serialized_end=703
-  _globals['_DRAFTBATCHREPLY']._serialized_start=705
-  _globals['_DRAFTBATCHREPLY']._serialized_end=814
-  _globals['_ADDOUTPUTREQUEST']._serialized_start=816
-  _globals['_ADDOUTPUTREQUEST']._serialized_end=850
-  _globals['_ADDOUTPUTREPLY']._serialized_start=852
-  _globals['_ADDOUTPUTREPLY']._serialized_end=881
-  _globals['_INFOREQUEST']._serialized_start=883
-  _globals['_INFOREQUEST']._serialized_end=896
-  _globals['_SHARD']._serialized_start=898
-  _globals['_SHARD']._serialized_end=962
-  _globals['_INFOREPLY']._serialized_start=965
-  _globals['_INFOREPLY']._serialized_end=1160
-  _globals['_DATASTORE']._serialized_start=1163
-  _globals['_DATASTORE']._serialized_end=1498
+  _globals['_DRAFTTREE']._serialized_end=596
+  _globals['_DRAFTREPLY']._serialized_start=598
+  _globals['_DRAFTREPLY']._serialized_end=701
+  _globals['_DRAFTBATCHREPLY']._serialized_start=703
+  _globals['_DRAFTBATCHREPLY']._serialized_end=812
+  _globals['_ADDOUTPUTREQUEST']._serialized_start=814
+  _globals['_ADDOUTPUTREQUEST']._serialized_end=848
+  _globals['_ADDOUTPUTREPLY']._serialized_start=850
+  _globals['_ADDOUTPUTREPLY']._serialized_end=879
+  _globals['_INFOREQUEST']._serialized_start=881
+  _globals['_INFOREQUEST']._serialized_end=894
+  _globals['_SHARD']._serialized_start=896
+  _globals['_SHARD']._serialized_end=960
+  _globals['_INFOREPLY']._serialized_start=963
+  _globals['_INFOREPLY']._serialized_end=1158
+  _globals['_DATASTORE']._serialized_start=1161
+  _globals['_DATASTORE']._serialized_end=1496
 # @@protoc_insertion_point(module_scope)

@@ -45,11 +45,10 @@ class DraftBatchRequest(_message.Message):
     def __init__(self, contexts: _Optional[_Iterable[_Union[Context, _Mapping]]] = ..., params: _Optional[_Union[DraftParams, _Mapping]] = ..., include_outputs: _Optional[bool] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("tokens", "parents", "counts", "scores_f32", "match_len", "num_matches", "num_sampled", "scores")
+    __slots__ = ("tokens", "parents", "counts", "match_len", "num_matches", "num_sampled", "scores")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
-    SCORES_F32_FIELD_NUMBER: _ClassVar[int]
     MATCH_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_MATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_FIELD_NUMBER: _ClassVar[int]
@@ -57,12 +56,11 @@ class DraftTree(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     counts: _containers.RepeatedScalarFieldContainer[int]
-    scores_f32: _containers.RepeatedScalarFieldContainer[float]
     match_len: int
     num_matches: int
     num_sampled: int
     scores: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., scores_f32: _Optional[_Iterable[float]] = ..., match_len: _Optional[int] = ..., num_matches: _Optional[int] = ..., num_sampled: _Optional[int] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., match_len: _Optional[int] = ..., num_matches: _Optional[int] = ..., num_sampled: _Optional[int] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("tree", "outputs")
