@@ -19,6 +19,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+TARGETS = REPO / "benchmarks" / "targets.json"  # every target a benchmark checks, each with what it is about
 REST_N_MAX = 16  # the longest context suffix REST looks up
 REST_SUFFIX_LENGTHS = range(REST_N_MAX, 1, -1)  # REST's retrieval loop: 16 down to 2
 REST_SEARCH = {"k": 5000, "long": 10}  # REST's draftretriever.search arguments (choices = budget)
@@ -39,6 +40,16 @@ def report_header(benchmark: str, argv: Sequence[str] | None) -> dict:
     args = sys.argv[1:] if argv is None else argv
     return {"benchmark": benchmark, "command": " ".join(["python -m", f"benchmarks.{benchmark}", *args]),
             "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+
+
+def load_targets(benchmark: str) -> dict:
+    """``benchmark``'s targets from ``TARGETS``: name -> {"max" or "min": limit, "what": the figure}."""
+    return json.loads(TARGETS.read_text())[benchmark]
+
+
+def check(value: float, target: dict) -> bool:
+    """Whether ``value`` meets ``target`` (at most its "max", at least its "min")."""
+    return value <= target["max"] if "max" in target else value >= target["min"]
 
 
 def save_report(report: dict, path: Path, echo: bool = True) -> None:

@@ -1,6 +1,6 @@
 """End to end, side by side: plain decoding, Hugging Face ``generate``, paper REST and the adaptive drafter.
 
-    python -m benchmarks.e2e --prompts 40 --max-new-tokens 128 --sets humaneval,sharegpt --modes plain,hf,paper,new
+    python -m benchmarks.e2e --prompts 40 --max-new-tokens 128 --sets humaneval,sharegpt --modes plain,hf,paper,adaptive
 
 Prompt sets, each with its index: ``humaneval``, the first N HumanEval prompts (raw code to
 complete), and ``humaneval-chat``, the same prompts as a user turn rendered with the chat template,
@@ -11,9 +11,9 @@ ShareGPT conversations (rendered with the chat template; never in the index, whi
 - ``plain``: the REST loop without drafts (one token per step), the reference output;
 - ``hf``: ``model.generate`` (greedy);
 - ``paper``: REST as published: the static index only, a fixed tree of ``--budget`` nodes;
-- ``new``: ``AdaptiveDrafter``: index + the request's own text + recent outputs, merged by
+- ``adaptive``: ``AdaptiveDrafter``: index + the request's own text + recent outputs, merged by
   calibrated acceptance scores, sized each step by the measured verification cost t(n). Its output
-  store starts empty and receives every ``new``-mode output of the run (``add_output`` after each
+  store starts empty and receives every ``adaptive``-mode output of the run (``add_output`` after each
   prompt), as a service would; its calibration carries over from prompt to prompt within a set.
 
 For every prompt the modes run back to back (interleaved), so drift in machine speed hits all of
@@ -23,9 +23,9 @@ ratios against plain, draft time per step, and how many outputs equal plain deco
 output must: the run exits with status 1 otherwise). Prints one JSON object, saves it under
 benchmarks/results/, and plots accepted length and speed per mode (needs matplotlib).
 
-The verification cost t(n) comes from ``drafter.budget.load_or_measure`` (cached per model,
-device and dtype); measure it on the machine that runs the benchmark, quiet, with
-``python -m rest_spec.drafter.budget measure`` or ``--remeasure``.
+The verification cost t(n) comes from ``rest_spec.drafter.measure.load_or_measure`` (cached per
+model, device and dtype); measure it on the machine that runs the benchmark, quiet, with
+``rest-measure-cost`` or ``--remeasure``.
 """
 
 from __future__ import annotations
@@ -36,12 +36,22 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
-from benchmarks.common import RESULTS, REPO, chat_prompt, ensure_index, humaneval_inputs, report_header, save_report
+from benchmarks.common import (
+    REPO,
+    RESULTS,
+    chat_prompt,
+    check,
+    ensure_index,
+    humaneval_inputs,
+    load_targets,
+    report_header,
+    save_report,
+)
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
 from rest_spec.datastore.format import read_manifest
 from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -49,14 +59,14 @@ from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.measure import load_or_measure
 from rest_spec.drafter.generate import GenerationResult, generate
 from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.measure import load_or_measure
 from rest_spec.drafter.model import load_model
 
 log = logging.getLogger("benchmarks.e2e")
 
-MODES = ("plain", "hf", "paper", "new")
+MODES = ("plain", "hf", "paper", "adaptive")
 SETS = ("humaneval", "humaneval-chat", "sharegpt")
 DEFAULT_SETS = ("humaneval", "sharegpt")
 STDLIB_INDEX = (REPO / "indexes/python-stdlib", ["--corpus", "python-stdlib"])
@@ -82,14 +92,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "(default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024,
                    help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)")
-    p.add_argument("--budget", type=int, default=64, help="paper mode's tree size; the new mode's candidates (default 64)")
+    p.add_argument("--budget", type=int, default=64, help="paper mode's tree size; the adaptive mode's candidates (default 64)")
     p.add_argument("--max-depth", type=int, default=10)
     p.add_argument("--model", default=None, help="model spec (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--remeasure", action="store_true", help="measure t(n) again instead of using the cached cost")
     p.add_argument("--out", type=Path, default=RESULTS / "e2e.json")
-    p.add_argument("--plot", type=Path, default=RESULTS / "e2e.png")
+    p.add_argument("--plot", type=Path, default=None, help="the plot (default: --out with .png)")
     args = p.parse_args(argv)
+    args.plot = args.plot or args.out.with_suffix(".png")
     args.sets, args.modes = args.sets.split(","), args.modes.split(",")
     if not args.sets or set(args.sets) - set(SETS):
         p.error(f"--sets must be a comma-separated subset of {','.join(SETS)}, got {','.join(args.sets)}")
@@ -164,7 +175,7 @@ class Run:
     verified_tokens: int  # tokens fed to the verifier over all steps (tree nodes + 1 per step)
     draft_seconds: float
 
-    def row(self, reference: "Run") -> dict:
+    def row(self, reference: Run) -> dict:
         new = len(self.output_ids)
         return {
             "new_tokens": new,
@@ -207,12 +218,12 @@ def run_set(name: str, prompts: list[list[int]], base: LocalDrafter, model, cost
         "plain": lambda ids: loop_run(model, ids, None, args.max_new_tokens, config),
         "hf": lambda ids: hf_run(model, ids, args.max_new_tokens),
         "paper": lambda ids: loop_run(model, ids, base, args.max_new_tokens, config),
-        "new": lambda ids: loop_run(model, ids, adaptive, args.max_new_tokens, config),
+        "adaptive": lambda ids: loop_run(model, ids, adaptive, args.max_new_tokens, config),
     }
     warm = prompts[0][: min(len(prompts[0]), 32)]  # compiled kernels, caches, allocator; no outputs added
     loop_run(model, warm, AdaptiveDrafter(base, cost=cost, config=config), 8, config)
     for mode in args.modes:
-        if mode != "new":
+        if mode != "adaptive":
             runs[mode](warm)
     rows: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for i, ids in enumerate(prompts):
@@ -220,7 +231,7 @@ def run_set(name: str, prompts: list[list[int]], base: LocalDrafter, model, cost
         for mode in args.modes:
             run = reference if mode == "plain" else runs[mode](ids)
             rows[mode].append({"prompt": i, "prompt_tokens": len(ids), **run.row(reference)})
-            if mode == "new":
+            if mode == "adaptive":
                 adaptive.add_output(run.output_ids)
         log.info("%s %d/%d: %s", name, i + 1, len(prompts), ", ".join(
             f"{mode} {rows[mode][-1]['mean_accepted']:.2f} tok/step x{rows[mode][-1]['speed_vs_plain']:.2f}"
@@ -229,7 +240,7 @@ def run_set(name: str, prompts: list[list[int]], base: LocalDrafter, model, cost
         "index": str(base.datastore.path),
         "prompts": len(prompts),
         "modes": {mode: summarize(mode_rows) for mode, mode_rows in rows.items()},
-        "new_mode_source_weights": dict(zip(adaptive.sources, adaptive.calibration.weights.round(4).tolist())),
+        "adaptive_mode_source_weights": dict(zip(adaptive.sources, adaptive.calibration.weights.round(4).tolist())),
         "per_prompt": rows,
     }
 
@@ -247,18 +258,22 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def targets(report: dict) -> dict:
-    """The issue's targets, checked on this run's figures (None where a needed mode did not run)."""
-    out = {}
+    """The targets of benchmarks/targets.json, checked on this run's figures (left out where a
+    needed mode did not run), and whether every output equals plain decoding."""
+    limits, out = load_targets("e2e"), {}
+    accepted, verified = limits["accepted_vs_paper"], limits["verified_per_step_vs_paper"]
     for name, result in report["sets"].items():
         modes = result["modes"]
-        new, paper = modes.get("new"), modes.get("paper")
-        if new and paper:
-            out[f"{name}: new accepted length >= 1.15x paper"] = new["mean_accepted"] >= 1.15 * paper["mean_accepted"]
-            out[f"{name}: new verifies no more tokens per step than paper"] = (
-                new["mean_verified_per_step"] <= paper["mean_verified_per_step"])
-        if new:
-            floor = 1.2 if name == "humaneval" else 1.0
-            out[f"{name}: new median speed >= {floor}x plain"] = new["median_speed_vs_plain"] >= floor
+        adaptive, paper = modes.get("adaptive"), modes.get("paper")
+        if adaptive and paper:
+            out[f"{name}: adaptive accepted length >= {accepted['min']}x paper"] = check(
+                adaptive["mean_accepted"] / paper["mean_accepted"], accepted)
+            out[f"{name}: adaptive verifies no more tokens per step than paper"] = check(
+                adaptive["mean_verified_per_step"] / paper["mean_verified_per_step"], verified)
+        if adaptive:
+            speed = limits.get(f"median_speed_vs_plain_{name}", limits["median_speed_vs_plain"])
+            out[f"{name}: adaptive median speed >= {speed['min']}x plain"] = check(
+                adaptive["median_speed_vs_plain"], speed)
     out["every output equals plain decoding"] = all(
         mode["same_as_plain"] == result["prompts"] for result in report["sets"].values() for mode in result["modes"].values())
     return out
@@ -311,8 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
                    "max_depth": args.max_depth, "max_prompt_tokens_sharegpt": args.max_prompt_tokens,
                    "modes": args.modes,
-                   "new_mode": "AdaptiveDrafter(sources=index,request,outputs, cost=measured t(n)); its output "
-                   "store starts empty and gets each new-mode output after its prompt (add_output); its "
+                   "adaptive_mode": "AdaptiveDrafter(sources=index,request,outputs, cost=measured t(n)); its output "
+                   "store starts empty and gets each adaptive-mode output after its prompt (add_output); its "
                    "calibration (per source and sample class) carries over between prompts of a set",
                    "humaneval_prompts": "raw code to complete",
                    "humaneval_chat_prompts": "the HumanEval prompts as a user turn, chat template",

@@ -14,13 +14,14 @@ import json
 import logging
 import statistics
 import time
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from rest_spec.datastore.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import accepted_nodes
 from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.measure import cache_dir, cost_key
 from rest_spec.drafter.generate import generate
+from rest_spec.drafter.measure import cache_dir, cost_key
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,10 @@
 
 The prompt sets and indexes of ``benchmarks.e2e``. The model's plain greedy outputs are computed
 once (and cached under ``$REST_CACHE_DIR/greedy``); then every drafter is replayed against them
-without the model (``benchmarks.replay``: accepted lengths equal a real run's). A step's time is modeled as t(1 + tree nodes) from the
-measured verification cost (``drafter.budget``), so speed is relative to plain decoding,
-sum of t(1) per token over sum of step times; drafting time is left out (about 1 ms a step).
+without the model (``benchmarks.replay``: accepted lengths equal a real run's). A step's time is
+modeled as t(1 + tree nodes) from the measured verification cost (``rest_spec.drafter.measure``),
+so speed is relative to plain decoding, sum of t(1) per token over sum of step times; drafting
+time is left out (``median_draft_ms`` reports it).
 
 Drafters: ``paper`` (the index only, ``--budget`` nodes), ``adaptive`` (as in e2e: every source,
 sized each step by t(n)), and ``adaptive@k`` for each k in ``--sizes`` (every source, the k
@@ -22,8 +23,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from benchmarks.common import RESULTS, ensure_index, report_header, save_report
 from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
@@ -32,8 +33,8 @@ from rest_spec.datastore.tokenizer import load_tokenizer
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.measure import load_or_measure
 from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.measure import load_or_measure
 from rest_spec.drafter.model import load_model
 
 
@@ -80,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         **report_header("tradeoff", argv),
         "config": {"prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
-                   "speed": "modeled: t(1) per token / t(1 + tree nodes) per step, t from drafter.budget"},
+                   "speed": "modeled: t(1) per token / t(1 + tree nodes) per step, t from rest_spec.drafter.measure"},
         "verify_cost": {"sizes": list(cost.sizes), "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds]},
         "sets": {},
     }

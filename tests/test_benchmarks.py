@@ -13,11 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.common import DraftRetriever
 from benchmarks.retrieval import QUERY_TOKENS, ROUNDS
 from benchmarks.retrieval.engines import sample_queries
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.tokenizer import load_tokenizer
+from rest_spec.datastore.types import DraftConfig
+from tests.helpers import write_index
 
 REPO = Path(__file__).resolve().parents[1]
 QUERIES = 40
@@ -114,3 +117,18 @@ def test_queries_are_windows_of_held_out_text_only():
     assert len(queries) == 200 and all(len(q) == QUERY_TOKENS for q in queries)
     assert all(np.asarray(q, dtype=held_out[0].dtype).tobytes() in windows for q in queries)
     assert len({tuple(q) for q in queries}) > 100  # positions spread over the held-out text
+
+
+def test_rest_engine_drafts_every_continuation_of_the_matched_suffix_as_one_tree(tmp_path):
+    """REST's engine (the adapter draft_quality compares with) over the documents of our index."""
+    write_index(tmp_path / "index", [[1, 2, 3, 4, 5], [1, 2, 3, 6, 7], [9, 2, 3, 4, 8]], vocab_size=16)
+    with Datastore.open(tmp_path / "index") as store:
+        rest = DraftRetriever(store, tmp_path)
+        tree = rest.draft([0, 1, 2, 3], DraftConfig(budget=8))
+        assert len(rest.draft([0, 11, 12], DraftConfig(budget=8))) == 0  # no suffix of 2+ tokens occurs
+
+    def path(node: int) -> tuple[int, ...]:
+        return path(int(tree.parents[node])) + (int(tree.tokens[node]),) if node >= 0 else ()
+
+    leaves = set(range(len(tree))) - set(tree.parents.tolist())
+    assert {path(leaf) for leaf in leaves} == {(4, 5), (4, 8), (6, 7)}  # shared prefix 4 is one node

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from benchmarks.common import REPO, open_draftretriever, write_draftretriever
 from benchmarks.retrieval import BUILD_RECORD_VERSION, GROWTH_SEED
 from rest_spec.build_index.corpora import CorpusSpec, iter_records

@@ -10,6 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
 from benchmarks.common import open_draftretriever, rest_nodes, rest_paths, rest_search
 from benchmarks.retrieval import (
     BUDGETS,
@@ -24,7 +25,6 @@ from benchmarks.retrieval import (
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.types import DraftConfig
-
 
 DraftFn = Callable[[list[int], int], object]  # (context, budget) -> a draft, result unused
 

@@ -4,43 +4,52 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from benchmarks.common import check, load_targets
 from benchmarks.retrieval import BUDGETS, CLIENTS, GRPC_BUDGET, NODES_BUDGET
 
 
 def evaluate_targets(report: dict) -> list[dict]:
-    """The issue's targets, each with the measured value and pass (None when not measured)."""
+    """The targets of benchmarks/targets.json, each with the measured value and pass (None when not
+    measured)."""
+    limits = load_targets("retrieval")
     chat = report["indexes"].get("sharegpt")
     targets: list[dict] = []
 
-    def add(name: str, value: float | None, limit: float, at_most: bool = True) -> None:
-        passed = None if value is None else bool(value <= limit if at_most else value >= limit)
-        targets.append({"target": name, "value": value, "limit": limit, "at_most": at_most, "pass": passed})
+    def add(name: str, value: float | None, key: str) -> None:
+        target = limits[key]
+        passed = None if value is None else bool(check(value, target))
+        targets.append({"target": name, "value": value, "limit": target.get("max", target.get("min")),
+                        "at_most": "max" in target, "pass": passed})
 
     b64 = chat["in_process_latency"]["budget_64"] if chat else None
-    add("sharegpt in-process draft, budget 64, median ms", b64 and b64["ours"]["median_ms"], 0.25)
-    add("sharegpt in-process draft, budget 64, p99 ms", b64 and b64["ours"]["p99_ms"], 1.0)
-    add("sharegpt in-process speedup over draftretriever (median, budget 64)", b64 and b64["speedup"], 2.0,
-        at_most=False)
+    add("sharegpt in-process draft, budget 64, median ms", b64 and b64["ours"]["median_ms"], "draft_median_ms")
+    add("sharegpt in-process draft, budget 64, p99 ms", b64 and b64["ours"]["p99_ms"], "draft_p99_ms")
+    add("sharegpt in-process speedup over draftretriever (median, budget 64)", b64 and b64["speedup"],
+        "speedup_over_draftretriever")
     grpc = chat.get("grpc") if chat else None
-    add("sharegpt gRPC round trip, 1 client, median ms", grpc and grpc["clients"]["1"]["round_trip"]["median_ms"], 1.0)
+    add("sharegpt gRPC round trip, 1 client, median ms", grpc and grpc["clients"]["1"]["round_trip"]["median_ms"],
+        "grpc_round_trip_median_ms")
     add("sharegpt gRPC throughput, 2 clients / 1 client", grpc and grpc["clients"]["2"]["throughput_vs_1_client"],
-        1.6, at_most=False)
+        "grpc_throughput_2_vs_1_clients")
     sized = [(name, fig["open"]["ours"]) for name, fig in report["indexes"].items()]
     sized += [(f"sharegpt x{row['factor']}", row) for row in (report.get("growth") or {}).get("sizes", [])
               if row["factor"] != 1]
     for name, fig in sized:
-        add(f"{name} open seconds", fig["open_seconds"], 0.2)
-        add(f"{name} resident memory added by open, % of index bytes", fig["rss_added_percent_of_index"], 5.0)
+        add(f"{name} open seconds", fig["open_seconds"], "open_seconds")
+        add(f"{name} resident memory added by open, % of index bytes", fig["rss_added_percent_of_index"],
+            "open_rss_percent_of_index")
     for name, fig in report["indexes"].items():
-        add(f"{name} bytes on disk per token", fig["bytes_per_token"]["ours"], 6.0)
+        add(f"{name} bytes on disk per token", fig["bytes_per_token"]["ours"], "bytes_per_token")
         add(f"{name} end-to-end build seconds, ours / draftretriever's",
-            fig["build"]["ours"]["seconds"] / fig["build"]["draftretriever"]["seconds"], 1.0)
+            fig["build"]["ours"]["seconds"] / fig["build"]["draftretriever"]["seconds"],
+            "build_seconds_vs_draftretriever")
     growth = report.get("growth")
     if growth:
         largest = max(growth["sizes"], key=lambda row: row["tokens"])
-        big_enough = largest["tokens"] >= 500_000_000
+        min_tokens = limits["growth_median_vs_base"]["min_tokens"]
         add(f"growth: median at {largest['tokens'] / 1e6:.0f}M tokens / at the ShareGPT index "
-            "(target needs >= 500M tokens)", largest["median_vs_base"] if big_enough else None, 1.5)
+            f"(target needs >= {min_tokens / 1e6:.0f}M tokens)",
+            largest["median_vs_base"] if largest["tokens"] >= min_tokens else None, "growth_median_vs_base")
     return targets
 
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from benchmarks.common import REPO
 from benchmarks.retrieval import CLIENT_SETUP_SECONDS, CLIENTS, GRPC_BUDGET, WARMUP_QUERIES
 from benchmarks.retrieval.engines import latency_ms
