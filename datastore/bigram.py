@@ -1,7 +1,7 @@
 """A growable bigram index over token documents, and the request matcher that drafts from it.
 
-REST cannot copy from the prompt (NOTES section 1: "no in-context ability"), which is exactly where
-prompt lookup and SuffixDecoding gain most, together with a model's earlier outputs (section 6).
+REST cannot copy from the prompt (its paper: "no in-context ability"), which is exactly where
+prompt lookup and SuffixDecoding gain most, together with a model's earlier outputs.
 The sources built on ``BigramIndex`` -- ``RequestMatcher`` here (the request's own text, client
 side) and ``datastore.outputs.OutputStore`` (recent outputs, service side) -- draft like the index:
 the longest context suffix of ``n_min..n_max`` tokens, the continuations that follow its

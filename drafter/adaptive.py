@@ -5,8 +5,8 @@ the base drafter, one RPC when remote) and from the request's own text (``Reques
 merges them into one tree scored by estimated acceptance (``drafter.merge``: per-source path
 probabilities, weights calibrated per source and sample size, noisy-OR) and keeps the part that
 maximizes expected tokens per second of verification, (1 + sum of kept scores) / t(1 + kept)
-(``drafter.cost.select_tree``, Sequoia's hardware-aware size; NOTES section 4). On a CPU where a 64-token verification costs 4x
-a 1-token step (section 8) that is a small tree, or none at all.
+(``drafter.cost.select_tree``, Sequoia's hardware-aware size). Where verifying many tokens costs
+several 1-token steps, as on a CPU, that is a small tree, or none at all.
 
 The decoding loop (``drafter.generate``) needs no change: it only calls ``draft``. What the
 verifier accepted is read from the next call's context -- the tokens appended since the last

@@ -1,8 +1,7 @@
 """What verifying n tokens costs, and the draft tree that pays off most: used every decoding step.
 
-Sequoia (NOTES section 4): verification time t(n) is not constant -- nearly flat up to ~64 tokens
-on a GPU for a small model, but several times t(1) at 64 on a CPU -- so the best tree size depends
-on the machine. With node scores that estimate acceptance probabilities (``drafter.merge``),
+Sequoia: verification time t(n) is not constant -- nearly flat up to tens of tokens on a GPU for a
+small model, but several times t(1) at 64 on a CPU -- so the best tree size depends on the machine. With node scores that estimate acceptance probabilities (``drafter.merge``),
 keeping nodes K yields 1 + sum_K score tokens per step (the accepted ones plus the model's own
 bonus token) in t(1 + |K|) seconds. For each size the best prefix-closed set is the top |K| nodes
 by score, since scores never grow down a path; scanning the size is exact. Chains are verified on

@@ -2,13 +2,13 @@
 
 Every source (the static index, the request itself, past outputs) answers its own tree. Under a
 source, a node's probability is the product along its path of child count / parent count (=
-count / root count; SuffixDecoding, NOTES section 6), and the expected number of tokens a tree
-yields is the sum of its nodes' path probabilities (Sequoia, section 4) -- so nodes are selected
-by that score, and ``drafter.cost.select_tree`` sizes the tree from it.
+count / root count; SuffixDecoding), and the expected number of tokens a tree yields is the sum
+of its nodes' path probabilities (Sequoia) -- so nodes are selected by that score, and
+``drafter.cost.select_tree`` sizes the tree from it.
 
 Sources are not equally trustworthy, and neither is every ratio: a suffix that occurred once
-claims certainty it has not earned (on held-out ShareGPT, index nodes with ratio 1 from a single
-occurrence were accepted 37% of the time, those above 0.9 from many occurrences 79%). Each
+claims certainty it has not earned (on held-out chat text, index nodes with ratio 1 from a single
+occurrence are accepted far less often than those near 1 from many occurrences). Each
 source therefore has a weight per *sample class* -- the parent count c(parent) in powers of two:
 1, 2-3, 4-7, ... -- learned by ``SourceCalibration`` from the acceptance actually observed, that
 scales its per-token probability: node i under source s gets

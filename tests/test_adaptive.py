@@ -18,7 +18,7 @@ from rest_spec.drafter.merge import SourceCalibration
 from tests.helpers import MODEL_VOCAB, tiny_causal_lm, tree_from_paths, write_index
 
 KEY = CostKey("synthetic", "", 0, "test", "float32")
-# what this project measured on its CPU (NOTES section 8): 1.9x at 8 tokens, 4x at 64
+# a CPU-like cost: 1.9x t(1) at 8 tokens, 4x at 64
 CPU_COST = VerifyCost(KEY, 512, (1, 2, 4, 8, 16, 32, 64), (1.0, 1.15, 1.4, 1.9, 2.0, 2.5, 4.0))
 PROHIBITIVE = VerifyCost(KEY, 512, (1, 2), (1.0, 100.0))  # one extra token costs 100 steps: nothing pays
 CONFIG = DraftConfig(budget=64, max_depth=10)
@@ -86,7 +86,7 @@ def test_batch_rows_keep_their_own_request_as_rows_finish(base):
 
 
 def test_request_source_drafts_a_repeated_identifier_from_the_prompt(base):
-    """REST cannot copy from the prompt (NOTES section 1); the request source does."""
+    """REST cannot copy from the prompt; the request source does."""
     identifier = [200, 201, 202, 203, 204]  # in no index document
     prompt = [60, 61, *identifier, 62, 63, 64, *identifier[:2]]
     drafter = AdaptiveDrafter(base, cost=CPU_COST, config=CONFIG)
