@@ -92,7 +92,7 @@ def small_draft(channel: grpc.Channel, timeout: float) -> pb.DraftReply:
 
 # ---- bounded work per call ------------------------------------------------------------------------
 
-SHORT_CONTEXTS = [doc[:2] for doc in DOCS] * 100  # 20,000 contexts of 2 tokens: a 9 MB reply unchecked
+SHORT_CONTEXTS = [doc[:2] for doc in DOCS] * 100  # 20,000 contexts of 2 tokens: a 7 MB reply unchecked
 
 
 def test_a_batch_of_20000_short_contexts_is_refused_naming_the_limit(store):
@@ -120,7 +120,8 @@ def test_a_reply_over_the_limit_is_refused_before_the_batch_is_drafted(store):
     before the last context (bounded work), never a reply a stock client refuses."""
     big = DraftConfig(budget=1024, max_depth=64, n_min=1)
     large = [c for c in contexts_from(DOCS, 200, seed=5) if wire.field_size(wire.tree_to_message(store.draft(c, big))) > 8000]
-    cases = [(SHORT_CONTEXTS, DraftConfig(), {"max_batch_contexts": 20_000}), ((large * 1000)[:1000], big, {})]
+    # budget 128: a 9 MB reply unchecked, so the 4 MB limit is reached before half of it
+    cases = [(SHORT_CONTEXTS, DraftConfig(budget=128), {"max_batch_contexts": 20_000}), ((large * 1000)[:1000], big, {})]
     for contexts, config, limits in cases:
         with serving(store, **limits) as (server, channel):
             request = wire.draft_batch_request(contexts, config).SerializeToString()
