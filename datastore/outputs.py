@@ -368,6 +368,8 @@ class OutputStore:
 
     @property
     def num_tokens(self) -> int:
+        """Live tokens, at most ``max_tokens``: with ``documents``, how a caller (and the tests)
+        see what eviction and replay left."""
         return self._live_tokens
 
     def add(self, tokens: Sequence[int] | np.ndarray) -> int:
@@ -387,7 +389,7 @@ class OutputStore:
         return seq
 
     def documents(self) -> list[np.ndarray]:
-        """The live documents' tokens, oldest first (copies)."""
+        """The live documents' tokens, oldest first (copies): what a reopened store must hold again."""
         with self._lock:
             return [self._index.tokens[d.start : d.start + d.length].copy() for d in self._documents]
 

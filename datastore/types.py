@@ -56,10 +56,7 @@ class DraftConfig:
     n_min: int = 2
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first field that is out of range."""
+        """Raise ``ValueError`` naming the first field that is out of range (frozen: checked once)."""
         if not 1 <= self.budget <= MAX_BUDGET:
             raise ValueError(f"budget must be in [1, {MAX_BUDGET}], got {self.budget}")
         if not 1 <= self.max_depth <= MAX_DEPTH:
