@@ -1,5 +1,5 @@
-"""The request matcher and the output store against brute-force oracles and the real index;
-the store's eviction, persistence (reopen, torn and corrupt records, a killed writer) and threads."""
+"""The request matcher (``datastore.bigram``) and the output store (``datastore.outputs``) against
+brute-force oracles and the real index; the store's eviction, persistence (reopen, torn and corrupt records, a killed writer) and threads."""
 
 from __future__ import annotations
 
