@@ -1,5 +1,6 @@
 """The request matcher (``datastore.bigram``) and the output store (``datastore.outputs``) against
-brute-force oracles and the real index; the store's eviction, persistence (reopen, torn and corrupt records, a killed writer) and threads."""
+brute-force oracles and the real index; the store's eviction, persistence (reopen, torn and corrupt
+records, a killed writer) and threads."""
 
 from __future__ import annotations
 
