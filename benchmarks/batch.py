@@ -32,18 +32,27 @@ from rest_spec.drafter.model import load_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--index", default="indexes/python-stdlib", help="index directory (default: %(default)s)")
     p.add_argument("--model", default=None, help="model spec (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated batch sizes (default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=8,
-                   help="first N HumanEval prompts, decoded at every batch size; a multiple of each (default 8)")
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=8,
+        help="first N HumanEval prompts, decoded at every batch size; a multiple of each (default 8)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=64, help="draft tree size c (default 64)")
     p.add_argument("--max-depth", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per batch size and method (default 3)")
-    p.add_argument("--chat", action="store_true",
-                   help="render each prompt as a user turn with the chat template (default: raw completion)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="render each prompt as a user turn with the chat template (default: raw completion)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--out", type=Path, default=RESULTS / "batch_stdlib.json")
@@ -95,8 +104,9 @@ def run_plain(model, tokenizer, prompts, size: int, max_new_tokens: int, eos: fr
     start = time.perf_counter()
     for batch in batches(prompts, size):
         padded = tokenizer.pad({"input_ids": batch}, padding_side="left", return_tensors="pt").to(model.device)
-        out = model.generate(**padded, do_sample=False, max_new_tokens=max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            **padded, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
+        )
         width = padded.input_ids.shape[1]
         outputs += [cut_after_eos(row, eos) for row in out[:, width:].tolist()]
     sync(model.device)
@@ -144,39 +154,59 @@ def main(argv=None) -> int:
             rest = rest_runs[0]  # greedy: every repeat gives the same tokens and steps
             identical = [ours == theirs for ours, theirs in zip(rest.outputs, plain_runs[0].outputs)]
             accepted = [len(out) / steps for out, steps in zip(rest.outputs, rest.row_steps)]
-            results.append({
-                "batch_size": size,
-                "plain_tokens_per_second": plain_tps,
-                "rest_tokens_per_second": rest_tps,
-                "speedup": rest_tps / plain_tps,
-                "mean_accepted": sum(map(len, rest.outputs)) / sum(rest.row_steps),
-                "mean_accepted_per_row": accepted,
-                "rows_identical_to_plain": sum(identical),
-                "rows": len(identical),
-                "plain_seconds": [r.seconds for r in plain_runs],
-                "rest_seconds": [r.seconds for r in rest_runs],
-            })
-            print(f"batch {size}: plain {plain_tps:.1f} tok/s, REST {rest_tps:.1f} tok/s "
-                  f"(x{rest_tps / plain_tps:.2f}), accepted {results[-1]['mean_accepted']:.2f}, "
-                  f"identical rows {sum(identical)}/{len(identical)}", file=sys.stderr)
+            results.append(
+                {
+                    "batch_size": size,
+                    "plain_tokens_per_second": plain_tps,
+                    "rest_tokens_per_second": rest_tps,
+                    "speedup": rest_tps / plain_tps,
+                    "mean_accepted": sum(map(len, rest.outputs)) / sum(rest.row_steps),
+                    "mean_accepted_per_row": accepted,
+                    "rows_identical_to_plain": sum(identical),
+                    "rows": len(identical),
+                    "plain_seconds": [r.seconds for r in plain_runs],
+                    "rest_seconds": [r.seconds for r in rest_runs],
+                }
+            )
+            print(
+                f"batch {size}: plain {plain_tps:.1f} tok/s, REST {rest_tps:.1f} tok/s "
+                f"(x{rest_tps / plain_tps:.2f}), accepted {results[-1]['mean_accepted']:.2f}, "
+                f"identical rows {sum(identical)}/{len(identical)}",
+                file=sys.stderr,
+            )
 
-    print(f"\n{'batch':>5} {'plain tok/s':>12} {'REST tok/s':>11} {'ratio':>6} {'accepted':>9} {'identical':>10}",
-          file=sys.stderr)
+    print(
+        f"\n{'batch':>5} {'plain tok/s':>12} {'REST tok/s':>11} {'ratio':>6} {'accepted':>9} {'identical':>10}",
+        file=sys.stderr,
+    )
     for r in results:
-        print(f"{r['batch_size']:>5} {r['plain_tokens_per_second']:>12.1f} {r['rest_tokens_per_second']:>11.1f} "
-              f"{r['speedup']:>6.2f} {r['mean_accepted']:>9.2f} {r['rows_identical_to_plain']:>5}/{r['rows']:<4}",
-              file=sys.stderr)
+        print(
+            f"{r['batch_size']:>5} {r['plain_tokens_per_second']:>12.1f} {r['rest_tokens_per_second']:>11.1f} "
+            f"{r['speedup']:>6.2f} {r['mean_accepted']:>9.2f} {r['rows_identical_to_plain']:>5}/{r['rows']:<4}",
+            file=sys.stderr,
+        )
     report = {
         **report_header("batch", argv),
-        "config": {"index": str(args.index), "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)",
-                   "prompts": args.prompts, "chat_template": args.chat, "batch_sizes": args.batch_sizes,
-                   "max_new_tokens": args.max_new_tokens, "budget": args.budget, "max_depth": args.max_depth,
-                   "repeats": args.repeats, "decoding": "greedy"},
+        "config": {
+            "index": str(args.index),
+            "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)",
+            "prompts": args.prompts,
+            "chat_template": args.chat,
+            "batch_sizes": args.batch_sizes,
+            "max_new_tokens": args.max_new_tokens,
+            "budget": args.budget,
+            "max_depth": args.max_depth,
+            "repeats": args.repeats,
+            "decoding": "greedy",
+        },
         "all_rows_identical_to_plain": all(r["rows_identical_to_plain"] == r["rows"] for r in results),
         "per_batch_size": results,
     }
-    report["machine"].update(torch_threads=torch.get_num_threads(), device=str(model.device),
-                             gpu=torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None)
+    report["machine"].update(
+        torch_threads=torch.get_num_threads(),
+        device=str(model.device),
+        gpu=torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
+    )
     save_report(report, args.out)
     return 0
 

@@ -30,16 +30,24 @@ REST_SEARCH = {"k": 5000, "long": 10}  # REST's draftretriever.search arguments 
 
 def machine() -> dict:
     """The machine a report was measured on."""
-    return {"cpus": os.cpu_count(), "machine": platform.machine(), "processor": platform.processor(),
-            "python": platform.python_version()}
+    return {
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "python": platform.python_version(),
+    }
 
 
 def report_header(benchmark: str, argv: Sequence[str] | None) -> dict:
     """The first keys of every report: which benchmark, the command that reproduces it (``argv``:
     the arguments given to ``main``, None for the process's own), the date and the machine."""
     args = sys.argv[1:] if argv is None else argv
-    return {"benchmark": benchmark, "command": " ".join(["python -m", f"benchmarks.{benchmark}", *args]),
-            "date": time.strftime("%Y-%m-%d"), "machine": machine()}
+    return {
+        "benchmark": benchmark,
+        "command": " ".join(["python -m", f"benchmarks.{benchmark}", *args]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+    }
 
 
 def load_targets(benchmark: str) -> dict:
@@ -66,8 +74,11 @@ def ensure_index(path: Path, build_args: Sequence[str]) -> Path:
     start builds them)."""
     if not (path / "manifest.json").exists():
         print(f"no index at {path}: building it (build_index {' '.join(build_args)})", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "rest_spec.build_index", *build_args, "--out", str(path), "--quiet"],
-                       cwd=REPO, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "rest_spec.build_index", *build_args, "--out", str(path), "--quiet"],
+            cwd=REPO,
+            check=True,
+        )
     return path
 
 
@@ -76,8 +87,9 @@ def ensure_index(path: Path, build_args: Sequence[str]) -> Path:
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
     """``text`` as one user turn, rendered with the chat template and a generation prompt."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     return list(rendered["input_ids"])
 
 

@@ -35,8 +35,11 @@ def quality(examples: list[Example], drafter, config: DraftConfig) -> dict:
     """The replay's figures under this benchmark's names: mean accepted length, mean tree nodes,
     median draft ms."""
     result = replay(examples, drafter, config)
-    return {"mean_accepted": result["mean_accepted"], "mean_tree_nodes": result["verified_per_step"] - 1,
-            "median_draft_ms": result["median_draft_ms"]}
+    return {
+        "mean_accepted": result["mean_accepted"],
+        "mean_tree_nodes": result["verified_per_step"] - 1,
+        "median_draft_ms": result["median_draft_ms"],
+    }
 
 
 def main(argv=None) -> int:
@@ -52,8 +55,12 @@ def main(argv=None) -> int:
     out_path = args.out or RESULTS / f"draft_quality{'_chat' if args.chat else ''}.json"
 
     model, tokenizer = load_model(None), load_tokenizer(None)
-    examples = greedy_outputs(model, "humaneval-chat" if args.chat else "humaneval",
-                              humaneval_inputs(tokenizer, args.prompts, chat=args.chat), args.max_new_tokens)
+    examples = greedy_outputs(
+        model,
+        "humaneval-chat" if args.chat else "humaneval",
+        humaneval_inputs(tokenizer, args.prompts, chat=args.chat),
+        args.max_new_tokens,
+    )
 
     results = {}
     with Datastore.open(args.index) as store, tempfile.TemporaryDirectory() as tmp:
@@ -70,8 +77,13 @@ def main(argv=None) -> int:
             print(f"draftretriever: {results['draftretriever']}", file=sys.stderr)
     report = {
         **report_header("draft_quality", argv),
-        "config": {"index": args.index, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-                   "budget": args.budget, "chat_template": args.chat},
+        "config": {
+            "index": args.index,
+            "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "budget": args.budget,
+            "chat_template": args.chat,
+        },
         "results": results,
     }
     save_report(report, out_path)

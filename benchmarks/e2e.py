@@ -79,20 +79,37 @@ INDEXES = {
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} "
-                   "(default: %(default)s)")
+    p.add_argument(
+        "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
+    )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs)")
-    p.add_argument("--humaneval-index", type=Path, default=INDEXES["humaneval"][0],
-                   help="the index of both humaneval sets (default: %(default)s)")
-    p.add_argument("--sharegpt-index", type=Path, default=INDEXES["sharegpt"][0],
-                   help="a sharegpt index built with --skip-last; its held-out conversations give the prompts "
-                   "(default: %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024,
-                   help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)")
-    p.add_argument("--budget", type=int, default=64, help="paper mode's tree size; the adaptive mode's candidates (default 64)")
+    p.add_argument(
+        "--humaneval-index",
+        type=Path,
+        default=INDEXES["humaneval"][0],
+        help="the index of both humaneval sets (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sharegpt-index",
+        type=Path,
+        default=INDEXES["sharegpt"][0],
+        help="a sharegpt index built with --skip-last; its held-out conversations give the prompts "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=1024,
+        help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)",
+    )
+    p.add_argument(
+        "--budget", type=int, default=64, help="paper mode's tree size; the adaptive mode's candidates (default 64)"
+    )
     p.add_argument("--max-depth", type=int, default=10)
     p.add_argument("--model", default=None, help="model spec (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -136,8 +153,10 @@ def sharegpt_prompts(tokenizer, index: Path, count: int, max_tokens: int) -> lis
             prompts.append(ids)
             if len(prompts) == count:
                 return prompts
-    raise SystemExit(f"{index}: only {len(prompts)} held-out conversations have a first user turn of at most "
-                     f"{max_tokens} tokens; {count} wanted")
+    raise SystemExit(
+        f"{index}: only {len(prompts)} held-out conversations have a first user turn of at most "
+        f"{max_tokens} tokens; {count} wanted"
+    )
 
 
 # ---- modes ------------------------------------------------------------------------------------
@@ -201,16 +220,18 @@ def hf_run(model, ids: list[int], max_new_tokens: int) -> Run:
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                            max_new_tokens=max_new_tokens)
+    output = model.generate(
+        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=max_new_tokens
+    )
     sync()
     seconds = time.perf_counter() - start
-    new = output[0, len(ids):].tolist()
+    new = output[0, len(ids) :].tolist()
     return Run(new, seconds, len(new), len(new), 0.0)
 
 
-def run_set(name: str, prompts: list[list[int]], base: LocalDrafter, model, cost: VerifyCost,
-            args: argparse.Namespace) -> dict:
+def run_set(
+    name: str, prompts: list[list[int]], base: LocalDrafter, model, cost: VerifyCost, args: argparse.Namespace
+) -> dict:
     """Every mode on every prompt of one set, interleaved; per-prompt rows and per-mode summaries."""
     config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
     adaptive = AdaptiveDrafter(base, cost=cost, config=config)  # one per set: outputs and calibration carry over
@@ -233,9 +254,16 @@ def run_set(name: str, prompts: list[list[int]], base: LocalDrafter, model, cost
             rows[mode].append({"prompt": i, "prompt_tokens": len(ids), **run.row(reference)})
             if mode == "adaptive":
                 adaptive.add_output(run.output_ids)
-        log.info("%s %d/%d: %s", name, i + 1, len(prompts), ", ".join(
-            f"{mode} {rows[mode][-1]['mean_accepted']:.2f} tok/step x{rows[mode][-1]['speed_vs_plain']:.2f}"
-            for mode in args.modes))
+        log.info(
+            "%s %d/%d: %s",
+            name,
+            i + 1,
+            len(prompts),
+            ", ".join(
+                f"{mode} {rows[mode][-1]['mean_accepted']:.2f} tok/step x{rows[mode][-1]['speed_vs_plain']:.2f}"
+                for mode in args.modes
+            ),
+        )
     return {
         "index": str(base.datastore.path),
         "prompts": len(prompts),
@@ -267,15 +295,21 @@ def targets(report: dict) -> dict:
         adaptive, paper = modes.get("adaptive"), modes.get("paper")
         if adaptive and paper:
             out[f"{name}: adaptive accepted length >= {accepted['min']}x paper"] = check(
-                adaptive["mean_accepted"] / paper["mean_accepted"], accepted)
+                adaptive["mean_accepted"] / paper["mean_accepted"], accepted
+            )
             out[f"{name}: adaptive verifies no more tokens per step than paper"] = check(
-                adaptive["mean_verified_per_step"] / paper["mean_verified_per_step"], verified)
+                adaptive["mean_verified_per_step"] / paper["mean_verified_per_step"], verified
+            )
         if adaptive:
             speed = limits.get(f"median_speed_vs_plain_{name}", limits["median_speed_vs_plain"])
             out[f"{name}: adaptive median speed >= {speed['min']}x plain"] = check(
-                adaptive["median_speed_vs_plain"], speed)
+                adaptive["median_speed_vs_plain"], speed
+            )
     out["every output equals plain decoding"] = all(
-        mode["same_as_plain"] == result["prompts"] for result in report["sets"].values() for mode in result["modes"].values())
+        mode["same_as_plain"] == result["prompts"]
+        for result in report["sets"].values()
+        for mode in result["modes"].values()
+    )
     return out
 
 
@@ -294,18 +328,25 @@ def plot(report: dict, path: Path) -> bool:
     modes = [m for m in MODES if any(m in report["sets"][s]["modes"] for s in sets)]
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
     width = 0.8 / len(modes)
-    for axis, key, title in ((axes[0], "mean_accepted", "mean accepted length (tokens / step)"),
-                             (axes[1], "median_speed_vs_plain", "speed vs plain decoding (median)")):
+    for axis, key, title in (
+        (axes[0], "mean_accepted", "mean accepted length (tokens / step)"),
+        (axes[1], "median_speed_vs_plain", "speed vs plain decoding (median)"),
+    ):
         for j, mode in enumerate(modes):
             values = [report["sets"][s]["modes"].get(mode, {}).get(key, 0.0) for s in sets]
-            bars = axis.bar([i + (j - (len(modes) - 1) / 2) * width for i in range(len(sets))], values, width, label=mode)
+            bars = axis.bar(
+                [i + (j - (len(modes) - 1) / 2) * width for i in range(len(sets))], values, width, label=mode
+            )
             axis.bar_label(bars, fmt="%.2f", fontsize=7)
         axis.set_xticks(range(len(sets)), sets)
         axis.set_title(title)
         axis.axhline(1.0, color="gray", linewidth=0.5)
     axes[0].legend()
-    figure.suptitle(f"{report['config']['model']}, greedy, {report['config']['max_new_tokens']} new tokens, "
-                    f"{report['machine']['device']}", fontsize=9)
+    figure.suptitle(
+        f"{report['config']['model']}, greedy, {report['config']['max_new_tokens']} new tokens, "
+        f"{report['machine']['device']}",
+        fontsize=9,
+    )
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
@@ -322,20 +363,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     cost = load_or_measure(model, remeasure=args.remeasure)
     report = {
         **report_header("e2e", argv),
-        "config": {"model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)", "greedy": True,
-                   "prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
-                   "max_depth": args.max_depth, "max_prompt_tokens_sharegpt": args.max_prompt_tokens,
-                   "modes": args.modes,
-                   "adaptive_mode": "AdaptiveDrafter(sources=index,request,outputs, cost=measured t(n)); its output "
-                   "store starts empty and gets each adaptive-mode output after its prompt (add_output); its "
-                   "calibration (per source and sample class) carries over between prompts of a set",
-                   "humaneval_prompts": "raw code to complete",
-                   "humaneval_chat_prompts": "the HumanEval prompts as a user turn, chat template",
-                   "sharegpt_prompts":
-                   "first user turn of held-out conversations, chat template"},
-        "verify_cost": {"sizes": list(cost.sizes), "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds],
-                        "chain_relative_to_one_token": [s / cost.seconds[0] for s in cost.chain_seconds],
-                        "one_token_ms": 1e3 * cost.seconds[0], "key": dataclasses.asdict(cost.key)},
+        "config": {
+            "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)",
+            "greedy": True,
+            "prompts_per_set": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "budget": args.budget,
+            "max_depth": args.max_depth,
+            "max_prompt_tokens_sharegpt": args.max_prompt_tokens,
+            "modes": args.modes,
+            "adaptive_mode": "AdaptiveDrafter(sources=index,request,outputs, cost=measured t(n)); its output "
+            "store starts empty and gets each adaptive-mode output after its prompt (add_output); its "
+            "calibration (per source and sample class) carries over between prompts of a set",
+            "humaneval_prompts": "raw code to complete",
+            "humaneval_chat_prompts": "the HumanEval prompts as a user turn, chat template",
+            "sharegpt_prompts": "first user turn of held-out conversations, chat template",
+        },
+        "verify_cost": {
+            "sizes": list(cost.sizes),
+            "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds],
+            "chain_relative_to_one_token": [s / cost.seconds[0] for s in cost.chain_seconds],
+            "one_token_ms": 1e3 * cost.seconds[0],
+            "key": dataclasses.asdict(cost.key),
+        },
         "sets": {},
     }
     report["machine"].update(torch_threads=torch.get_num_threads(), device=str(model.device))

@@ -64,8 +64,22 @@ def start_server(index: Path, workers: int, log_file) -> tuple[subprocess.Popen,
     """``rest-datastore serve`` on a free loopback port, its log to ``log_file``; returns the
     process and the address it printed once ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(index), "--port", "0", "--workers", str(workers)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=log_file, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rest_spec.datastore",
+            "serve",
+            "--index",
+            str(index),
+            "--port",
+            "0",
+            "--workers",
+            str(workers),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=log_file,
+        text=True,
     )
     line = proc.stdout.readline()
     if not line.startswith("listening on "):
@@ -76,8 +90,9 @@ def start_server(index: Path, workers: int, log_file) -> tuple[subprocess.Popen,
     return proc, line.split()[-1]
 
 
-def client_process(address: str, requests: list[bytes], clients: int, first: int, warmup: float, seconds: float,
-                   barrier, results) -> None:
+def client_process(
+    address: str, requests: list[bytes], clients: int, first: int, warmup: float, seconds: float, barrier, results
+) -> None:
     """``clients`` threads drafting round-robin (client k starting at ``first + k`` requests in);
     after the barrier, ``warmup`` seconds unmeasured, then ``seconds`` measured. Puts (calls,
     {status: count} of failed calls, latencies in seconds) on ``results``."""
@@ -115,12 +130,18 @@ def client_process(address: str, requests: list[bytes], clients: int, first: int
         thread.join()
     for channel in channels:
         channel.close()
-    results.put((sum(o[0] for o in outcomes), sum((o[1] for o in outcomes), Counter()),
-                 [latency for o in outcomes for latency in o[2]]))
+    results.put(
+        (
+            sum(o[0] for o in outcomes),
+            sum((o[1] for o in outcomes), Counter()),
+            [latency for o in outcomes for latency in o[2]],
+        )
+    )
 
 
-def run_load(index: Path, *, clients: int = 32, seconds: float = 30.0, processes: int = 4, warmup: float = 5.0,
-             workers: int = 8) -> dict:
+def run_load(
+    index: Path, *, clients: int = 32, seconds: float = 30.0, processes: int = 4, warmup: float = 5.0, workers: int = 8
+) -> dict:
     """The figures of ``clients`` clients in ``processes`` processes drafting from a fresh server
     (``workers`` threads) on ``index`` for ``seconds`` after ``warmup`` seconds."""
     from rest_spec.datastore import wire
@@ -134,9 +155,13 @@ def run_load(index: Path, *, clients: int = 32, seconds: float = 30.0, processes
     with tempfile.TemporaryFile("w+") as server_log:
         proc, address = start_server(index, workers, server_log)
         try:
-            pool = [spawn.Process(target=client_process,
-                                  args=(address, requests, share, sum(shares[:k]) * 97, warmup, seconds, barrier, results))
-                    for k, share in enumerate(shares)]
+            pool = [
+                spawn.Process(
+                    target=client_process,
+                    args=(address, requests, share, sum(shares[:k]) * 97, warmup, seconds, barrier, results),
+                )
+                for k, share in enumerate(shares)
+            ]
             for p in pool:
                 p.start()
             try:
@@ -148,7 +173,9 @@ def run_load(index: Path, *, clients: int = 32, seconds: float = 30.0, processes
                 try:  # a client that fails prints its traceback and never reports
                     outcomes = [results.get(timeout=CALL_TIMEOUT + SETUP_SECONDS) for _ in pool]
                 except queue.Empty:
-                    raise RuntimeError(f"a client process of {address} did not report (its traceback is above)") from None
+                    raise RuntimeError(
+                        f"a client process of {address} did not report (its traceback is above)"
+                    ) from None
             finally:
                 for p in pool:
                     p.join(timeout=10)
@@ -170,17 +197,28 @@ def run_load(index: Path, *, clients: int = 32, seconds: float = 30.0, processes
         "requests_per_second": round(calls / seconds, 1),
         "errors": sum(errors.values()),
         "errors_by_status": dict(errors),
-        "latency_ms": {q: round(float(np.percentile(latencies_ms, p)), 2) if calls else None
-                       for q, p in (("p50", 50), ("p99", 99), ("max", 100))},
-        "server_rss_mb": {"after_warmup": round(rss_before, 1), "after": round(rss_after, 1),
-                          "growth": round(rss_after - rss_before, 1)},
+        "latency_ms": {
+            q: round(float(np.percentile(latencies_ms, p)), 2) if calls else None
+            for q, p in (("p50", 50), ("p99", 99), ("max", 100))
+        },
+        "server_rss_mb": {
+            "after_warmup": round(rss_before, 1),
+            "after": round(rss_after, 1),
+            "growth": round(rss_after - rss_before, 1),
+        },
     }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--index", type=Path, default=REPO / "indexes" / "python-stdlib",
-                   help="index to serve (default: %(default)s, built from this Python's standard library if missing)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--index",
+        type=Path,
+        default=REPO / "indexes" / "python-stdlib",
+        help="index to serve (default: %(default)s, built from this Python's standard library if missing)",
+    )
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--processes", type=int, default=4, help="client processes the clients are spread over")
     p.add_argument("--seconds", type=float, default=30.0, help="measured seconds")
@@ -194,8 +232,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
     ensure_index(args.index, ["--corpus", "python-stdlib"])
-    figures = run_load(args.index, clients=args.clients, seconds=args.seconds, processes=args.processes,
-                       warmup=args.warmup, workers=args.workers)
+    figures = run_load(
+        args.index,
+        clients=args.clients,
+        seconds=args.seconds,
+        processes=args.processes,
+        warmup=args.warmup,
+        workers=args.workers,
+    )
     report = {
         **report_header("load", argv),
         "index": str(args.index),

@@ -51,8 +51,13 @@ def greedy_outputs(model, name: str, prompts: list[list[int]], max_new_tokens: i
     return examples
 
 
-def replay(examples: list[Example], drafter: Drafts, config: DraftConfig, cost: VerifyCost | None = None,
-           remember: Callable[[list[int]], object] | None = None) -> dict:
+def replay(
+    examples: list[Example],
+    drafter: Drafts,
+    config: DraftConfig,
+    cost: VerifyCost | None = None,
+    remember: Callable[[list[int]], object] | None = None,
+) -> dict:
     """Mean accepted length, verified tokens per step (tree nodes + 1) and median draft time of
     ``drafter`` on the greedy ``examples``; with a ``cost``, also the speed against plain
     decoding modeled from it (t(1) per token over t(1 + nodes) per step). ``remember`` gets each
@@ -75,8 +80,11 @@ def replay(examples: list[Example], drafter: Drafts, config: DraftConfig, cost: 
         tokens += len(output)
         if remember is not None:
             remember(output)
-    result = {"mean_accepted": tokens / steps, "verified_per_step": verified / steps,
-              "median_draft_ms": 1e3 * statistics.median(draft_seconds)}
+    result = {
+        "mean_accepted": tokens / steps,
+        "verified_per_step": verified / steps,
+        "median_draft_ms": 1e3 * statistics.median(draft_seconds),
+    }
     if cost is not None:
         result["modeled_speed_vs_plain"] = tokens * float(cost(1)) / seconds
     return result

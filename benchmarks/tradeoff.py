@@ -39,13 +39,18 @@ from rest_spec.drafter.model import load_model
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} "
-                   "(default: %(default)s)")
+    p.add_argument(
+        "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
+    )
     p.add_argument("--sizes", default="2,4,8,16,32,64", help="fixed tree sizes to compare (default: %(default)s)")
-    p.add_argument("--budget", type=int, default=64, help="paper mode's tree size; the adaptive candidates (default 64)")
+    p.add_argument(
+        "--budget", type=int, default=64, help="paper mode's tree size; the adaptive candidates (default 64)"
+    )
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="as in benchmarks.e2e (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS / "tradeoff.json")
     args = p.parse_args(argv)
@@ -69,7 +74,9 @@ def run_set(examples: list[Example], index: Path, cost: VerifyCost, args: argpar
     for label, size in [("adaptive", None)] + [(f"adaptive@{k}", k) for k in args.sizes]:
         with LocalDrafter.open(index) as base:  # its own output store
             drafter = AdaptiveDrafter(base, cost=cost if size is None else None, config=config)
-            results[label] = replay(examples, drafter, DraftConfig(budget=size or args.budget), cost, drafter.add_output)
+            results[label] = replay(
+                examples, drafter, DraftConfig(budget=size or args.budget), cost, drafter.add_output
+            )
     return results
 
 
@@ -80,9 +87,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     cost = load_or_measure(model)
     report = {
         **report_header("tradeoff", argv),
-        "config": {"prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget,
-                   "speed": "modeled: t(1) per token / t(1 + tree nodes) per step, t from rest_spec.drafter.measure"},
-        "verify_cost": {"sizes": list(cost.sizes), "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds]},
+        "config": {
+            "prompts_per_set": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "budget": args.budget,
+            "speed": "modeled: t(1) per token / t(1 + tree nodes) per step, t from rest_spec.drafter.measure",
+        },
+        "verify_cost": {
+            "sizes": list(cost.sizes),
+            "relative_to_one_token": [s / cost.seconds[0] for s in cost.seconds],
+        },
         "sets": {},
     }
     for name in args.sets:
@@ -92,9 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["sets"][name] = results
         print(f"{name}: {'drafter':<14} {'accepted':>9} {'x paper':>8} {'verified':>9} {'speed':>7}")
         for label, row in results.items():
-            print(f"{name}: {label:<14} {row['mean_accepted']:9.3f} "
-                  f"{row['mean_accepted'] / results['paper']['mean_accepted']:8.3f} "
-                  f"{row['verified_per_step']:9.2f} {row['modeled_speed_vs_plain']:7.3f}")
+            print(
+                f"{name}: {label:<14} {row['mean_accepted']:9.3f} "
+                f"{row['mean_accepted'] / results['paper']['mean_accepted']:8.3f} "
+                f"{row['verified_per_step']:9.2f} {row['modeled_speed_vs_plain']:7.3f}"
+            )
     save_report(report, args.out, echo=False)
     print(f"saved {args.out}")
     return 0

@@ -111,8 +111,11 @@ def test_queries_are_windows_of_held_out_text_only():
     tokenizer = load_tokenizer(None)
     queries = sample_queries(spec, 200, seed=3, tokenizer=tokenizer)
     assert queries == sample_queries(spec, 200, seed=3, tokenizer=tokenizer)
-    held_out = [np.asarray(tokenizer(t, add_special_tokens=False).input_ids)
-                for r in held_out_records(spec) for t in r.documents()]
+    held_out = [
+        np.asarray(tokenizer(t, add_special_tokens=False).input_ids)
+        for r in held_out_records(spec)
+        for t in r.documents()
+    ]
     windows = {doc[i : i + QUERY_TOKENS].tobytes() for doc in held_out for i in range(doc.size - QUERY_TOKENS + 1)}
     assert len(queries) == 200 and all(len(q) == QUERY_TOKENS for q in queries)
     assert all(np.asarray(q, dtype=held_out[0].dtype).tobytes() in windows for q in queries)

@@ -71,7 +71,9 @@ def test_tradeoff_replay_accepts_what_the_real_loop_accepts(smollm2, stdlib_inde
     config = DraftConfig(budget=16)
     for adaptive in (False, True):
         with LocalDrafter.open(stdlib_index) as real_base, LocalDrafter.open(stdlib_index) as replay_base:
-            make = (lambda base: AdaptiveDrafter(base, cost=CPU_COST, config=config)) if adaptive else (lambda base: base)
+            make = (
+                (lambda base: AdaptiveDrafter(base, cost=CPU_COST, config=config)) if adaptive else (lambda base: base)
+            )
             real_drafter, replay_drafter = make(real_base), make(replay_base)
             tokens = steps = 0
             for ids, output in examples:

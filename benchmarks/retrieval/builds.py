@@ -66,8 +66,13 @@ def run_measured(cmd: Sequence[str]) -> Measured:
     with tempfile.TemporaryDirectory() as tmp:
         peak = Path(tmp, "peak_rss_kib")
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", _PEAK_RSS_LAUNCHER, str(peak), *cmd], cwd=REPO,
-                              capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", _PEAK_RSS_LAUNCHER, str(peak), *cmd],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -84,14 +89,30 @@ def run_function(name: str, *args: str) -> tuple[dict, Measured]:
 
 def build_ours(spec: IndexSpec, out: Path, max_records: int | None) -> dict:
     """Build with the real CLI; its JSON summary plus the build's peak memory."""
-    cmd = [sys.executable, "-m", "rest_spec.build_index", "--corpus", spec.corpus, "--skip-last", str(spec.held_out),
-           "--out", str(out), "--overwrite", "--json", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rest_spec.build_index",
+        "--corpus",
+        spec.corpus,
+        "--skip-last",
+        str(spec.held_out),
+        "--out",
+        str(out),
+        "--overwrite",
+        "--json",
+        "--quiet",
+    ]
     if max_records is not None:
         cmd += ["--max-docs", str(max_records)]
     measured = run_measured(cmd)
     summary = json.loads(measured.stdout)
-    return {**summary, "command": " ".join(cmd[2:]), "peak_rss_bytes": measured.peak_rss_bytes,
-            "suffix_array_tokens_per_second": summary["tokens"] / summary["suffix_array_seconds"]}
+    return {
+        **summary,
+        "command": " ".join(cmd[2:]),
+        "peak_rss_bytes": measured.peak_rss_bytes,
+        "suffix_array_tokens_per_second": summary["tokens"] / summary["suffix_array_seconds"],
+    }
 
 
 def build_draftretriever(index: str, out: str) -> dict:
@@ -104,8 +125,11 @@ def build_draftretriever(index: str, out: str) -> dict:
         writer_seconds = time.perf_counter() - start
     start = time.perf_counter()
     open_draftretriever(out)
-    return {"writer_seconds": writer_seconds, "reader_seconds": time.perf_counter() - start,
-            "bytes_on_disk": os.path.getsize(out)}
+    return {
+        "writer_seconds": writer_seconds,
+        "reader_seconds": time.perf_counter() - start,
+        "bytes_on_disk": os.path.getsize(out),
+    }
 
 
 def rest_tokenize(spec: CorpusSpec) -> dict:
@@ -115,12 +139,19 @@ def rest_tokenize(spec: CorpusSpec) -> dict:
     tokenizer = load_tokenizer(None)
     load_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    tokens = sum(len(tokenizer.encode(text, add_special_tokens=False))
-                 for record in iter_records(spec) for text in record.documents(spec.turns))
+    tokens = sum(
+        len(tokenizer.encode(text, add_special_tokens=False))
+        for record in iter_records(spec)
+        for text in record.documents(spec.turns)
+    )
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "load_tokenizer_seconds": load_seconds, "tokens": tokens,
-            "tokens_per_second": tokens / seconds,
-            "method": "one process, tokenizer.encode(text) per document, same records as our build"}
+    return {
+        "seconds": seconds,
+        "load_tokenizer_seconds": load_seconds,
+        "tokens": tokens,
+        "tokens_per_second": tokens / seconds,
+        "method": "one process, tokenizer.encode(text) per document, same records as our build",
+    }
 
 
 def _read_sidecar(path: Path) -> dict | None:
@@ -149,14 +180,22 @@ def prepare_index(spec: IndexSpec, workdir: Path, reuse: bool, max_records: int 
         return out, record
     log.info("%s: building with build_index (%s)", spec.name, corpus)
     ours = build_ours(spec, out, max_records)
-    log.info("%s: %d tokens in %.1f s; building draftretriever over the same documents", spec.name,
-             ours["tokens"], ours["seconds"])
+    log.info(
+        "%s: %d tokens in %.1f s; building draftretriever over the same documents",
+        spec.name,
+        ours["tokens"],
+        ours["seconds"],
+    )
     theirs, measured = run_function("build_draftretriever", str(out), str(reference))
     theirs["peak_rss_bytes"] = measured.peak_rss_bytes
     log.info("%s: timing REST's tokenization (one process)", spec.name)
     theirs["tokenize"] = rest_tokenize(corpus)
-    record = {"corpus_spec": corpus.to_dict(), "date": time.strftime("%Y-%m-%d %H:%M"), "ours": ours,
-              "draftretriever": theirs}
+    record = {
+        "corpus_spec": corpus.to_dict(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "ours": ours,
+        "draftretriever": theirs,
+    }
     _write_sidecar(_sidecar(out), record)
     return out, record
 
@@ -177,14 +216,23 @@ def build_replicated(source: str, out: str, factor: str, seed: str) -> dict:
     with Datastore.open(source) as store:
         documents = list(store.documents())  # views of the memory map, nothing copied
         tokenizer = store.manifest.tokenizer
-    with IndexWriter(out, tokenizer_name=tokenizer.name, tokenizer_fingerprint=tokenizer.fingerprint,
-                     vocab_size=tokenizer.vocab_size, overwrite=True) as writer:
+    with IndexWriter(
+        out,
+        tokenizer_name=tokenizer.name,
+        tokenizer_fingerprint=tokenizer.fingerprint,
+        vocab_size=tokenizer.vocab_size,
+        overwrite=True,
+    ) as writer:
         for _ in range(factor_):
             for i in rng.permutation(len(documents)):
                 writer.add_document(documents[i])
         summary = writer.finish(corpus={"replicated_from": source, "factor": factor_, "seed": int(seed)})
-    return {"tokens": summary.tokens, "shards": summary.shards, "bytes_on_disk": summary.bytes_on_disk,
-            "suffix_array_seconds": summary.suffix_array_seconds}
+    return {
+        "tokens": summary.tokens,
+        "shards": summary.shards,
+        "bytes_on_disk": summary.bytes_on_disk,
+        "suffix_array_seconds": summary.suffix_array_seconds,
+    }
 
 
 def prepare_growth_index(source: Path, factor: int, workdir: Path, reuse: bool) -> tuple[Path, dict]:
@@ -202,11 +250,23 @@ def prepare_growth_index(source: Path, factor: int, workdir: Path, reuse: bool) 
         return out, record
     log.info("growth x%d: building %s with IndexWriter (minutes for big factors)", factor, out)
     built, measured = run_function("build_replicated", str(source), str(out), str(factor), str(GROWTH_SEED))
-    record = {"factor": factor, **source_record, **built, "seconds": measured.seconds,
-              "peak_rss_bytes": measured.peak_rss_bytes, "date": time.strftime("%Y-%m-%d %H:%M")}
+    record = {
+        "factor": factor,
+        **source_record,
+        **built,
+        "seconds": measured.seconds,
+        "peak_rss_bytes": measured.peak_rss_bytes,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     _write_sidecar(_sidecar(out), record)
-    log.info("growth x%d: %d tokens, %d shards, %.0f s, peak %.2f GB", factor, built["tokens"], built["shards"],
-             measured.seconds, measured.peak_rss_bytes / 1e9)
+    log.info(
+        "growth x%d: %d tokens, %d shards, %.0f s, peak %.2f GB",
+        factor,
+        built["tokens"],
+        built["shards"],
+        measured.seconds,
+        measured.peak_rss_bytes / 1e9,
+    )
     return out, record
 
 
@@ -219,6 +279,8 @@ def check_disk_space(workdir: Path, source: Path, factors: Sequence[int], reuse:
     needed = int(1.1 * source_bytes * sum(to_build))
     free = shutil.disk_usage(workdir).free
     if needed > free:
-        raise SystemExit(f"growth factors {to_build} need about {needed / 1e9:.1f} GB in {workdir}, "
-                         f"only {free / 1e9:.1f} GB free: pass smaller --growth factors or another --workdir")
+        raise SystemExit(
+            f"growth factors {to_build} need about {needed / 1e9:.1f} GB in {workdir}, "
+            f"only {free / 1e9:.1f} GB free: pass smaller --growth factors or another --workdir"
+        )
     return {"needed_bytes": needed, "free_bytes": free}

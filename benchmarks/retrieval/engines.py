@@ -37,8 +37,10 @@ def sample_queries(spec: CorpusSpec, count: int, seed: int, tokenizer) -> list[l
     docs = [np.asarray(doc, dtype=np.int64) for doc in ids]
     windows = np.array([max(d.size - QUERY_TOKENS + 1, 0) for d in docs], dtype=np.int64)
     if windows.sum() == 0:
-        raise ValueError(f"{spec.corpus}: the {spec.skip_last} held-out records hold no {QUERY_TOKENS}-token "
-                         "window; hold out more records")
+        raise ValueError(
+            f"{spec.corpus}: the {spec.skip_last} held-out records hold no {QUERY_TOKENS}-token "
+            "window; hold out more records"
+        )
     flat, starts = np.concatenate(docs), np.concatenate(([0], np.cumsum([d.size for d in docs])[:-1]))
     ends = np.cumsum(windows)
     picks = np.random.default_rng(seed).integers(ends[-1], size=count)
@@ -67,8 +69,11 @@ def time_calls(draft: DraftFn, queries: list[list[int]], budget: int) -> np.ndar
 
 
 def latency_ms(seconds: np.ndarray) -> dict:
-    return {"median_ms": 1e3 * float(np.median(seconds)), "p99_ms": 1e3 * float(np.percentile(seconds, 99)),
-            "calls": int(seconds.size)}
+    return {
+        "median_ms": 1e3 * float(np.median(seconds)),
+        "p99_ms": 1e3 * float(np.percentile(seconds, 99)),
+        "calls": int(seconds.size),
+    }
 
 
 def compare_latency(engines: dict[str, DraftFn], queries: list[list[int]], budgets: Sequence[int]) -> dict:
@@ -94,8 +99,11 @@ def node_counts(store: Datastore, reader, queries: list[list[int]]) -> dict:
     theirs = np.array([rest_nodes(rest_paths(reader, q, NODES_BUDGET)) for q in queries])
 
     def stats(nodes: np.ndarray) -> dict:
-        return {"mean": float(nodes.mean()), "median": float(np.median(nodes)),
-                "empty_percent": 100 * float(np.mean(nodes == 0))}
+        return {
+            "mean": float(nodes.mean()),
+            "median": float(np.median(nodes)),
+            "empty_percent": 100 * float(np.mean(nodes == 0)),
+        }
 
     return {"budget": NODES_BUDGET, "ours": stats(ours), "draftretriever": stats(theirs)}
 
@@ -133,8 +141,13 @@ def rss_in_fresh_process(engine: str, path: Path) -> int:
 def open_figures(index: Path, index_bytes: int, reference: Path | None = None) -> dict:
     """Open time (median) and resident memory added by opening, for ours and, given its file,
     draftretriever's Reader."""
-    figures = {"ours": {"open_seconds": median_seconds(lambda: Datastore.open(index).close(), OPEN_REPEATS),
-                        "rss_added_bytes": rss_in_fresh_process("ours", index), "index_bytes": index_bytes}}
+    figures = {
+        "ours": {
+            "open_seconds": median_seconds(lambda: Datastore.open(index).close(), OPEN_REPEATS),
+            "rss_added_bytes": rss_in_fresh_process("ours", index),
+            "index_bytes": index_bytes,
+        }
+    }
     if reference is not None:
         figures["draftretriever"] = {
             "open_seconds": median_seconds(lambda: open_draftretriever(reference), REFERENCE_OPEN_REPEATS),

@@ -18,38 +18,65 @@ def evaluate_targets(report: dict) -> list[dict]:
     def add(name: str, value: float | None, key: str) -> None:
         target = limits[key]
         passed = None if value is None else bool(check(value, target))
-        targets.append({"target": name, "value": value, "limit": target.get("max", target.get("min")),
-                        "at_most": "max" in target, "pass": passed})
+        targets.append(
+            {
+                "target": name,
+                "value": value,
+                "limit": target.get("max", target.get("min")),
+                "at_most": "max" in target,
+                "pass": passed,
+            }
+        )
 
     b64 = chat["in_process_latency"]["budget_64"] if chat else None
     add("sharegpt in-process draft, budget 64, median ms", b64 and b64["ours"]["median_ms"], "draft_median_ms")
     add("sharegpt in-process draft, budget 64, p99 ms", b64 and b64["ours"]["p99_ms"], "draft_p99_ms")
-    add("sharegpt in-process speedup over draftretriever (median, budget 64)", b64 and b64["speedup"],
-        "speedup_over_draftretriever")
+    add(
+        "sharegpt in-process speedup over draftretriever (median, budget 64)",
+        b64 and b64["speedup"],
+        "speedup_over_draftretriever",
+    )
     grpc = chat.get("grpc") if chat else None
-    add("sharegpt gRPC round trip, 1 client, median ms", grpc and grpc["clients"]["1"]["round_trip"]["median_ms"],
-        "grpc_round_trip_median_ms")
-    add("sharegpt gRPC throughput, 2 clients / 1 client", grpc and grpc["clients"]["2"]["throughput_vs_1_client"],
-        "grpc_throughput_2_vs_1_clients")
+    add(
+        "sharegpt gRPC round trip, 1 client, median ms",
+        grpc and grpc["clients"]["1"]["round_trip"]["median_ms"],
+        "grpc_round_trip_median_ms",
+    )
+    add(
+        "sharegpt gRPC throughput, 2 clients / 1 client",
+        grpc and grpc["clients"]["2"]["throughput_vs_1_client"],
+        "grpc_throughput_2_vs_1_clients",
+    )
     sized = [(name, fig["open"]["ours"]) for name, fig in report["indexes"].items()]
-    sized += [(f"sharegpt x{row['factor']}", row) for row in (report.get("growth") or {}).get("sizes", [])
-              if row["factor"] != 1]
+    sized += [
+        (f"sharegpt x{row['factor']}", row)
+        for row in (report.get("growth") or {}).get("sizes", [])
+        if row["factor"] != 1
+    ]
     for name, fig in sized:
         add(f"{name} open seconds", fig["open_seconds"], "open_seconds")
-        add(f"{name} resident memory added by open, % of index bytes", fig["rss_added_percent_of_index"],
-            "open_rss_percent_of_index")
+        add(
+            f"{name} resident memory added by open, % of index bytes",
+            fig["rss_added_percent_of_index"],
+            "open_rss_percent_of_index",
+        )
     for name, fig in report["indexes"].items():
         add(f"{name} bytes on disk per token", fig["bytes_per_token"]["ours"], "bytes_per_token")
-        add(f"{name} end-to-end build seconds, ours / draftretriever's",
+        add(
+            f"{name} end-to-end build seconds, ours / draftretriever's",
             fig["build"]["ours"]["seconds"] / fig["build"]["draftretriever"]["seconds"],
-            "build_seconds_vs_draftretriever")
+            "build_seconds_vs_draftretriever",
+        )
     growth = report.get("growth")
     if growth:
         largest = max(growth["sizes"], key=lambda row: row["tokens"])
         min_tokens = limits["growth_median_vs_base"]["min_tokens"]
-        add(f"growth: median at {largest['tokens'] / 1e6:.0f}M tokens / at the ShareGPT index "
+        add(
+            f"growth: median at {largest['tokens'] / 1e6:.0f}M tokens / at the ShareGPT index "
             f"(target needs >= {min_tokens / 1e6:.0f}M tokens)",
-            largest["median_vs_base"] if largest["tokens"] >= min_tokens else None, "growth_median_vs_base")
+            largest["median_vs_base"] if largest["tokens"] >= min_tokens else None,
+            "growth_median_vs_base",
+        )
     return targets
 
 
@@ -74,8 +101,10 @@ def format_table(report: dict) -> str:
 
     for budget in BUDGETS:
         for stat in ("median_ms", "p99_ms"):
-            row(f"draft, budget {budget}, {stat.replace('_ms', '')} (ms)",
-                lambda f, e, b=budget, s=stat: f["in_process_latency"][f"budget_{b}"][e][s])
+            row(
+                f"draft, budget {budget}, {stat.replace('_ms', '')} (ms)",
+                lambda f, e, b=budget, s=stat: f["in_process_latency"][f"budget_{b}"][e][s],
+            )
     row(f"draft nodes at budget {NODES_BUDGET}, mean", lambda f, e: f["draft_nodes"][e]["mean"], 1)
     row(f"draft nodes at budget {NODES_BUDGET}, median", lambda f, e: f["draft_nodes"][e]["median"], 1)
     row("drafts with no node (%)", lambda f, e: f["draft_nodes"][e]["empty_percent"], 1)
@@ -90,26 +119,45 @@ def format_table(report: dict) -> str:
 
     with_grpc = [n for n in names if "grpc" in report["indexes"][n]]
     if with_grpc:
-        lines += ["", f"| gRPC, budget {GRPC_BUDGET} (ours) | " + " | ".join(with_grpc) + " |",
-                  "|---|" + "---:|" * len(with_grpc)]
+        lines += [
+            "",
+            f"| gRPC, budget {GRPC_BUDGET} (ours) | " + " | ".join(with_grpc) + " |",
+            "|---|" + "---:|" * len(with_grpc),
+        ]
         grpcs = [report["indexes"][n]["grpc"]["clients"] for n in with_grpc]
         for stat in ("median_ms", "p99_ms"):
-            lines.append(f"| round trip, 1 client, {stat.replace('_ms', '')} (ms) | "
-                         + " | ".join(_fmt(g["1"]["round_trip"][stat]) for g in grpcs) + " |")
+            lines.append(
+                f"| round trip, 1 client, {stat.replace('_ms', '')} (ms) | "
+                + " | ".join(_fmt(g["1"]["round_trip"][stat]) for g in grpcs)
+                + " |"
+            )
         for clients in CLIENTS:
-            lines.append(f"| throughput, {clients} client(s) (requests/s) | " + " | ".join(
-                f"{g[str(clients)]['requests_per_second']:,.0f} (x{g[str(clients)]['throughput_vs_1_client']:.2f})"
-                for g in grpcs) + " |")
+            lines.append(
+                f"| throughput, {clients} client(s) (requests/s) | "
+                + " | ".join(
+                    f"{g[str(clients)]['requests_per_second']:,.0f} (x{g[str(clients)]['throughput_vs_1_client']:.2f})"
+                    for g in grpcs
+                )
+                + " |"
+            )
 
     growth = report.get("growth")
     if growth:
-        lines += ["", ("| growth (ShareGPT x f) | tokens | shards | median (ms) | p99 (ms) | median / x1 "
-                       "| open (s) | build (s) | build peak (MB) |"), "|---|" + "---:|" * 8]
+        lines += [
+            "",
+            (
+                "| growth (ShareGPT x f) | tokens | shards | median (ms) | p99 (ms) | median / x1 "
+                "| open (s) | build (s) | build peak (MB) |"
+            ),
+            "|---|" + "---:|" * 8,
+        ]
         for r in growth["sizes"]:
             peak = r["build_peak_rss_bytes"] and r["build_peak_rss_bytes"] / 1e6
-            lines.append(f"| x{r['factor']} | {r['tokens']:,} | {r['shards']} | {_fmt(r['median_ms'])} | "
-                         f"{_fmt(r['p99_ms'])} | {_fmt(r['median_vs_base'], 2)} | {_fmt(r['open_seconds'])} | "
-                         f"{_fmt(r['build_seconds'], 1)} | {_fmt(peak, 0)} |")
+            lines.append(
+                f"| x{r['factor']} | {r['tokens']:,} | {r['shards']} | {_fmt(r['median_ms'])} | "
+                f"{_fmt(r['p99_ms'])} | {_fmt(r['median_vs_base'], 2)} | {_fmt(r['open_seconds'])} | "
+                f"{_fmt(r['build_seconds'], 1)} | {_fmt(peak, 0)} |"
+            )
 
     lines += ["", "| target | value | limit | pass |", "|---|---:|---:|:---:|"]
     for t in report["targets"]:

@@ -45,8 +45,13 @@ def grpc_client(address: str, queries: list[list[int]], offset: int, seconds: fl
 
 def start_server(index: Path) -> tuple[subprocess.Popen, str]:
     """``rest-datastore serve`` on a free port; returns the process and the address it printed."""
-    proc = subprocess.Popen([sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(index), "--port", "0"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(index), "--port", "0"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     line = proc.stdout.readline()
     if not line.startswith("listening on "):
         proc.kill()
@@ -63,9 +68,12 @@ def grpc_figures(index: Path, queries: list[list[int]], seconds: float) -> dict:
     try:
         for clients in CLIENTS:
             barrier, results = ctx.Barrier(clients), ctx.Queue()
-            workers = [ctx.Process(target=grpc_client,
-                                   args=(address, queries, k * len(queries) // clients, seconds, barrier, results))
-                       for k in range(clients)]
+            workers = [
+                ctx.Process(
+                    target=grpc_client, args=(address, queries, k * len(queries) // clients, seconds, barrier, results)
+                )
+                for k in range(clients)
+            ]
             for worker in workers:
                 worker.start()
             try:  # a client that fails prints its traceback and never reports
@@ -81,8 +89,9 @@ def grpc_figures(index: Path, queries: list[list[int]], seconds: float) -> dict:
                 "requests_per_second": sum(calls / elapsed for calls, elapsed, _ in outcomes),
                 "round_trip": latency_ms(latencies),
             }
-            log.info("gRPC %d client(s): %.0f requests/s", clients,
-                     figures["clients"][str(clients)]["requests_per_second"])
+            log.info(
+                "gRPC %d client(s): %.0f requests/s", clients, figures["clients"][str(clients)]["requests_per_second"]
+            )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
