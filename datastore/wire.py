@@ -10,11 +10,19 @@ functions are plain and tested without a network.
 from __future__ import annotations
 
 import ssl
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from rest_spec.datastore.types import DEFAULT_CONFIG, MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
+from rest_spec.datastore.types import (
+    DEFAULT_CONFIG,
+    MAX_SUFFIX,
+    DraftConfig,
+    DraftTree,
+    IndexInfo,
+    ShardInfo,
+    token_ids,
+)
 from rest_spec.proto.v1 import datastore_pb2 as pb
 
 # A server accepts at least this many context tokens, so a client sending its last n_max tokens
