@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rest_spec.drafter.cli import add_model_arguments, draft_config, load_parts, remember_output, run_cli
+from rest_spec.drafter.cli import EXIT_STATUSES, add_model_arguments, load_parts, parse_args, remember_output, run_cli
 from rest_spec.drafter.prompts import Prompt, encode_prompt
 
 if TYPE_CHECKING:
@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(tokens/s, mean accepted length). The conversation is kept across turns. "
         + "; ".join(f"{name}: {what}" for name, what in COMMANDS.items())
         + "; Ctrl-C during a reply drops that turn.",
+        epilog=EXIT_STATUSES,
     )
     add_model_arguments(parser)
     parser.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
@@ -147,11 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     """Everything after argument parsing; raises on errors."""
-    config = draft_config(args)
-    tokenizer, model, drafter = load_parts(args, config)
+    tokenizer, model, drafter = load_parts(args)
     try:
         session = ChatSession(
-            model, tokenizer, drafter, config=config, max_new_tokens=args.max_new_tokens, system=args.system
+            model, tokenizer, drafter, config=args.config, max_new_tokens=args.max_new_tokens, system=args.system
         )
         chat(session)
     finally:
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli("rest-chat", build_parser().parse_args(argv), run)
+    return run_cli("rest-chat", parse_args(build_parser(), argv), run)
 
 
 if __name__ == "__main__":

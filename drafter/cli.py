@@ -2,9 +2,9 @@
 argument groups, prompt reading and encoding, opening the drafter and the model, error exits.
 
 ``main`` is a thin layer over ``drafter.generate.generate``: parse arguments, read prompts, open
-the datastore, load tokenizer and model, print results. Library errors become one line on stderr
-and exit code 2.
-Heavy imports (torch, transformers) happen after argument parsing so ``--help`` is instant.
+the datastore, load tokenizer and model, print results; exit statuses as every command's
+(``EXIT_STATUSES``). Heavy imports (torch, transformers) happen after argument parsing so
+``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -41,8 +41,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+EXIT_STATUSES = ("exit status: 0 done; 2 usage error (an unknown flag, a value out of range); 1 failure (prompts "
+                 "file unreadable or malformed, datastore missing or unreachable, tokenizer mismatch, model not found).")
+
+
 class CliError(Exception):
-    """A user-facing problem: printed as one line, exit code 2."""
+    """A user-facing problem: printed as one line, exit status 1."""
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rest-generate",
         description="Greedy generation with retrieval-based speculative decoding (REST). Output is "
         "token-identical to plain greedy decoding; the datastore only changes the speed.",
-        epilog="For an interactive chat that streams the replies, run rest-chat (python -m rest_spec.drafter.chat).",
+        epilog="For an interactive chat that streams the replies, run rest-chat (python -m rest_spec.drafter.chat). "
+        + EXIT_STATUSES,
     )
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", metavar="TEXT", help="one raw-text prompt")
@@ -212,11 +217,11 @@ def result_record(result: GenerationResult, text: str) -> dict:
     }
 
 
-def load_parts(args: argparse.Namespace, config: DraftConfig):
-    """(tokenizer, model, drafter or None) for the parsed ``add_model_arguments`` and their
-    ``draft_config`` (which ``--adaptive`` drafts with); the drafter is opened first (a bad
-    datastore fails before the slow model load) and checked against the tokenizer. The caller
-    closes the drafter."""
+def load_parts(args: argparse.Namespace):
+    """(tokenizer, model, drafter or None) for the ``parse_args`` of ``add_model_arguments``
+    (``--adaptive`` drafts with ``args.config``); the drafter is opened first (a bad datastore
+    fails before the slow model load) and checked against the tokenizer. The caller closes the
+    drafter."""
     from rest_spec.datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
     from rest_spec.drafter.model import load_model
 
@@ -236,7 +241,7 @@ def load_parts(args: argparse.Namespace, config: DraftConfig):
         from rest_spec.drafter.adaptive import AdaptiveDrafter
         from rest_spec.drafter.measure import load_or_measure
 
-        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(model), config=config)
+        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(model), config=args.config)
     return tokenizer, model, drafter
 
 
@@ -254,22 +259,27 @@ def remember_output(drafter, output_ids: list[int]) -> None:
         log.log(logging.DEBUG if expected else logging.WARNING, "output not stored: %s", exc)
 
 
-def draft_config(args: argparse.Namespace) -> DraftConfig:
-    """The ``DraftConfig`` of the parsed ``add_model_arguments``: built once per command, for
-    ``load_parts`` and every generation."""
-    return DraftConfig(budget=args.budget, max_depth=args.max_depth)
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments (it has ``add_model_arguments``) with ``config``, their
+    ``DraftConfig``, built once for the drafter and every generation. A value the config refuses
+    is a usage error, like one argparse refuses (status 2, with the usage line)."""
+    args = parser.parse_args(argv)
+    try:
+        args.config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def run(args: argparse.Namespace) -> None:
     """Everything after argument parsing; raises on errors."""
     from rest_spec.drafter.generate import generate
 
-    config = draft_config(args)
     prompts = [Prompt(text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
     if args.chat:
         prompts = [as_chat(prompt) for prompt in prompts]
 
-    tokenizer, model, drafter = load_parts(args, config)
+    tokenizer, model, drafter = load_parts(args)
     try:
         for number, prompt in enumerate(prompts, start=1):
             result = generate(
@@ -277,7 +287,7 @@ def run(args: argparse.Namespace) -> None:
                 encode_prompt(tokenizer, prompt),
                 drafter,
                 max_new_tokens=args.max_new_tokens,
-                config=config,
+                config=args.config,
             )
             remember_output(drafter, result.output_ids)
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
@@ -299,7 +309,7 @@ def run(args: argparse.Namespace) -> None:
 
 def run_cli(prog: str, args: argparse.Namespace, body: Callable[[argparse.Namespace], None]) -> int:
     """Set up logging for ``args.verbose``, run ``body(args)``; a library or user error becomes one
-    line on stderr and exit code 2."""
+    line on stderr and exit status 1."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # this project's loggers only, not every library's
     logging.getLogger("rest_spec").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
@@ -308,10 +318,10 @@ def run_cli(prog: str, args: argparse.Namespace, body: Callable[[argparse.Namesp
     except (CliError, OSError, ValueError) as exc:  # TokenizerMismatchError is a ValueError
         log.debug("failed", exc_info=True)
         print(f"{prog}: error: {first_line(exc)}", file=sys.stderr)
-        return 2
+        return 1
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli("rest-generate", build_parser().parse_args(argv), run)
+    return run_cli("rest-generate", parse_args(build_parser(), argv), run)
 

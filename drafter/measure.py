@@ -140,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure how long one tree-verification step takes for n tokens on this model, device "
         "and dtype; the drafter sizes its trees from it. Results are cached under $REST_CACHE_DIR "
         "or ~/.cache/rest-spec.",
+        epilog="exit status: 0 done; 2 usage error (an unknown flag, malformed --sizes); 1 failure (model not "
+        "found, sizes or timing refused, cache not writable).",
     )
     parser.add_argument("--model", metavar="SPEC", help="Hugging Face id, model directory or .gguf file "
                         "(default: the packaged SmolLM2-135M-Instruct)")
@@ -175,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                context_length=args.context_length, repeats=args.repeats)
     except (OSError, ValueError) as exc:
         print(f"{parser.prog}: error: {first_line(exc)}", file=sys.stderr)
-        return 2
+        return 1
     print(cost.to_json())
     return 0
 

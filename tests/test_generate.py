@@ -233,6 +233,22 @@ def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in help_text
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--no-draft", "--prompt", "hi", "--budget", "0"], "budget must be in [1, "),
+    (["--no-draft", "--prompt", "hi", "--max-new-tokens", "0"], "must be >= 1"),
+    (["--prompt", "hi"], "one of the arguments --datastore --no-draft is required"),
+], ids=["config-refuses", "argparse-refuses", "missing"])
+def test_cli_usage_errors_exit_2_with_the_usage_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """Before anything is loaded, as every command's usage errors."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: rest-generate") and message in err and "Traceback" not in err
+
+
 def write_jsonl(path: Path, lines: Sequence[str]) -> Path:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
@@ -247,11 +263,11 @@ def write_jsonl(path: Path, lines: Sequence[str]) -> Path:
     ],
     ids=["syntax", "no-prompt-key", "bad-messages"],
 )
-def test_cli_bad_jsonl_line_exits_2_naming_it(
+def test_cli_bad_jsonl_line_exits_1_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], bad_line: str, message: str
 ) -> None:
     path = write_jsonl(tmp_path / "prompts.jsonl", [json.dumps({"prompt": "hello"}), "", bad_line])
-    assert main(["--no-draft", "--prompts", str(path)]) == 2
+    assert main(["--no-draft", "--prompts", str(path)]) == 1
     err = capsys.readouterr().err
     assert f"{path}:3:" in err and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -265,9 +281,9 @@ def test_cli_bad_jsonl_line_exits_2_naming_it(
     ],
     ids=["missing-prompts", "missing-datastore"],
 )
-def test_cli_errors_exit_2(
+def test_cli_failures_exit_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
-    assert main([arg.format(tmp=tmp_path) for arg in argv]) == 2
+    assert main([arg.format(tmp=tmp_path) for arg in argv]) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

@@ -80,4 +80,4 @@ def test_measure_command_writes_the_cache(tmp_path):
     bad = run_cli("--sizes", "1,x", env_dir=tmp_path)
     assert bad.returncode == 2 and "--sizes must be comma-separated integers" in bad.stderr
     missing = run_cli("--model", str(tmp_path / "nope"), "--sizes", "1", env_dir=tmp_path)
-    assert missing.returncode == 2 and "error:" in missing.stderr and "Traceback" not in missing.stderr
+    assert missing.returncode == 1 and "error:" in missing.stderr and "Traceback" not in missing.stderr
