@@ -26,7 +26,7 @@ import torch
 from benchmarks.common import RESULTS, humaneval_inputs, report_header, save_report
 from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.datastore.types import DraftConfig
-from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, generate
+from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, eos_ids, generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.model import load_model
 
@@ -135,8 +135,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device), load_tokenizer(args.model)
-    eos = model.generation_config.eos_token_id
-    eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+    eos = eos_ids(model.generation_config)
     config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
     prompts = humaneval_inputs(tokenizer, args.prompts, chat=args.chat)
     results = []

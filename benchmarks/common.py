@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rest_spec.drafter.prompts import chat_ids
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 TARGETS = REPO / "benchmarks" / "targets.json"  # every target a benchmark checks, each with what it is about
@@ -86,11 +88,8 @@ def ensure_index(path: Path, build_args: Sequence[str]) -> Path:
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
-    """``text`` as one user turn, rendered with the chat template and a generation prompt."""
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
-    )
-    return list(rendered["input_ids"])
+    """``text`` as one user turn, rendered the one way the library renders chats (``chat_ids``)."""
+    return chat_ids(tokenizer, [{"role": "user", "content": text}])
 
 
 def humaneval_prompts(n: int | None = None) -> list[str]:

@@ -67,35 +67,68 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--corpus", required=True, metavar="NAME|PATH|hf:NAME",
-                   help=f"{', '.join(NAMED_CORPORA)}; a directory, .txt, .jsonl, .json or .parquet file; "
-                        "or hf:NAME (a Hub dataset)")
+    p.add_argument(
+        "--corpus",
+        required=True,
+        metavar="NAME|PATH|hf:NAME",
+        help=f"{', '.join(NAMED_CORPORA)}; a directory, .txt, .jsonl, .json or .parquet file; "
+        "or hf:NAME (a Hub dataset)",
+    )
     p.add_argument("--out", type=Path, help="index directory (default: indexes/<corpus>)")
-    p.add_argument("--tokenizer", metavar="SPEC",
-                   help="HF id, tokenizer directory or .gguf file (default: the packaged SmolLM2 GGUF)")
-    p.add_argument("--data-files", nargs="+", default=(), metavar="PATH",
-                   help="local jsonl/json/parquet files or globs for ultrachat, the-stack, hf:NAME; "
-                        "a ShareGPT JSON for sharegpt")
-    p.add_argument("--field", help="the column holding the text or the conversation "
-                                   "(default: text; ultrachat: data or messages; the-stack: content)")
+    p.add_argument(
+        "--tokenizer",
+        metavar="SPEC",
+        help="HF id, tokenizer directory or .gguf file (default: the packaged SmolLM2 GGUF)",
+    )
+    p.add_argument(
+        "--data-files",
+        nargs="+",
+        default=(),
+        metavar="PATH",
+        help="local jsonl/json/parquet files or globs for ultrachat, the-stack, hf:NAME; a ShareGPT JSON for sharegpt",
+    )
+    p.add_argument(
+        "--field",
+        help="the column holding the text or the conversation "
+        "(default: text; ultrachat: data or messages; the-stack: content)",
+    )
     p.add_argument("--split", default="train", help="dataset split (default: train)")
     p.add_argument("--config", help="dataset configuration name (Hub datasets)")
-    p.add_argument("--turns", choices=TURN_CHOICES, default="assistant",
-                   help="chat turns to index: assistant replies only (default) or every turn")
-    p.add_argument("--extensions", default="", metavar=".py,.md",
-                   help="directory corpora: only files with these extensions (default: all text files)")
-    p.add_argument("--max-file-mib", type=int, default=DEFAULT_MAX_FILE_MIB, metavar="N",
-                   help=f"directory corpora: skip files over N MiB, with a warning (default {DEFAULT_MAX_FILE_MIB}; "
-                        "0 = no limit); each file is read and tokenized whole")
+    p.add_argument(
+        "--turns",
+        choices=TURN_CHOICES,
+        default="assistant",
+        help="chat turns to index: assistant replies only (default) or every turn",
+    )
+    p.add_argument(
+        "--extensions",
+        default="",
+        metavar=".py,.md",
+        help="directory corpora: only files with these extensions (default: all text files)",
+    )
+    p.add_argument(
+        "--max-file-mib",
+        type=int,
+        default=DEFAULT_MAX_FILE_MIB,
+        metavar="N",
+        help=f"directory corpora: skip files over N MiB, with a warning (default {DEFAULT_MAX_FILE_MIB}; "
+        "0 = no limit); each file is read and tokenized whole",
+    )
     p.add_argument("--max-docs", type=int, metavar="N", help="read only the first N records")
-    p.add_argument("--skip-last", type=int, default=0, metavar="N",
-                   help="hold out the last N records read (evaluation data)")
-    p.add_argument("--workers", type=int, default=default_workers(),
-                   help="tokenizer processes (default: CPU count; 1 = in-process)")
+    p.add_argument(
+        "--skip-last", type=int, default=0, metavar="N", help="hold out the last N records read (evaluation data)"
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="tokenizer processes (default: CPU count; 1 = in-process)",
+    )
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="documents per tokenizer batch")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="maximum tokens per shard")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing index at --out (only an index: see below)")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing index at --out (only an index: see below)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     p.add_argument("--quiet", action="store_true", help="errors only, no progress bar")
@@ -138,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"build_index: error: {exc}", file=sys.stderr)
         return 1
     except IndexWriteError as exc:
-        print(f"build_index: error: {exc}; the partial build was removed, {exc.directory} is unchanged", file=sys.stderr)
+        print(
+            f"build_index: error: {exc}; the partial build was removed, {exc.directory} is unchanged", file=sys.stderr
+        )
         return 1
     except BrokenProcessPool:
         print("build_index: error: a tokenizer worker process died (killed, or out of memory?); "

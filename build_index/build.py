@@ -205,8 +205,9 @@ def _index_records(corpus: Corpus, encoder: BatchTokenizer, writer: IndexWriter,
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    records = tqdm(corpus.records(), desc=corpus.slug, unit=" records", file=sys.stderr,
-                   disable=None if progress else True)  # None: only on a terminal
+    records = tqdm(
+        corpus.records(), desc=corpus.slug, unit=" records", file=sys.stderr, disable=None if progress else True
+    )  # None: only on a terminal
     turns = corpus.spec.turns
     tokens = 0
     with logging_redirect_tqdm(), records:  # log lines go above the bar instead of through it

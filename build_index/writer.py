@@ -20,9 +20,9 @@ import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -143,7 +143,7 @@ class IndexWriter:
         except fmt.IndexFormatError as exc:
             raise IndexWriteError(self.out_dir, f"the shard written reads back wrong: {exc}") from exc
 
-    def __enter__(self) -> "IndexWriter":
+    def __enter__(self) -> IndexWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -205,7 +205,12 @@ class IndexWriter:
             fmt.write_manifest(self._tmp, manifest)
         self._publish()
         return BuildSummary(
-            self.out_dir, manifest.num_documents, manifest.num_tokens, len(self._shards), manifest.num_bytes, self._sa_seconds
+            self.out_dir,
+            manifest.num_documents,
+            manifest.num_tokens,
+            len(self._shards),
+            manifest.num_bytes,
+            self._sa_seconds,
         )
 
     def _publish(self) -> None:

@@ -37,8 +37,10 @@ from rest_spec.datastore.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_to
 from rest_spec.datastore.types import DEFAULT_CONFIG, DraftConfig, DraftTree  # noqa: E402
 
 DEFAULT_SERVER = ServerConfig()
-EXIT_STATUSES = ("exit status: 0 done; 2 usage error (an unknown flag, a missing --index, a value out of range); "
-                 "1 failure (index missing or corrupt, server unreachable, call refused, port in use); 130 Ctrl-C.")
+EXIT_STATUSES = (
+    "exit status: 0 done; 2 usage error (an unknown flag, a missing --index, a value out of range); "
+    "1 failure (index missing or corrupt, server unreachable, call refused, port in use); 130 Ctrl-C."
+)
 
 
 class UsageError(Exception):
@@ -72,12 +74,21 @@ def _add_source(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--index", help="index directory (default: $REST_INDEX)")
     group.add_argument("--server", metavar="HOST:PORT", help="a running `rest-datastore serve`")
-    parser.add_argument("--timeout", type=float, default=5.0,
-                        help="seconds to wait for --server (default: %(default)s)")
-    parser.add_argument("--tls-ca", metavar="PEM", default=os.environ.get("REST_TLS_CA"),
-                        help="connect to --server over TLS, trusting this CA certificate (default: $REST_TLS_CA)")
-    parser.add_argument("--auth-token", metavar="TOKEN", default=os.environ.get("REST_AUTH_TOKEN"),
-                        help="bearer token for a --server started with --auth-token (default: $REST_AUTH_TOKEN)")
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for --server (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=os.environ.get("REST_TLS_CA"),
+        help="connect to --server over TLS, trusting this CA certificate (default: $REST_TLS_CA)",
+    )
+    parser.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        default=os.environ.get("REST_AUTH_TOKEN"),
+        help="bearer token for a --server started with --auth-token (default: $REST_AUTH_TOKEN)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,68 +102,130 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cmd = sub.add_parser("serve", help="serve an index over gRPC until SIGTERM/SIGINT", epilog=EXIT_STATUSES)
     serve_cmd.add_argument("--index", default=env("REST_INDEX"), help="index directory (default: $REST_INDEX)")
-    serve_cmd.add_argument("--host", default=env("REST_HOST", DEFAULT_SERVER.host),
-                           help="address to bind (default: $REST_HOST or %(default)s)")
-    serve_cmd.add_argument("--port", type=int, default=env("REST_PORT", str(DEFAULT_SERVER.port)),
-                           help="0 picks a free port (default: $REST_PORT or %(default)s)")
-    serve_cmd.add_argument("--workers", type=int, default=env("REST_WORKERS", str(DEFAULT_SERVER.workers)),
-                           help="request threads (default: $REST_WORKERS or %(default)s)")
-    serve_cmd.add_argument("--check-index", action="store_true", default=_env_flag("REST_CHECK_INDEX"),
-                           help="check every index array at open (suffix-array entries in range, token ids "
-                           "below the vocabulary): reads the whole index once (default: $REST_CHECK_INDEX)")
+    serve_cmd.add_argument(
+        "--host",
+        default=env("REST_HOST", DEFAULT_SERVER.host),
+        help="address to bind (default: $REST_HOST or %(default)s)",
+    )
+    serve_cmd.add_argument(
+        "--port",
+        type=int,
+        default=env("REST_PORT", str(DEFAULT_SERVER.port)),
+        help="0 picks a free port (default: $REST_PORT or %(default)s)",
+    )
+    serve_cmd.add_argument(
+        "--workers",
+        type=int,
+        default=env("REST_WORKERS", str(DEFAULT_SERVER.workers)),
+        help="request threads (default: $REST_WORKERS or %(default)s)",
+    )
+    serve_cmd.add_argument(
+        "--check-index",
+        action="store_true",
+        default=_env_flag("REST_CHECK_INDEX"),
+        help="check every index array at open (suffix-array entries in range, token ids "
+        "below the vocabulary): reads the whole index once (default: $REST_CHECK_INDEX)",
+    )
     limits = serve_cmd.add_argument_group(
-        "limits per call", "what one call may ask for; beyond them it is refused with INVALID_ARGUMENT or "
-        "RESOURCE_EXHAUSTED naming the limit. The defaults keep a small machine responsive under hostile clients.")
+        "limits per call",
+        "what one call may ask for; beyond them it is refused with INVALID_ARGUMENT or "
+        "RESOURCE_EXHAUSTED naming the limit. The defaults keep a small machine responsive under hostile clients.",
+    )
     for flag, help_text in (
         ("--max-context-tokens", "tokens in one context"),
         ("--max-batch-contexts", "contexts in one DraftBatch"),
         ("--max-request-bytes", "bytes of one request message"),
-        ("--max-reply-bytes", "bytes of one reply message (the default is under the 4 MiB every stock gRPC "
-                              "client accepts; clients must be told to accept more)"),
+        (
+            "--max-reply-bytes",
+            "bytes of one reply message (the default is under the 4 MiB every stock gRPC "
+            "client accepts; clients must be told to accept more)",
+        ),
         ("--max-concurrent-rpcs", "calls in flight, queued ones included; more are refused at once"),
     ):
         name = flag[2:].replace("-", "_")
         env_name = "REST_" + name.upper()
-        limits.add_argument(flag, type=int, metavar="N", default=env(env_name, str(getattr(DEFAULT_SERVER, name))),
-                            help=f"{help_text} (default: ${env_name} or %(default)s)")
+        limits.add_argument(
+            flag,
+            type=int,
+            metavar="N",
+            default=env(env_name, str(getattr(DEFAULT_SERVER, name))),
+            help=f"{help_text} (default: ${env_name} or %(default)s)",
+        )
     exposure = serve_cmd.add_argument_group(
-        "exposure", "the server binds 127.0.0.1 unless --host says otherwise; beyond this machine, serve over TLS "
-        "and require a token")
-    exposure.add_argument("--tls-cert", metavar="PEM", type=Path, default=env("REST_TLS_CERT"),
-                          help="serve over TLS with this certificate (chain) (default: $REST_TLS_CERT)")
-    exposure.add_argument("--tls-key", metavar="PEM", type=Path, default=env("REST_TLS_KEY"),
-                          help="the certificate's private key (default: $REST_TLS_KEY)")
+        "exposure",
+        "the server binds 127.0.0.1 unless --host says otherwise; beyond this machine, serve over TLS "
+        "and require a token",
+    )
+    exposure.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        type=Path,
+        default=env("REST_TLS_CERT"),
+        help="serve over TLS with this certificate (chain) (default: $REST_TLS_CERT)",
+    )
+    exposure.add_argument(
+        "--tls-key",
+        metavar="PEM",
+        type=Path,
+        default=env("REST_TLS_KEY"),
+        help="the certificate's private key (default: $REST_TLS_KEY)",
+    )
     token = exposure.add_mutually_exclusive_group()
-    token.add_argument("--auth-token", metavar="TOKEN", default=env("REST_AUTH_TOKEN"),
-                       help="require 'authorization: Bearer TOKEN' metadata on the calls in --auth-scope; "
-                       "visible to other local users in the process list: prefer $REST_AUTH_TOKEN or "
-                       "--auth-token-file (default: $REST_AUTH_TOKEN)")
-    token.add_argument("--auth-token-file", metavar="FILE", type=Path,
-                       help="read the token from this file (surrounding whitespace ignored)")
-    exposure.add_argument("--auth-scope", choices=AUTH_SCOPES, default=env("REST_AUTH_SCOPE", "add-output"),
-                          help="calls that need the token: AddOutput only, or every Datastore call (health and "
-                          "reflection stay open) (default: $REST_AUTH_SCOPE or %(default)s)")
-    serve_cmd.add_argument("--outputs-max-tokens", type=int, metavar="N",
-                           default=env("REST_OUTPUTS_MAX_TOKENS", str(DEFAULT_SERVER.outputs_max_tokens)),
-                           help="size of the store of recent outputs that clients add (AddOutput) and that "
-                           "drafts like the index; the oldest outputs are evicted beyond it; 0 keeps none "
-                           "(default: $REST_OUTPUTS_MAX_TOKENS or %(default)s)")
-    serve_cmd.add_argument("--outputs-dir", type=Path, metavar="DIR", default=env("REST_OUTPUTS_DIR"),
-                           help="keep the output store in this directory (an append-only log, fsynced "
-                           "before each AddOutput is answered) so it survives restarts (default: "
-                           "$REST_OUTPUTS_DIR, else in memory only)")
-    serve_cmd.add_argument("--outputs-salvage", action="store_true",
-                           help="open an --outputs-dir log that has damaged records by keeping every valid "
-                           "record and dropping the damaged bytes (a warning says how many); without it such a "
-                           "log is refused")
+    token.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        default=env("REST_AUTH_TOKEN"),
+        help="require 'authorization: Bearer TOKEN' metadata on the calls in --auth-scope; "
+        "visible to other local users in the process list: prefer $REST_AUTH_TOKEN or "
+        "--auth-token-file (default: $REST_AUTH_TOKEN)",
+    )
+    token.add_argument(
+        "--auth-token-file",
+        metavar="FILE",
+        type=Path,
+        help="read the token from this file (surrounding whitespace ignored)",
+    )
+    exposure.add_argument(
+        "--auth-scope",
+        choices=AUTH_SCOPES,
+        default=env("REST_AUTH_SCOPE", "add-output"),
+        help="calls that need the token: AddOutput only, or every Datastore call (health and "
+        "reflection stay open) (default: $REST_AUTH_SCOPE or %(default)s)",
+    )
+    serve_cmd.add_argument(
+        "--outputs-max-tokens",
+        type=int,
+        metavar="N",
+        default=env("REST_OUTPUTS_MAX_TOKENS", str(DEFAULT_SERVER.outputs_max_tokens)),
+        help="size of the store of recent outputs that clients add (AddOutput) and that "
+        "drafts like the index; the oldest outputs are evicted beyond it; 0 keeps none "
+        "(default: $REST_OUTPUTS_MAX_TOKENS or %(default)s)",
+    )
+    serve_cmd.add_argument(
+        "--outputs-dir",
+        type=Path,
+        metavar="DIR",
+        default=env("REST_OUTPUTS_DIR"),
+        help="keep the output store in this directory (an append-only log, fsynced "
+        "before each AddOutput is answered) so it survives restarts (default: "
+        "$REST_OUTPUTS_DIR, else in memory only)",
+    )
+    serve_cmd.add_argument(
+        "--outputs-salvage",
+        action="store_true",
+        help="open an --outputs-dir log that has damaged records by keeping every valid "
+        "record and dropping the damaged bytes (a warning says how many); without it such a "
+        "log is refused",
+    )
     serve_cmd.set_defaults(run=run_serve, parser=serve_cmd)
 
     info_cmd = sub.add_parser("info", help="print the index summary as JSON", epilog=EXIT_STATUSES)
     _add_source(info_cmd)
     info_cmd.set_defaults(run=run_info, parser=info_cmd)
 
-    verify_cmd = sub.add_parser("verify", help="check every index file against its sha256 in the manifest",
-                                epilog=EXIT_STATUSES)
+    verify_cmd = sub.add_parser(
+        "verify", help="check every index file against its sha256 in the manifest", epilog=EXIT_STATUSES
+    )
     verify_cmd.add_argument("--index", default=env("REST_INDEX"), help="index directory (default: $REST_INDEX)")
     verify_cmd.set_defaults(run=run_verify, parser=verify_cmd)
 

@@ -31,7 +31,9 @@ def open_channel(address: str, tls_ca: str | Path | None = None, options: Sequen
         ssl.create_default_context(cafile=tls_ca)  # refuses a file that holds no PEM certificate
         root = Path(tls_ca).read_bytes()
     except OSError as exc:  # ssl.SSLError is an OSError too
-        raise ValueError(f"cannot use TLS CA certificate {tls_ca}: {wire.tls_file_error(exc)} (expected a PEM file)") from None
+        raise ValueError(
+            f"cannot use TLS CA certificate {tls_ca}: {wire.tls_file_error(exc)} (expected a PEM file)"
+        ) from None
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root), options=options)
 
 
@@ -119,7 +121,9 @@ class DatastoreClient:
         # a server without an output store answers no output trees: all empty
         outputs = [wire.tree_from_message(t) for t in reply.outputs] or [DraftTree.empty()] * len(trees)
         if len(outputs) != len(trees):
-            raise RuntimeError(f"datastore at {self.address} answered {len(outputs)} output trees for {len(trees)} contexts")
+            raise RuntimeError(
+                f"datastore at {self.address} answered {len(outputs)} output trees for {len(trees)} contexts"
+            )
         return [SourceTrees(index, output) for index, output in zip(trees, outputs)]
 
     def add_output(self, tokens: Sequence[int]) -> int:

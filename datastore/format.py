@@ -199,8 +199,15 @@ def _short(value: object) -> str:
 
 
 def _json_type(value: object) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
-             float: "a number", type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -250,10 +257,17 @@ class _ManifestParser:
             raise self.fail("format", f"{_short(data.get('format'))}: not a {FORMAT_NAME} manifest")
         version = data.get("format_version")
         if version != FORMAT_VERSION or type(version) is not int:
-            raise self.fail("format_version", f"index format version {_short(version)} is not supported "
-                            f"(this build reads version {FORMAT_VERSION}); rebuild the index with build_index")
-        data = self.obj(data, "", ("format", "format_version", "tokenizer", "token_dtype", "separator", "shards"),
-                        ("corpus", "build", "num_tokens", "num_documents"))
+            raise self.fail(
+                "format_version",
+                f"index format version {_short(version)} is not supported "
+                f"(this build reads version {FORMAT_VERSION}); rebuild the index with build_index",
+            )
+        data = self.obj(
+            data,
+            "",
+            ("format", "format_version", "tokenizer", "token_dtype", "separator", "shards"),
+            ("corpus", "build", "num_tokens", "num_documents"),
+        )
         tokenizer = self.tokenizer(data["tokenizer"])
         dtype = token_dtype(tokenizer.vocab_size)
         self.equal(data["token_dtype"], dtype.str, "token_dtype", f"the dtype for {tokenizer.vocab_size} ids")
@@ -290,8 +304,12 @@ class _ManifestParser:
         # the writer skips empty documents: every document has a token
         num_tokens = self.count(data["num_tokens"], f"{where}.num_tokens", num_documents)
         files = self.obj(data["files"], f"{where}.files", ROLES)
-        return ShardEntry(shard_name(i), num_tokens, num_documents,
-                          {role: self.file(files[role], i, role, f"{where}.files.{role}") for role in ROLES})
+        return ShardEntry(
+            shard_name(i),
+            num_tokens,
+            num_documents,
+            {role: self.file(files[role], i, role, f"{where}.files.{role}") for role in ROLES},
+        )
 
     def file(self, value: object, shard: int, role: str, where: str) -> FileEntry:
         data = self.obj(value, where, ("name", "bytes", "sha256", "spot_sha256"))
@@ -376,8 +394,9 @@ def shard_problem(tokens: np.ndarray, sa: np.ndarray, vocab_size: int, num_docum
     counts = np.zeros(2, dtype=np.int64)
     bad = _scan_tokens(tokens, vocab_size, tokens.dtype.type(sep), counts)
     if bad >= 0:
-        return "tokens", (f"token {bad} = {tokens[bad]} is outside the vocabulary [0, {vocab_size}) "
-                          f"and not the separator {sep}")
+        return "tokens", (
+            f"token {bad} = {tokens[bad]} is outside the vocabulary [0, {vocab_size}) and not the separator {sep}"
+        )
     separators, with_next = counts.tolist()
     if separators != num_documents + 1:
         return "tokens", f"{separators} separators, expected {num_documents + 1} for {num_documents} documents"
@@ -386,9 +405,11 @@ def shard_problem(tokens: np.ndarray, sa: np.ndarray, vocab_size: int, num_docum
     rank, problem = _scan_sa(tokens, sa, tokens.dtype.type(sep), np.zeros((tokens.shape[0] >> 3) + 1, np.uint8))
     if not problem:
         return None
-    what = {1: f"is not a position (of {tokens.shape[0]} tokens) that has a continuation",
-            2: "repeats an earlier entry's position",
-            3: f"is out of order after entry {rank - 1} = {sa[rank - 1]}"}[problem]
+    what = {
+        1: f"is not a position (of {tokens.shape[0]} tokens) that has a continuation",
+        2: "repeats an earlier entry's position",
+        3: f"is out of order after entry {rank - 1} = {sa[rank - 1]}",
+    }[problem]
     return "sa", f"suffix-array entry {rank} = {sa[rank]} {what}"
 
 
@@ -404,8 +425,9 @@ def check_shard(directory: Path, shard: ShardEntry, tokens: np.ndarray, sa: np.n
 # ---- writing ----------------------------------------------------------------------------------
 
 
-def write_shard(directory: Path, shard: int, tokens: np.ndarray, sa: np.ndarray, *,
-                vocab_size: int | None = None) -> ShardEntry:
+def write_shard(
+    directory: Path, shard: int, tokens: np.ndarray, sa: np.ndarray, *, vocab_size: int | None = None
+) -> ShardEntry:
     """Write one shard's arrays, fsync them, check the files as read back from disk (a bad write
     is caught before the index is published) and describe them for the manifest.
 
@@ -419,8 +441,12 @@ def write_shard(directory: Path, shard: int, tokens: np.ndarray, sa: np.ndarray,
             f.flush()
             os.fsync(f.fileno())
     n_docs = int(np.count_nonzero(tokens == separator(tokens.dtype))) - 1
-    entry = ShardEntry(shard_name(shard), int(tokens.shape[0] - n_docs - 1), n_docs,
-                       {role: FileEntry.of(directory / shard_file(shard, role)) for role in ROLES})
+    entry = ShardEntry(
+        shard_name(shard),
+        int(tokens.shape[0] - n_docs - 1),
+        n_docs,
+        {role: FileEntry.of(directory / shard_file(shard, role)) for role in ROLES},
+    )
     on_disk = _map_shard(directory, entry, tokens.dtype)
     check_shard(directory, entry, *on_disk, separator(tokens.dtype) if vocab_size is None else vocab_size)
     return entry
@@ -509,23 +535,31 @@ def _map_array(path: Path, dtype: np.dtype, length: int) -> np.ndarray:
     if header != {"descr": dtype.str, "fortran_order": False, "shape": (length,)}:
         raise IndexFormatError(
             f"index file {path} holds {_short(header['descr'])} {_short(header['shape'])} (fortran_order="
-            f"{_short(header['fortran_order'])}), the manifest describes '{dtype.str}' ({length},)")
+            f"{_short(header['fortran_order'])}), the manifest describes '{dtype.str}' ({length},)"
+        )
     size = path.stat().st_size
     if size != offset + length * dtype.itemsize:
-        raise IndexFormatError(f"index file {path} has {size} bytes, its header describes "
-                               f"{offset + length * dtype.itemsize}")
+        raise IndexFormatError(
+            f"index file {path} has {size} bytes, its header describes {offset + length * dtype.itemsize}"
+        )
     # a plain ndarray view of the memory map: np.memmap's subclass hooks cost more than the search
     return np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(length,)))
 
 
 def _map_shard(directory: Path, shard: ShardEntry, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    return (_map_array(directory / shard.files["tokens"].name, dtype, shard.array_len),
-            _map_array(directory / shard.files["sa"].name, sa_dtype(shard.array_len),
-                       sa_length(shard.num_tokens, shard.num_documents)))
+    return (
+        _map_array(directory / shard.files["tokens"].name, dtype, shard.array_len),
+        _map_array(
+            directory / shard.files["sa"].name,
+            sa_dtype(shard.array_len),
+            sa_length(shard.num_tokens, shard.num_documents),
+        ),
+    )
 
 
-def open_shard(directory: Path, shard: ShardEntry, manifest: Manifest, full_check: bool = False,
-               check: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def open_shard(
+    directory: Path, shard: ShardEntry, manifest: Manifest, full_check: bool = False, check: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """Memory-map one shard's (tokens, sa), checking file types, sizes, digests, headers and
     lengths in O(1). ``full_check`` hashes whole files (slow for big indexes; otherwise only the
     spot digest), ``check`` runs ``check_shard`` (O(n)). Raises ``IndexFormatError``."""

@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import numba
 import numpy as np
@@ -171,8 +171,9 @@ class _Shard:
             path, problem = self.sa_path, f"suffix-array entry {where} = {value} runs past the token array's end"
         else:
             path, problem = self.sa_path, f"suffix-array entry {where} = {value} is outside [0, {self.tokens.shape[0]})"
-        return fmt.IndexCorruptError(f"index file {path} is corrupt: {problem}; run "
-                                     f"`rest-datastore verify --index {path.parent}`")
+        return fmt.IndexCorruptError(
+            f"index file {path} is corrupt: {problem}; run `rest-datastore verify --index {path.parent}`"
+        )
 
 
 class Datastore:
@@ -188,8 +189,14 @@ class Datastore:
         self._closed = False
 
     @classmethod
-    def open(cls, path: str | Path, *, verify: bool = False, check: bool = False,
-             max_candidates: int = DEFAULT_MAX_CANDIDATES) -> "Datastore":
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        verify: bool = False,
+        check: bool = False,
+        max_candidates: int = DEFAULT_MAX_CANDIDATES,
+    ) -> Datastore:
         """Memory-map the index at ``path``, checking its manifest, file sizes, headers and spot
         digests. ``check`` adds the structural check of every array (``fmt.check_shard``, O(n));
         ``verify`` hashes every file in full as well (slow on big indexes). Raises
@@ -268,8 +275,9 @@ class Datastore:
         offsets = np.concatenate(([0], np.cumsum(sizes)))
         for i, (shard, (lo, _)) in enumerate(hits):
             first, last = np.searchsorted(picked, offsets[i : i + 2])
-            shard.continuations(picked[first:last] - offsets[i] + lo, self._sep, self.vocab_size,
-                                continuations[first:last])
+            shard.continuations(
+                picked[first:last] - offsets[i] + lo, self._sep, self.vocab_size, continuations[first:last]
+            )
         tokens, parents, counts = top_c_tree(continuations, self._sep, config.budget)
         return DraftTree(tokens, parents, counts, match_len, num_matches, picked.size)
 
@@ -291,7 +299,7 @@ class Datastore:
         self._closed = True
         self._shards = []
 
-    def __enter__(self) -> "Datastore":
+    def __enter__(self) -> Datastore:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -326,7 +334,12 @@ def compile_kernels() -> float:
             for array in (tokens, sa):
                 array.setflags(write=False)
             fmt.shard_problem(tokens, sa, vocab_size, num_documents=1)
-            shard = _Shard(tokens, sa, np.zeros(vocab_size, dtype=np.int64),
-                           tokens_path=Path("tiny.tokens.npy"), sa_path=Path("tiny.sa.npy"))
+            shard = _Shard(
+                tokens,
+                sa,
+                np.zeros(vocab_size, dtype=np.int64),
+                tokens_path=Path("tiny.tokens.npy"),
+                sa_path=Path("tiny.sa.npy"),
+            )
             _warm_up_shard(shard, sep, vocab_size)
     return time.perf_counter() - start

@@ -199,14 +199,24 @@ class _Log:
             )
         if damage:
             dropped = sum(stop - start for start, stop, _ in damage) + (len(data) - torn[0] if torn else 0)
-            log.warning("%s: salvaged %d valid records; dropped %d damaged bytes in %d places (first at byte %d)",
-                        self.path, len(records), dropped, len(damage) + bool(torn), damage[0][0])
+            log.warning(
+                "%s: salvaged %d valid records; dropped %d damaged bytes in %d places (first at byte %d)",
+                self.path,
+                len(records),
+                dropped,
+                len(damage) + bool(torn),
+                damage[0][0],
+            )
             self.rewrite([self.encode(r.seq, r.tokens) for r in records])
             return records
         self._committed = len(data) if torn is None else torn[0]
         if torn:
-            log.warning("%s: dropping a torn last record (%d bytes at byte %d); it was never acknowledged",
-                        self.path, len(data) - torn[0], torn[0])
+            log.warning(
+                "%s: dropping a torn last record (%d bytes at byte %d); it was never acknowledged",
+                self.path,
+                len(data) - torn[0],
+                torn[0],
+            )
             try:
                 self._cut_back()
             except OSError as exc:
@@ -224,8 +234,9 @@ class _Log:
                 self._cut_back()
             except OSError as exc:
                 raise OutputStoreWriteError(
-                    exc, f"output store {self.directory}: the log cannot be cut back to its last acknowledged "
-                    f"record after a failed write ({_reason(exc)}); the addition was NOT stored"
+                    exc,
+                    f"output store {self.directory}: the log cannot be cut back to its last acknowledged "
+                    f"record after a failed write ({_reason(exc)}); the addition was NOT stored",
                 ) from exc
         try:
             _write_all(self._fd, record, self._committed)
@@ -235,12 +246,17 @@ class _Log:
             try:
                 self._cut_back()
             except OSError as cut_exc:
-                log.error("%s: cutting the log back after a failed write failed (%s); appends are refused "
-                          "until a cut-back succeeds", self.path, _reason(cut_exc))
+                log.error(
+                    "%s: cutting the log back after a failed write failed (%s); appends are refused "
+                    "until a cut-back succeeds",
+                    self.path,
+                    _reason(cut_exc),
+                )
             if isinstance(exc, OSError):
                 raise OutputStoreWriteError(
-                    exc, f"output store {self.directory}: writing the log failed ({_reason(exc)}); "
-                    "the addition was NOT stored"
+                    exc,
+                    f"output store {self.directory}: writing the log failed ({_reason(exc)}); "
+                    "the addition was NOT stored",
                 ) from exc
             raise
         self._committed += len(record)
@@ -277,8 +293,8 @@ class _Log:
             with contextlib.suppress(OSError):
                 temporary.unlink()
             raise OutputStoreWriteError(
-                exc, f"output store {self.directory}: rewriting the log failed ({_reason(exc)}); "
-                "the old log is unchanged"
+                exc,
+                f"output store {self.directory}: rewriting the log failed ({_reason(exc)}); the old log is unchanged",
             ) from exc
         # The descriptor follows the renamed file, so appends cannot go to the replaced one.
         previous, self._fd, self._committed = self._fd, fd, len(data)
@@ -289,8 +305,11 @@ class _Log:
             self._needs_cut_back = False
         except OSError as exc:  # the rename may not be durable yet: appends wait until it is
             self._needs_cut_back = True
-            log.error("%s: syncing the directory after a rewrite failed (%s); appends are refused until it "
-                      "succeeds", self.path, _reason(exc))
+            log.error(
+                "%s: syncing the directory after a rewrite failed (%s); appends are refused until it succeeds",
+                self.path,
+                _reason(exc),
+            )
 
     def close(self) -> None:
         if self._fd is not None:

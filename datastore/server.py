@@ -307,7 +307,8 @@ class DatastoreServicer:
         tokens = _authorization_values(context)
         if len(tokens) != 1 or not hmac.compare_digest(tokens[0], self._bearer):
             raise CallRefused(
-                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong bearer token (metadata 'authorization: Bearer <token>')",
             )
 
     def _log_failure(self, name: str, context, code: grpc.StatusCode, whose: str, exc: Exception) -> None:
@@ -386,9 +387,12 @@ def _register_reflection_v1() -> str:
     for method in proto.service[0].method:
         method.input_type = method.input_type.replace(f".{old}.", f".{new}.")
         method.output_type = method.output_type.replace(f".{old}.", f".{new}.")
-    return descriptor_pool.Default().AddSerializedFile(proto.SerializeToString()).services_by_name[
-        "ServerReflection"
-    ].full_name
+    return (
+        descriptor_pool.Default()
+        .AddSerializedFile(proto.SerializeToString())
+        .services_by_name["ServerReflection"]
+        .full_name
+    )
 
 
 REFLECTION_V1_SERVICE_NAME = _register_reflection_v1()  # "grpc.reflection.v1.ServerReflection"
@@ -401,13 +405,16 @@ def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> No
     names = (*service_names, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE_NAME)
     servicer = reflection.ReflectionServicer(names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    server.add_registered_method_handlers(REFLECTION_V1_SERVICE_NAME, {
-        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-            servicer.ServerReflectionInfo,
-            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-        )
-    })
+    server.add_registered_method_handlers(
+        REFLECTION_V1_SERVICE_NAME,
+        {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        },
+    )
 
 
 class DatastoreServer:
@@ -451,9 +458,13 @@ class DatastoreServer:
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.address = format_address(config.host, self.port)
-        log.info("datastore service listening on %s (%s, %d workers, %s)", self.address,
-                 "TLS" if credentials else "plaintext", config.workers,
-                 "no output store" if outputs is None else f"output store of {outputs.max_tokens} tokens")
+        log.info(
+            "datastore service listening on %s (%s, %d workers, %s)",
+            self.address,
+            "TLS" if credentials else "plaintext",
+            config.workers,
+            "no output store" if outputs is None else f"output store of {outputs.max_tokens} tokens",
+        )
         warning = exposure_warning(config.host, tls=credentials is not None, token=config.auth_token is not None)
         if warning:
             log.warning("%s", warning)
@@ -487,8 +498,12 @@ def serve(
     try:
         with contextlib.ExitStack() as resources:  # closed in reverse: server, outputs, index
             store = resources.enter_context(Datastore.open(index_path, check=config.check_index))
-            outputs = open_output_store(config.outputs_max_tokens, config.outputs_dir, vocab_size=store.vocab_size,
-                                        salvage=config.outputs_salvage)
+            outputs = open_output_store(
+                config.outputs_max_tokens,
+                config.outputs_dir,
+                vocab_size=store.vocab_size,
+                salvage=config.outputs_salvage,
+            )
             if outputs is not None:
                 resources.enter_context(outputs)
             server = resources.enter_context(DatastoreServer(store, config, outputs))

@@ -40,8 +40,9 @@ def token_ids(
     if bad.size:
         i = int(bad[0])
         where = f"{what}[{start + i}] = {int(array[i])}"
-        raise ValueError(f"{where} is negative" if vocab_size is None else
-                         f"{where} is outside the vocabulary [0, {vocab_size})")
+        raise ValueError(
+            f"{where} is negative" if vocab_size is None else f"{where} is outside the vocabulary [0, {vocab_size})"
+        )
     return array
 
 

@@ -98,8 +98,10 @@ class AdaptiveDrafter:
         if unknown or not self.sources or len(set(self.sources)) != len(self.sources):
             raise ValueError(f"sources must be distinct names among {', '.join(SOURCES)}, got {list(sources)}")
         if "outputs" in self.sources and not isinstance(base, SourceDrafter):
-            raise TypeError(f"drafting from outputs needs a SourceDrafter base (LocalDrafter, RemoteDrafter), "
-                            f"got {type(base).__name__}")
+            raise TypeError(
+                f"drafting from outputs needs a SourceDrafter base (LocalDrafter, RemoteDrafter), "
+                f"got {type(base).__name__}"
+            )
         self.calibration = calibration if calibration is not None else SourceCalibration(len(self.sources))
         if self.calibration.num_sources != len(self.sources):
             raise ValueError(f"calibration has {self.calibration.num_sources} sources, expected {len(self.sources)}")
@@ -113,7 +115,9 @@ class AdaptiveDrafter:
         rows = [_token_list(context) for context in contexts]
         requests = self._follow(rows)
         candidates = dataclasses.replace(
-            self.config, budget=min(self.config.budget, config.budget), max_depth=min(self.config.max_depth, config.max_depth)
+            self.config,
+            budget=min(self.config.budget, config.budget),
+            max_depth=min(self.config.max_depth, config.max_depth),
         )
         shared = self._shared_sources(rows, candidates)
         trees = []

@@ -5,7 +5,8 @@ by one (static index, store of recent outputs) and takes new outputs -- what
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 

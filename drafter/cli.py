@@ -41,8 +41,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
-EXIT_STATUSES = ("exit status: 0 done; 2 usage error (an unknown flag, a value out of range); 1 failure (prompts "
-                 "file unreadable or malformed, datastore missing or unreachable, tokenizer mismatch, model not found).")
+EXIT_STATUSES = (
+    "exit status: 0 done; 2 usage error (an unknown flag, a value out of range); 1 failure (prompts "
+    "file unreadable or malformed, datastore missing or unreachable, tokenizer mismatch, model not found)."
+)
 
 
 class CliError(Exception):
@@ -79,11 +81,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="Hugging Face id, model directory or .gguf file (default: the packaged SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: %(default)s")
     parser.add_argument(
-        "--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: %(default)s"
-    )
-    parser.add_argument(
-        "--budget", type=int, default=DEFAULT_CONFIG.budget, metavar="C", help="draft tree size in nodes (default: %(default)s)"
+        "--budget",
+        type=int,
+        default=DEFAULT_CONFIG.budget,
+        metavar="C",
+        help="draft tree size in nodes (default: %(default)s)",
     )
     parser.add_argument(
         "--max-depth",
@@ -99,9 +103,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "acceptance scores, and verify the tree size that pays on this hardware (the verify cost is "
         "measured once per model, device and dtype and cached; --budget caps the candidates)",
     )
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr"
-    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,16 +160,12 @@ def _parse_prompt_line(line: str, where: str) -> Prompt:
     messages = record.get("messages") if isinstance(record, dict) else None
     if isinstance(messages, list) and messages and all(map(_is_message, messages)):
         return Prompt(messages=tuple(messages))
-    raise CliError(
-        f'{where}: expected {{"prompt": "text"}} or {{"messages": [{{"role": ..., "content": ...}}, ...]}}'
-    )
+    raise CliError(f'{where}: expected {{"prompt": "text"}} or {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
 
 
 def _is_message(message: object) -> bool:
     return (
-        isinstance(message, dict)
-        and isinstance(message.get("role"), str)
-        and isinstance(message.get("content"), str)
+        isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
     )
 
 
@@ -324,4 +322,3 @@ def run_cli(prog: str, args: argparse.Namespace, body: Callable[[argparse.Namesp
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_cli("rest-generate", parse_args(build_parser(), argv), run)
-

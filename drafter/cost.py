@@ -103,8 +103,13 @@ class VerifyCost:
     @classmethod
     def from_json(cls, text: str) -> VerifyCost:
         data = json.loads(text)
-        return cls(CostKey(**data["key"]), data["context_length"], tuple(data["sizes"]), tuple(data["seconds"]),
-                   tuple(data["chain_seconds"]))
+        return cls(
+            CostKey(**data["key"]),
+            data["context_length"],
+            tuple(data["sizes"]),
+            tuple(data["seconds"]),
+            tuple(data["chain_seconds"]),
+        )
 
 
 def select_tree(tree: DraftTree, cost: VerifyCost, max_depth: int | None = None) -> DraftTree:

@@ -22,8 +22,8 @@ compacting them by slot index would be wrong: they are refused.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -46,9 +46,7 @@ def new_cache(model: PreTrainedModel) -> DynamicCache:
 def check_cache(cache: object) -> None:
     """Raise ``UnsupportedCacheError`` unless ``cache`` is a DynamicCache of plain DynamicLayers."""
     if not isinstance(cache, DynamicCache):
-        raise UnsupportedCacheError(
-            f"tree verification needs a DynamicCache, got {type(cache).__name__}"
-        )
+        raise UnsupportedCacheError(f"tree verification needs a DynamicCache, got {type(cache).__name__}")
     for index, layer in enumerate(cache.layers):
         if getattr(layer, "is_sliding", False):
             raise UnsupportedCacheError(

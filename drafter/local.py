@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.outputs import DEFAULT_OUTPUTS_MAX_TOKENS, OutputStore, check_outputs_options, open_output_store
+from rest_spec.datastore.outputs import (
+    DEFAULT_OUTPUTS_MAX_TOKENS,
+    OutputStore,
+    check_outputs_options,
+    open_output_store,
+)
 from rest_spec.datastore.tokenizer import require_tokenizer
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 
@@ -28,7 +33,7 @@ class LocalDrafter:
         outputs_max_tokens: int = DEFAULT_OUTPUTS_MAX_TOKENS,
         outputs_dir: str | Path | None = None,
         **kwargs,
-    ) -> "LocalDrafter":
+    ) -> LocalDrafter:
         """Open the index at ``path`` (``kwargs`` go to ``Datastore.open``) with an output store of
         ``outputs_max_tokens`` tokens (0: none), persistent in ``outputs_dir`` if given; with
         ``expected_fingerprint`` (the model's ``tokenizer_fingerprint``), an index built with another
@@ -69,7 +74,7 @@ class LocalDrafter:
             self.outputs.close()
         self.datastore.close()
 
-    def __enter__(self) -> "LocalDrafter":
+    def __enter__(self) -> LocalDrafter:
         return self
 
     def __exit__(self, *exc) -> None:

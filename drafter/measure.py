@@ -99,7 +99,9 @@ def measure_verify_cost(
         index = np.arange(n - 1)
         trees.append(median_seconds(DraftTree(index % _BRANCHING + 1, index // _BRANCHING - 1, np.ones(n - 1))))
         # n = 1 is the empty tree either way: plain decoding's step, timed once
-        chains.append(median_seconds(DraftTree(index % _BRANCHING + 1, index - 1, np.ones(n - 1))) if n > 1 else trees[0])
+        chains.append(
+            median_seconds(DraftTree(index % _BRANCHING + 1, index - 1, np.ones(n - 1))) if n > 1 else trees[0]
+        )
         log.info("t(%d) = %.3f ms tree, %.3f ms chain", n, 1e3 * trees[-1], 1e3 * chains[-1])
     return VerifyCost(cost_key(model), context_length, tuple(int(n) for n in sizes), tuple(trees), tuple(chains))
 
@@ -143,19 +145,34 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 done; 2 usage error (an unknown flag, malformed --sizes); 1 failure (model not "
         "found, sizes or timing refused, cache not writable).",
     )
-    parser.add_argument("--model", metavar="SPEC", help="Hugging Face id, model directory or .gguf file "
-                        "(default: the packaged SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        metavar="SPEC",
+        help="Hugging Face id, model directory or .gguf file (default: the packaged SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
-                        help="weights dtype (default: the checkpoint's)")
-    parser.add_argument("--context-length", type=int, default=DEFAULT_CONTEXT_LENGTH, metavar="L",
-                        help="tokens in the KV cache under the verified tree (default: %(default)s)")
-    parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), metavar="N,N,...",
-                        help="verified token counts to time, starting at 1 (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per size; the median is kept "
-                        "(default: %(default)s)")
-    parser.add_argument("--cache-dir", type=Path,
-                        help="cache directory (default: $REST_CACHE_DIR or ~/.cache/rest-spec)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "float16", "bfloat16"), help="weights dtype (default: the checkpoint's)"
+    )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=DEFAULT_CONTEXT_LENGTH,
+        metavar="L",
+        help="tokens in the KV cache under the verified tree (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=",".join(map(str, DEFAULT_SIZES)),
+        metavar="N,N,...",
+        help="verified token counts to time, starting at 1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed runs per size; the median is kept (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, help="cache directory (default: $REST_CACHE_DIR or ~/.cache/rest-spec)"
+    )
     return parser
 
 
@@ -173,8 +190,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
-        cost = load_or_measure(model, directory=args.cache_dir, remeasure=True, sizes=sizes,
-                               context_length=args.context_length, repeats=args.repeats)
+        cost = load_or_measure(
+            model,
+            directory=args.cache_dir,
+            remeasure=True,
+            sizes=sizes,
+            context_length=args.context_length,
+            repeats=args.repeats,
+        )
     except (OSError, ValueError) as exc:
         print(f"{parser.prog}: error: {first_line(exc)}", file=sys.stderr)
         return 1

@@ -66,8 +66,10 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
     if weights.ndim == 1:
         weights = weights[:, None]
     if weights.ndim != 2 or weights.shape[0] != len(trees) or weights.shape[1] < 1:
-        raise ValueError(f"weights must hold one weight (or one per sample class) per source ({len(trees)}), "
-                         f"got shape {weights.shape}")
+        raise ValueError(
+            f"weights must hold one weight (or one per sample class) per source ({len(trees)}), "
+            f"got shape {weights.shape}"
+        )
     if not np.all(weights >= 0) or not np.all(np.isfinite(weights)):
         raise ValueError(f"weights must be finite and non-negative, got {weights.tolist()}")
     if budget < 0:
@@ -252,8 +254,9 @@ class SourceCalibration:
         ``select_tree``); ``accepted`` = indices of its accepted nodes (``Verification.keep[1:] - 1``)."""
         probs, samples = tree.source_probs, tree.source_samples
         if probs is None or samples is None or probs.shape[1] != self.num_sources:
-            raise ValueError(f"tree must carry source_probs and source_samples for {self.num_sources} sources "
-                             "(a merge_trees result)")
+            raise ValueError(
+                f"tree must carry source_probs and source_samples for {self.num_sources} sources (a merge_trees result)"
+            )
         accepted = np.asarray(accepted, dtype=np.int64)
         if accepted.size and (accepted.min() < 0 or accepted.max() >= len(tree)):
             raise ValueError(f"accepted node indices must be in [0, {len(tree)})")
@@ -266,6 +269,8 @@ class SourceCalibration:
         cell = source * self.observed.shape[1] + sample_class(samples[node, source], self.observed.shape[1])
         size = self.observed.size
         self.observed = self.decay * self.observed + np.bincount(
-            cell, weights=is_accepted[node].astype(np.float64), minlength=size).reshape(self.observed.shape)
+            cell, weights=is_accepted[node].astype(np.float64), minlength=size
+        ).reshape(self.observed.shape)
         self.predicted = self.decay * self.predicted + np.bincount(
-            cell, weights=probs[node, source], minlength=size).reshape(self.predicted.shape)
+            cell, weights=probs[node, source], minlength=size
+        ).reshape(self.predicted.shape)

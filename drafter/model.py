@@ -39,4 +39,3 @@ def load_model(
         label = name + (f"/{kwargs['gguf_file']}" if "gguf_file" in kwargs else "")
         raise OSError(f"cannot load model {label!r}: {exc}") from exc
     return model.to(device or default_device()).eval()
-

@@ -19,8 +19,8 @@ tree rule of NOTES section 3.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -145,8 +145,7 @@ class TokenChooser:
     ) -> TokenChooser:
         """One row per prompt, from a config made by ``prepare_generation_config``."""
         processors = tuple(
-            row_logits_processors(model, config, length, max_new_tokens, logits_processor)
-            for length in prompt_lengths
+            row_logits_processors(model, config, length, max_new_tokens, logits_processor) for length in prompt_lengths
         )
         return cls(processors, do_sample=bool(config.do_sample), generator=generator)
 
@@ -158,9 +157,7 @@ class TokenChooser:
     def score_only(self) -> bool:
         return all(type(p) in SCORE_ONLY_PROCESSORS for row in self.processors for p in row)
 
-    def scores(
-        self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]
-    ) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """float32 [B, q, V]: the processed scores after every flat position (padding: raw)."""
         batch, q, vocab = logits.shape
         scores = logits.float()
@@ -191,9 +188,7 @@ class TokenChooser:
         probs = torch.softmax(scores.reshape(-1, vocab), dim=-1)
         return torch.multinomial(probs, num_samples=1, generator=self.generator).view(batch, q)
 
-    def __call__(
-        self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]
-    ) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         if not self.do_sample and not any(self.processors):
             return logits.argmax(dim=-1)  # plain greedy: float32 scores would not change the argmax
         return self.pick(self.scores(logits, inputs, contexts))

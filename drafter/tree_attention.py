@@ -21,8 +21,8 @@ the device as ONE packed int64 copy; the float mask is expanded on the device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -119,9 +119,7 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     attention (scores + mask) and SDPA (a float ``attn_mask`` is added to the scores); ``min``
     rather than ``-inf`` keeps a softmax row finite even where a row is fully masked (a padding
     query of a left-padded prompt)."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-        ~allowed, torch.finfo(dtype).min
-    )
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def tree_attention_mask(ancestors: torch.Tensor, cache_visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

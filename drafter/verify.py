@@ -17,8 +17,9 @@ committed token has exactly the distribution plain sampling gives it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,9 +31,7 @@ from rest_spec.drafter.tree_attention import TreeInputs, build_tree_inputs
 
 
 class AcceptanceRule(Protocol):
-    def __call__(
-        self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]
-    ) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         """The model's chosen next token int64 [B, q] after each flat position, from the
         verification logits float [B, q, V], the tree inputs and each row's committed tokens
         (prompt included; the last one is the pending token at flat position 0)."""

@@ -36,8 +36,14 @@ def generate(out_dir: str | Path = PROTO_DIR) -> list[Path]:
         for proto in PROTOS:
             (root / PACKAGE / proto).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(PROTO_DIR / proto, root / PACKAGE / proto)
-        args = ["grpc_tools.protoc", f"-I{root}", f"--python_out={root}", f"--pyi_out={root}",
-                f"--grpc_python_out={root}", *(str(PACKAGE / proto) for proto in PROTOS)]
+        args = [
+            "grpc_tools.protoc",
+            f"-I{root}",
+            f"--python_out={root}",
+            f"--pyi_out={root}",
+            f"--grpc_python_out={root}",
+            *(str(PACKAGE / proto) for proto in PROTOS),
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {', '.join(PROTOS)}")
         for proto in PROTOS:

@@ -25,7 +25,18 @@ def stdlib_index(tmp_path_factory):
     """An index of this Python's standard library built by the real `build_index` CLI."""
     out = tmp_path_factory.mktemp("indexes") / "python-stdlib"
     subprocess.run(
-        [sys.executable, "-m", "rest_spec.build_index", "--corpus", "python-stdlib", "--out", str(out), "--workers", "2", "--quiet"],
+        [
+            sys.executable,
+            "-m",
+            "rest_spec.build_index",
+            "--corpus",
+            "python-stdlib",
+            "--out",
+            str(out),
+            "--workers",
+            "2",
+            "--quiet",
+        ],
         check=True,
     )
     return out

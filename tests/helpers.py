@@ -27,8 +27,14 @@ from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo
 
 def write_index(path: Path, docs: Iterable[Sequence[int]], vocab_size: int, shard_tokens: int = 1 << 20) -> Path:
     """A real index of ``docs`` at ``path`` (replacing any), written by the real ``IndexWriter``."""
-    with IndexWriter(path, tokenizer_name="test-tok", tokenizer_fingerprint="sha256:test", vocab_size=vocab_size,
-                     shard_tokens=shard_tokens, overwrite=True) as writer:
+    with IndexWriter(
+        path,
+        tokenizer_name="test-tok",
+        tokenizer_fingerprint="sha256:test",
+        vocab_size=vocab_size,
+        shard_tokens=shard_tokens,
+        overwrite=True,
+    ) as writer:
         writer.add_documents(docs)
         writer.finish()
     return path
@@ -222,9 +228,7 @@ class StopAfterToken(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
-def reference_tokens(
-    model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs
-) -> list[int]:
+def reference_tokens(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs) -> list[int]:
     """New tokens of Hugging Face greedy decoding."""
     output = model.generate(
         torch.tensor([list(prompt)], device=model.device),

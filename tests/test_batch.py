@@ -66,8 +66,9 @@ def test_each_row_equals_that_prompt_alone(model, expected, form: str, with_draf
         result = generate(model, PROMPTS, drafter, max_new_tokens=NEW_TOKENS, config=DraftConfig(budget=12))
     else:
         ids, mask = left_padded(PROMPTS)
-        result = generate(model, ids, drafter, max_new_tokens=NEW_TOKENS, attention_mask=mask,
-                          config=DraftConfig(budget=12))
+        result = generate(
+            model, ids, drafter, max_new_tokens=NEW_TOKENS, attention_mask=mask, config=DraftConfig(budget=12)
+        )
     assert isinstance(result, BatchGenerationResult)
     assert result.output_ids == expected
     row_steps = [len(steps) for steps in result.accepted_per_step]
@@ -88,7 +89,9 @@ def test_eos_in_one_row_ends_that_row_only(model, expected) -> None:
     drafter = CountingDrafter(*(p + e for p, e in zip(PROMPTS, expected)), seed=3)
     result = generate(model, PROMPTS, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
     assert result.output_ids == stopped
-    assert sum(context[: len(PROMPTS[1])] == PROMPTS[1] for context in drafter.asked) == len(result.accepted_per_step[1])
+    assert sum(context[: len(PROMPTS[1])] == PROMPTS[1] for context in drafter.asked) == len(
+        result.accepted_per_step[1]
+    )
 
 
 def test_stopping_criteria_end_rows_where_generate_would(model, expected) -> None:
@@ -106,8 +109,15 @@ def test_streamer_gets_each_rows_committed_tokens(model, expected) -> None:
     streamer = RecordingStreamer()
     drafter = OracleTreeDrafter(*(p + e for p, e in zip(PROMPTS, expected)))
     eos = expected[3][8]
-    result = generate(model, PROMPTS, drafter, max_new_tokens=NEW_TOKENS, eos_token_id=eos, streamer=streamer,
-                      generation_config=GenerationConfig(pad_token_id=pad))
+    result = generate(
+        model,
+        PROMPTS,
+        drafter,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=eos,
+        streamer=streamer,
+        generation_config=GenerationConfig(pad_token_id=pad),
+    )
     assert streamer.ended and len(streamer.values) == result.steps
     assert all(value.shape[0] == len(PROMPTS) for value in streamer.values)
     for row in range(len(PROMPTS)):
@@ -145,6 +155,12 @@ def test_smollm2_batch_with_tokenizer_padding_and_a_stop_string(smollm2) -> None
     criteria = StoppingCriteriaList([StopStringCriteria(tokenizer, [stop_string])])
     stopped = [reference_tokens(model, p, 24, stop_strings=[stop_string], tokenizer=tokenizer) for p in prompts]
     assert len(stopped[1]) < 24
-    result = generate(model, encoded.input_ids, drafter, max_new_tokens=24, attention_mask=encoded.attention_mask,
-                      stopping_criteria=criteria)
+    result = generate(
+        model,
+        encoded.input_ids,
+        drafter,
+        max_new_tokens=24,
+        attention_mask=encoded.attention_mask,
+        stopping_criteria=criteria,
+    )
     assert result.output_ids == stopped

@@ -121,7 +121,18 @@ def leftovers(parent: Path) -> list[str]:
 def test_directory_index_in_order_across_shards_and_workers(tmp_path, tiny_tokenizer, tiny, code_dir):
     root, documents = code_dir
     longest = max(len(tiny.encode(d, add_special_tokens=False)) for d in documents)  # no document is split
-    common = ("--corpus", root, "--extensions", ".py,.md", "--tokenizer", tiny_tokenizer, "--shard-tokens", longest, "--batch-size", 1)
+    common = (
+        "--corpus",
+        root,
+        "--extensions",
+        ".py,.md",
+        "--tokenizer",
+        tiny_tokenizer,
+        "--shard-tokens",
+        longest,
+        "--batch-size",
+        1,
+    )
     one = built(*common, "--workers", 1, "--out", tmp_path / "w1", cwd=tmp_path)
     two = built(*common, "--workers", 2, "--out", tmp_path / "w2", cwd=tmp_path)
 
@@ -164,7 +175,9 @@ def test_default_smollm2_tokenizer_on_stdlib_files(tmp_path):
     from rest_spec.build_index.corpora import CorpusSpec, iter_records
     from rest_spec.datastore.tokenizer import load_tokenizer
 
-    summary = built("--corpus", "python-stdlib", "--max-docs", 3, "--workers", 2, "--out", tmp_path / "idx", cwd=tmp_path)
+    summary = built(
+        "--corpus", "python-stdlib", "--max-docs", 3, "--workers", 2, "--out", tmp_path / "idx", cwd=tmp_path
+    )
     smollm2 = load_tokenizer(None)
     documents = [d for r in iter_records(CorpusSpec("python-stdlib", max_docs=3)) for d in r.documents()]
     manifest = assert_holds(tmp_path / "idx", documents, smollm2)

@@ -64,7 +64,17 @@ def previous_index(tmp_path_factory, tiny_tokenizer) -> Path:
     """A real index that the tests below try to replace; each copies it."""
     root = tmp_path_factory.mktemp("previous")
     (root / "previous.txt").write_text("the previous corpus, which must survive")
-    built("--corpus", root / "previous.txt", "--tokenizer", tiny_tokenizer, "--out", root / "idx", "--workers", 1, cwd=root)
+    built(
+        "--corpus",
+        root / "previous.txt",
+        "--tokenizer",
+        tiny_tokenizer,
+        "--out",
+        root / "idx",
+        "--workers",
+        1,
+        cwd=root,
+    )
     return root / "idx"
 
 
@@ -130,7 +140,9 @@ def test_overwrite_refuses_what_is_not_an_index(tmp_path, tiny_tokenizer, previo
     make(out, previous_index)
     before = snapshot(out.parent)
 
-    result = run_cli("--corpus", corpus, "--tokenizer", tiny_tokenizer, "--out", out, "--overwrite", cwd=tmp_path, timeout=120)
+    result = run_cli(
+        "--corpus", corpus, "--tokenizer", tiny_tokenizer, "--out", out, "--overwrite", cwd=tmp_path, timeout=120
+    )
 
     assert result.returncode == 1
     assert one_line(result.stderr).startswith(f"build_index: error: refusing to replace {out}: {reason}")
@@ -202,7 +214,9 @@ def test_a_signal_between_the_publishing_renames_waits_for_both(tmp_path, previo
     monkeypatch.setattr(os, "replace", rename_then_signal)
     try:
         with pytest.raises(Stopped):
-            with IndexWriter(out, tokenizer_name="t", tokenizer_fingerprint="f", vocab_size=10, overwrite=True) as writer:
+            with IndexWriter(
+                out, tokenizer_name="t", tokenizer_fingerprint="f", vocab_size=10, overwrite=True
+            ) as writer:
                 writer.add_document([4, 5, 6, 7])
                 writer.finish()
     finally:
@@ -256,7 +270,10 @@ def test_special_files_in_a_corpus_directory_are_skipped(tmp_path, tiny_tokenize
         (["--corpus", "fifo"], "corpus fifo is a named pipe (FIFO), not a regular file"),
         (["--corpus", "socket"], "corpus socket is a socket, not a regular file"),
         (["--corpus", "null.txt"], "corpus null.txt is a character device, not a regular file"),
-        (["--corpus", "sharegpt", "--data-files", "fifo.json"], "data file fifo.json is a named pipe (FIFO), not a regular file"),
+        (
+            ["--corpus", "sharegpt", "--data-files", "fifo.json"],
+            "data file fifo.json is a named pipe (FIFO), not a regular file",
+        ),
     ],
     ids=["fifo", "socket", "dev-null", "data-file-fifo"],
 )
@@ -296,7 +313,9 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("signum", STOP_SIGNALS, ids=lambda s: signal.Signals(s).name)
-def test_a_stop_signal_stops_the_workers_and_leaves_the_previous_index(tmp_path, tiny_tokenizer, previous_index, signum):
+def test_a_stop_signal_stops_the_workers_and_leaves_the_previous_index(
+    tmp_path, tiny_tokenizer, previous_index, signum
+):
     """Signalled while two tokenizer workers encode the packaged ShareGPT file (it takes a while)."""
     out = shutil.copytree(previous_index, tmp_path / "idx")
     before = snapshot(out)
@@ -367,7 +386,9 @@ def small_tmpfs(tmp_path):
     """A 1 MiB tmpfs; skipped where mounting is not permitted."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     yield mount

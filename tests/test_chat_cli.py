@@ -36,7 +36,7 @@ def greedy_reply(model, tokenizer, messages: list[dict]) -> tuple[str, int, int]
     ids = torch.tensor([chat_ids(tokenizer, messages)])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
-    new = out[0, ids.shape[1]:]
+    new = out[0, ids.shape[1] :]
     return tokenizer.decode(new, skip_special_tokens=True), len(new), ids.shape[1]
 
 
@@ -56,8 +56,20 @@ def test_chat_streams_replies_keeps_history_and_reports(stdlib_index, conversati
     """Two turns, /reset, the first turn again, /exit (later lines ignored)."""
     stdin = "\n".join([TURNS[0], TURNS[1], "/reset", TURNS[0], "/exit", TURNS[1]]) + "\n"
     run = subprocess.run(
-        [sys.executable, "-m", "rest_spec.drafter.chat", "--datastore", str(stdlib_index), "--max-new-tokens", str(NEW_TOKENS)],
-        input=stdin, capture_output=True, text=True, env=ENV, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "rest_spec.drafter.chat",
+            "--datastore",
+            str(stdlib_index),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+        ],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr
     first, second = conversation
@@ -65,7 +77,10 @@ def test_chat_streams_replies_keeps_history_and_reports(stdlib_index, conversati
     statuses = [STATUS.search(line) for line in run.stderr.splitlines()]
     statuses = [m.groups() for m in statuses if m]
     assert [(int(t), int(n), int(c)) for t, n, _, _, c in statuses] == [
-        (1, first[1], first[2]), (2, second[1], second[2]), (3, first[1], first[2])]
+        (1, first[1], first[2]),
+        (2, second[1], second[2]),
+        (3, first[1], first[2]),
+    ]
     assert second[2] > first[2] + first[1]  # the second prompt holds the whole first exchange
     assert "[conversation cleared]" in run.stderr
     for _, tokens, steps, accepted, _ in statuses:
@@ -77,12 +92,27 @@ def test_rest_generate_chat_flag(smollm2, stdlib_index):
     messages = [{"role": "user", "content": TURNS[0]}]
     ids = torch.tensor([chat_ids(tokenizer, messages)])
     with torch.inference_mode():
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=NEW_TOKENS)[0, ids.shape[1]:].tolist()
+        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)[
+            0, ids.shape[1] :
+        ].tolist()
     run = subprocess.run(
-        [sys.executable, "-m", "rest_spec.drafter", "--datastore", str(stdlib_index), "--prompt", TURNS[0], "--chat",
-         "--max-new-tokens", str(NEW_TOKENS), "--json"],
-        capture_output=True, text=True, env=ENV, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "rest_spec.drafter",
+            "--datastore",
+            str(stdlib_index),
+            "--prompt",
+            TURNS[0],
+            "--chat",
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["output_ids"] == expected
@@ -92,7 +122,9 @@ def test_rest_generate_chat_flag(smollm2, stdlib_index):
 def session(smollm2, stdlib_index):
     model, tokenizer = smollm2
     with LocalDrafter.open(stdlib_index) as drafter:
-        yield ChatSession(model, tokenizer, drafter, config=DraftConfig(), max_new_tokens=8, system="Answer in one line.")
+        yield ChatSession(
+            model, tokenizer, drafter, config=DraftConfig(), max_new_tokens=8, system="Answer in one line."
+        )
 
 
 class InterruptAfterFirstStep(BaseStreamer):

@@ -127,8 +127,11 @@ def test_the_stack_local_parquet_glob(tmp_path):
 
 @pytest.mark.parametrize("name, repo", [("ultrachat", "stingning/ultrachat"), ("the-stack", "bigcode/the-stack-dedup"),
                                         ("hf:someone/data", "someone/data")])  # fmt: skip
-@pytest.mark.parametrize("offline", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
-                         ids=["offline-mode", "unreachable-endpoint"])
+@pytest.mark.parametrize(
+    "offline",
+    [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
+    ids=["offline-mode", "unreachable-endpoint"],
+)
 def test_offline_hub_fails_with_one_line_pointing_to_a_local_copy(name, repo, offline):
     script = textwrap.dedent(f"""
         from rest_spec.build_index.corpora import CorpusError, CorpusSpec, open_corpus

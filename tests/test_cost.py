@@ -76,7 +76,9 @@ def test_select_tree_is_the_best_prefix_closed_subset(tree, times, max_depth):
 def test_a_cheap_causal_path_picks_the_deep_chain_over_the_bushy_tree():
     #            1 (0.9) - 3 (0.8) - 4 (0.7)
     #            2 (0.6)
-    tree = DraftTree(np.array([1, 2, 3, 4]), np.array([-1, -1, 0, 2]), np.ones(4), scores=np.array([0.9, 0.6, 0.8, 0.7]))
+    tree = DraftTree(
+        np.array([1, 2, 3, 4]), np.array([-1, -1, 0, 2]), np.ones(4), scores=np.array([0.9, 0.6, 0.8, 0.7])
+    )
     same = cost_curve([1.0, 1.2, 1.4, 1.6, 1.8])
     assert select_tree(tree, same).paths() == [(1,), (2,), (1, 3), (1, 3, 4)]  # all of it
     cheap_chains = cost_curve([1.0, 1.2, 1.4, 1.6, 1.8], [1.0, 1.1, 1.2, 1.3, 1.4])
@@ -110,8 +112,12 @@ def test_cost_interpolates_extrapolates_and_never_decreases():
 
 @pytest.mark.parametrize(
     ("sizes", "seconds", "message"),
-    [((2, 4), (1.0, 2.0), "start at 1"), ((1, 1), (1.0, 2.0), "increase strictly"),
-     ((1, 2), (1.0, 0.0), "positive"), ((1, 2), (1.0,), "one positive time per size")],
+    [
+        ((2, 4), (1.0, 2.0), "start at 1"),
+        ((1, 1), (1.0, 2.0), "increase strictly"),
+        ((1, 2), (1.0, 0.0), "positive"),
+        ((1, 2), (1.0,), "one positive time per size"),
+    ],
 )
 def test_cost_refuses_bad_measurements(sizes, seconds, message):
     with pytest.raises(ValueError, match=message):

@@ -31,8 +31,21 @@ NEW_TOKENS = 48
 def server_address(stdlib_index):
     """A real `rest-datastore serve` process on a free loopback port."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(stdlib_index), "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rest_spec.datastore",
+            "serve",
+            "--index",
+            str(stdlib_index),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     line = proc.stdout.readline()
     match = re.search(r"(127\.0\.0\.1:\d+)", line)
@@ -51,7 +64,7 @@ def reference(smollm2):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
             full = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
-        out[prompt] = (ids[0].tolist(), full[0, ids.shape[1]:].tolist())
+        out[prompt] = (ids[0].tolist(), full[0, ids.shape[1] :].tolist())
     return out
 
 
@@ -85,7 +98,9 @@ def test_empty_index_answers_change_nothing(smollm2, tmp_path, reference):
     doc = tmp_path / "doc.txt"
     doc.write_text("zebra quokka")
     out = tmp_path / "tiny"
-    subprocess.run([sys.executable, "-m", "rest_spec.build_index", "--corpus", str(doc), "--out", str(out), "--quiet"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "rest_spec.build_index", "--corpus", str(doc), "--out", str(out), "--quiet"], check=True
+    )
     prompt_ids, expected = next(iter(reference.values()))
     with LocalDrafter.open(out) as drafter:
         result = generate(model, prompt_ids, drafter, max_new_tokens=NEW_TOKENS)
@@ -100,9 +115,23 @@ def test_rest_generate_cli_json(stdlib_index, server_address, reference, tmp_pat
     prompts.write_text(json.dumps({"prompt": prompt}) + "\n")
     datastore = str(stdlib_index) if where == "local" else server_address
     run = subprocess.run(
-        [sys.executable, "-m", "rest_spec.drafter", "--datastore", datastore, "--prompts", str(prompts),
-         "--max-new-tokens", str(NEW_TOKENS), "--budget", "64", "--json"],
-        capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        [
+            sys.executable,
+            "-m",
+            "rest_spec.drafter",
+            "--datastore",
+            datastore,
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--budget",
+            "64",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
     assert run.returncode == 0, run.stderr
     record = json.loads(run.stdout.strip().splitlines()[-1])
@@ -128,13 +157,13 @@ def test_drafts_equal_brute_force_on_the_real_index(stdlib_index):
             context[:cut] = rng.integers(0, store.vocab_size, cut)
             tree = store.draft(context, config)
             tokens, parents, counts, match_len, num_matches = brute_draft(
-                docs, context, budget=64, max_depth=10, n_max=16, n_min=2, max_matches=store.max_candidates)
+                docs, context, budget=64, max_depth=10, n_max=16, n_min=2, max_matches=store.max_candidates
+            )
             assert (tree.match_len, tree.num_matches) == (match_len, num_matches)
             if tokens is not None:  # matches over the cap are sampled; the sampling has its own test
                 assert (tree.tokens.tolist(), tree.parents.tolist(), tree.counts.tolist()) == (tokens, parents, counts)
                 exact += 1
     assert exact >= 20
-
 
 
 def test_rest_generate_adaptive_cli_equals_plain(stdlib_index, reference, tmp_path):
@@ -145,9 +174,21 @@ def test_rest_generate_adaptive_cli_equals_plain(stdlib_index, reference, tmp_pa
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text((json.dumps({"prompt": prompt}) + "\n") * 2)
     run = subprocess.run(
-        [sys.executable, "-m", "rest_spec.drafter", "--datastore", str(stdlib_index), "--prompts", str(prompts),
-         "--max-new-tokens", str(NEW_TOKENS), "--adaptive", "--json"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rest_spec.drafter",
+            "--datastore",
+            str(stdlib_index),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--adaptive",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "REST_CACHE_DIR": str(tmp_path / "cache")},
     )
     assert run.returncode == 0, run.stderr

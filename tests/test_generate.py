@@ -138,9 +138,7 @@ def test_lossless_with_logits_processors(model: PreTrainedModel, settings: str) 
     assert result.steps < len(expected)
 
 
-@pytest.mark.parametrize(
-    "criterion", ["token", "length"], ids=["stop-after-token", "max-length"]
-)
+@pytest.mark.parametrize("criterion", ["token", "length"], ids=["stop-after-token", "max-length"])
 def test_stopping_criteria_cut_inside_a_step(model: PreTrainedModel, criterion: str) -> None:
     ids = PROMPTS["short"]
     free_run = reference_tokens(model, ids, NEW_TOKENS)
@@ -157,8 +155,14 @@ def test_streamer_gets_each_steps_committed_tokens(model: PreTrainedModel) -> No
     ids = PROMPTS["short"]
     free_run = reference_tokens(model, ids, NEW_TOKENS)
     streamer = RecordingStreamer()
-    result = generate(model, ids, OracleTreeDrafter(ids + free_run), max_new_tokens=NEW_TOKENS,
-                      eos_token_id=free_run[-3], streamer=streamer)
+    result = generate(
+        model,
+        ids,
+        OracleTreeDrafter(ids + free_run),
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=free_run[-3],
+        streamer=streamer,
+    )
     assert streamer.ended
     assert [value.tolist() for value in streamer.values] == chunks(result)
     assert torch.cat(streamer.values).tolist() == result.output_ids
@@ -209,9 +213,7 @@ def test_rejects_unsupported_generation_configs(model: PreTrainedModel, settings
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "text", ["def fibonacci(n):\n    ", "The three primary colors are"], ids=["code", "prose"]
-)
+@pytest.mark.parametrize("text", ["def fibonacci(n):\n    ", "The three primary colors are"], ids=["code", "prose"])
 def test_lossless_on_smollm2(smollm2, text: str) -> None:
     model, tokenizer = smollm2
     ids = tokenizer(text).input_ids
@@ -233,11 +235,15 @@ def test_cli_help(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in help_text
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--no-draft", "--prompt", "hi", "--budget", "0"], "budget must be in [1, "),
-    (["--no-draft", "--prompt", "hi", "--max-new-tokens", "0"], "must be >= 1"),
-    (["--prompt", "hi"], "one of the arguments --datastore --no-draft is required"),
-], ids=["config-refuses", "argparse-refuses", "missing"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--no-draft", "--prompt", "hi", "--budget", "0"], "budget must be in [1, "),
+        (["--no-draft", "--prompt", "hi", "--max-new-tokens", "0"], "must be >= 1"),
+        (["--prompt", "hi"], "one of the arguments --datastore --no-draft is required"),
+    ],
+    ids=["config-refuses", "argparse-refuses", "missing"],
+)
 def test_cli_usage_errors_exit_2_with_the_usage_line(
     capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
@@ -281,9 +287,7 @@ def test_cli_bad_jsonl_line_exits_1_naming_it(
     ],
     ids=["missing-prompts", "missing-datastore"],
 )
-def test_cli_failures_exit_1(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
-) -> None:
+def test_cli_failures_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main([arg.format(tmp=tmp_path) for arg in argv]) == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

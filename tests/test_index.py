@@ -17,7 +17,8 @@ from tests.helpers import brute_draft, write_index
 def assert_matches_oracle(store, docs, context, config):
     tree = store.draft(context, config)
     tokens, parents, counts, match_len, num_matches = brute_draft(
-        docs, context, budget=config.budget, max_depth=config.max_depth, n_max=config.n_max, n_min=config.n_min)
+        docs, context, budget=config.budget, max_depth=config.max_depth, n_max=config.n_max, n_min=config.n_min
+    )
     assert tree.tokens.tolist() == tokens
     assert tree.parents.tolist() == parents
     assert tree.counts.tolist() == counts
@@ -26,7 +27,8 @@ def assert_matches_oracle(store, docs, context, config):
 
 
 docs_strategy = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=40), min_size=1, max_size=12).filter(
-    lambda docs: any(docs))
+    lambda docs: any(docs)
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -36,8 +38,12 @@ def test_draft_equals_brute_force_on_random_corpora(tmp_path, docs, data, shard_
     write_index(tmp_path / "idx", docs, vocab_size=6, shard_tokens=shard_tokens)
     # documents longer than a shard are split by the writer; the oracle sees the same pieces
     pieces = [d[i : i + shard_tokens] for d in docs for i in range(0, len(d), shard_tokens)]
-    config = DraftConfig(budget=data.draw(st.integers(1, 30)), max_depth=data.draw(st.integers(1, 6)),
-                         n_max=data.draw(st.integers(2, 6)), n_min=data.draw(st.integers(1, 2)))
+    config = DraftConfig(
+        budget=data.draw(st.integers(1, 30)),
+        max_depth=data.draw(st.integers(1, 6)),
+        n_max=data.draw(st.integers(2, 6)),
+        n_min=data.draw(st.integers(1, 2)),
+    )
     with Datastore.open(tmp_path / "idx") as store:
         assert [d.tolist() for d in store.documents()] == [p for p in pieces if p]
         for _ in range(5):
@@ -105,8 +111,10 @@ def test_no_match_and_short_contexts(tmp_path):
         assert len(store.draft([4], DraftConfig(n_min=1))) == 0  # document ends after 4
 
 
-@pytest.mark.parametrize("context, message", [([], "non-empty"), ([1, 10], "outside the vocabulary"),
-                                              ([-1], "outside the vocabulary"), ([1.5], "integer")])
+@pytest.mark.parametrize(
+    "context, message",
+    [([], "non-empty"), ([1, 10], "outside the vocabulary"), ([-1], "outside the vocabulary"), ([1.5], "integer")],
+)
 def test_bad_context_is_rejected(tmp_path, context, message):
     write_index(tmp_path / "idx", [[1, 2, 3]], vocab_size=10)
     with Datastore.open(tmp_path / "idx") as store, pytest.raises(ValueError, match=message):
@@ -135,8 +143,9 @@ def test_writer_is_atomic_and_refuses_existing(tmp_path):
     with pytest.raises(FileExistsError):
         IndexWriter(tmp_path / "idx", tokenizer_name="t", tokenizer_fingerprint="f", vocab_size=10)
     with pytest.raises(RuntimeError):
-        with IndexWriter(tmp_path / "idx", tokenizer_name="t", tokenizer_fingerprint="f", vocab_size=10,
-                         overwrite=True) as writer:
+        with IndexWriter(
+            tmp_path / "idx", tokenizer_name="t", tokenizer_fingerprint="f", vocab_size=10, overwrite=True
+        ) as writer:
             writer.add_document([4, 5, 6])
             raise RuntimeError("interrupted")
     assert (tmp_path / "idx" / fmt.MANIFEST).read_text() == before

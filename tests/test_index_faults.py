@@ -163,14 +163,23 @@ def run_drafts(cases: list[dict], workdir: Path) -> list[dict]:
     spec = workdir / "cases.json"
     spec.write_text(json.dumps({"cases": cases}))
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from tests.test_index_faults import draft_each; draft_each(sys.argv[1])",
-         str(spec)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from tests.test_index_faults import draft_each; draft_each(sys.argv[1])",
+            str(spec),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     results = [json.loads(line) for line in proc.stdout.splitlines()]
     if proc.returncode < 0:
-        pytest.fail(f"drafting crashed with {signal.Signals(-proc.returncode).name} on case {len(results)}: "
-                    f"{cases[len(results)]['path']}")
+        pytest.fail(
+            f"drafting crashed with {signal.Signals(-proc.returncode).name} on case {len(results)}: "
+            f"{cases[len(results)]['path']}"
+        )
     assert proc.returncode == 0, f"drafting failed on case {len(results)}:\n{proc.stderr[-3000:]}"
     return results
 
@@ -231,7 +240,8 @@ def damaged_case(clean: CleanIndex, spans, into: Path, sealed: bool) -> dict:
         first = max(0, (start - np.load(clean.path / fmt.shard_file(shard, role), mmap_mode="r").offset) // itemsize)
         touched = range(first, first + mask.size // itemsize + 1, max(1, mask.size // itemsize // 8))
         contexts += (contexts_at_tokens if role == "tokens" else contexts_at_ranks)(
-            clean, shard, [k for k in touched if k < clean.shards[shard][fmt.ROLES.index(role)].shape[0]])
+            clean, shard, [k for k in touched if k < clean.shards[shard][fmt.ROLES.index(role)].shape[0]]
+        )
     if sealed:
         reseal(path)
     rng = np.random.default_rng(spans[0][2])
@@ -244,8 +254,12 @@ def damaged_case(clean: CleanIndex, spans, into: Path, sealed: bool) -> dict:
 
 @pytest.mark.parametrize("sealed", [False, True], ids=["passes-spot-digests", "hostile-resealed"])
 # no shrinking: every step would rerun the subprocess, and the failing cases are printed as they are
-@settings(max_examples=4, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=4,
+    deadline=None,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_random_corruption_never_crashes(clean_indexes, sealed, data):
     """Six damaged copies per example, drafted in one subprocess: never a crash, never a
@@ -276,8 +290,13 @@ HOSTILE_VALUES = [
     ("sa-zero", "sa", lambda n, v: 0, None, "not a position"),
     ("sa-separator-position", "sa", lambda n, v: 1, None, "not a position"),
     ("token-past-vocab", "tokens", lambda n, v: v, "token .* is outside the vocabulary", "outside the vocabulary"),
-    ("token-below-separator", "tokens", lambda n, v: 0xFFFE, "token .* is outside the vocabulary",
-     "outside the vocabulary"),
+    (
+        "token-below-separator",
+        "tokens",
+        lambda n, v: 0xFFFE,
+        "token .* is outside the vocabulary",
+        "outside the vocabulary",
+    ),
 ]
 
 
@@ -306,12 +325,15 @@ def test_crafted_hostile_values(clean_indexes, tmp_path, name, role, value, at_d
             Datastore.open(path, **flags)
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("swap", "out of order"),
-    ("duplicate", "repeats an earlier entry"),
-    ("separator-lost", "separators, expected"),
-    ("first-not-separator", "token 0 = 5 is not the separator"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("swap", "out of order"),
+        ("duplicate", "repeats an earlier entry"),
+        ("separator-lost", "separators, expected"),
+        ("first-not-separator", "token 0 = 5 is not the separator"),
+    ],
+)
 def test_structural_check_finds_in_range_damage(clean_indexes, tmp_path, damage, message):
     """Damage made of valid-looking values: drafting stays safe (well-formed trees or a clear
     error), and the structural check at open names it."""
@@ -363,17 +385,20 @@ def rewrite_header(file: Path, old: bytes, new: bytes) -> None:
     file.write_bytes(data.replace(old, new, 1))
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("trailing-bytes", "has 160 bytes, its header describes 156"),
-    ("big-endian", r"holds '>u2' \(14,\) \(fortran_order=False\), the manifest describes '<u2' \(14,\)"),
-    ("float-dtype", "holds '<f2'"),
-    ("fortran", "fortran_order=True"),
-    ("longer-shape", r"holds '<u2' \(5,\)"),
-    ("bad-magic", "not a valid .npy array: not a .npy file of format 1.0 or 2.0"),
-    ("garbage-header", "not a valid .npy array: the header is not a Python literal"),
-    ("unterminated-string", "not a valid .npy array: the header is not a Python literal"),  # numpy: TokenError
-    ("long-header", "not a valid .npy array: a header of 65535 bytes is longer than np.save writes"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("trailing-bytes", "has 160 bytes, its header describes 156"),
+        ("big-endian", r"holds '>u2' \(14,\) \(fortran_order=False\), the manifest describes '<u2' \(14,\)"),
+        ("float-dtype", "holds '<f2'"),
+        ("fortran", "fortran_order=True"),
+        ("longer-shape", r"holds '<u2' \(5,\)"),
+        ("bad-magic", "not a valid .npy array: not a .npy file of format 1.0 or 2.0"),
+        ("garbage-header", "not a valid .npy array: the header is not a Python literal"),
+        ("unterminated-string", "not a valid .npy array: the header is not a Python literal"),  # numpy: TokenError
+        ("long-header", "not a valid .npy array: a header of 65535 bytes is longer than np.save writes"),
+    ],
+)
 def test_npy_header_must_describe_exactly_the_file(tmp_path, damage, message):
     """Resealed so the digests agree: the header itself is checked, and the file must be that
     header plus exactly that data."""
@@ -404,8 +429,10 @@ def test_npy_header_must_describe_exactly_the_file(tmp_path, damage, message):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(role=st.sampled_from(fmt.ROLES),
-       edits=st.lists(st.tuples(st.integers(0, 127), st.integers(0, 255)), min_size=1, max_size=4))
+@given(
+    role=st.sampled_from(fmt.ROLES),
+    edits=st.lists(st.tuples(st.integers(0, 127), st.integers(0, 255)), min_size=1, max_size=4),
+)
 def test_damaged_npy_header_is_one_clear_line(tmp_path_factory, role, edits):
     """Bytes of a resealed file's header set at random: a one-line error at open, or (damage in
     the padding) the index drafts as before."""
@@ -446,7 +473,8 @@ def test_shard_files_must_be_regular_files_inside_the_index(tmp_path, kind):
     else:
         file.symlink_to(file)
     message = {"symlink-outside": "outside the index directory", "symlink-loop": "cannot be read"}.get(
-        kind, "not a regular file")
+        kind, "not a regular file"
+    )
     with pytest.raises(fmt.IndexFormatError, match=message) as raised:
         Datastore.open(path)
     assert_one_line_about(str(raised.value), path)
@@ -499,8 +527,11 @@ MANIFEST_DAMAGE = [
     ("files-list", set_in(shard0, "files", []), r"shards\[0\].files: expected an object"),
     ("unknown-dtype", set_in(whole, "token_dtype", "<f8"), "token_dtype: '<f8' is not '<u2'"),
     ("wider-dtype", set_in(whole, "token_dtype", "<u4"), "token_dtype: '<u4' is not '<u2'"),
-    ("absurd-vocab", set_in(tokenizer, "vocab_size", 2**40),
-     r"tokenizer.vocab_size: 1099511627776 is outside \[1, 16777216\]"),
+    (
+        "absurd-vocab",
+        set_in(tokenizer, "vocab_size", 2**40),
+        r"tokenizer.vocab_size: 1099511627776 is outside \[1, 16777216\]",
+    ),
     ("zero-vocab", set_in(tokenizer, "vocab_size", 0), "tokenizer.vocab_size: 0 is outside"),
     ("float-vocab", set_in(tokenizer, "vocab_size", 10.0), "tokenizer.vocab_size: expected an integer, got a number"),
     ("separator-in-vocab", set_in(whole, "separator", 5), "separator: 5 is not 65535"),
@@ -518,8 +549,11 @@ MANIFEST_DAMAGE = [
     ("missing-field", lambda d: d.pop("separator") and None, "separator: missing"),
     ("unknown-field", set_in(whole, "extra", 1), "manifest: unknown field 'extra'"),
     ("unknown-role", set_in(lambda d: shard0(d)["files"], "docs", {}), r"shards\[0\].files: unknown field 'docs'"),
-    ("parent-dir-name", set_in(sa_file, "name", "../shard-00000.sa.npy"),
-     r"files.sa.name: '../shard-00000.sa.npy' is not 'shard-00000.sa.npy'"),
+    (
+        "parent-dir-name",
+        set_in(sa_file, "name", "../shard-00000.sa.npy"),
+        r"files.sa.name: '../shard-00000.sa.npy' is not 'shard-00000.sa.npy'",
+    ),
     ("absolute-name", set_in(sa_file, "name", "/etc/passwd"), r"files.sa.name: '/etc/passwd' is not"),
     ("subdirectory-name", set_in(sa_file, "name", "x/shard-00000.sa.npy"), r"files.sa.name: .* is not"),
     ("other-role-name", set_in(sa_file, "name", "shard-00000.tokens.npy"), r"files.sa.name: .* is not"),
@@ -544,12 +578,15 @@ def test_damaged_manifest_is_one_clear_line(tmp_path, name, change, message):
     assert "\n" not in text and text.startswith(f"{path / fmt.MANIFEST}: "), text
 
 
-@pytest.mark.parametrize("content, message", [
-    (b'{"format": "rest-index", ', "not valid JSON"),
-    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
-    (b"\xff\xfe{}", "not UTF-8 text"),
-    (b"1" * 5000, "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"format": "rest-index", ', "not valid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+        (b"\xff\xfe{}", "not UTF-8 text"),
+        (b"1" * 5000, "not valid JSON"),
+    ],
+)
 def test_undecodable_manifest_is_one_clear_line(tmp_path, content, message):
     path = small_index(tmp_path)
     (path / fmt.MANIFEST).write_bytes(content)

@@ -59,7 +59,9 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 
 def run_cli(*args: str, env_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "rest_spec.drafter.measure", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "rest_spec.drafter.measure", *args],
+        capture_output=True,
+        text=True,
         cwd=Path(__file__).resolve().parents[1],
         env={**os.environ, "REST_CACHE_DIR": str(env_dir), "HF_HUB_OFFLINE": "1"},
     )
@@ -70,8 +72,19 @@ def test_measure_command_writes_the_cache(tmp_path):
     tiny_causal_lm("llama").save_pretrained(model_dir)
     help_text = run_cli("--help", env_dir=tmp_path).stdout
     assert "--context-length" in help_text and "--sizes" in help_text
-    done = run_cli("--model", str(model_dir), "--sizes", "1,2,4", "--context-length", "16",
-                   "--repeats", "1", "--device", "cpu", env_dir=tmp_path / "cache")
+    done = run_cli(
+        "--model",
+        str(model_dir),
+        "--sizes",
+        "1,2,4",
+        "--context-length",
+        "16",
+        "--repeats",
+        "1",
+        "--device",
+        "cpu",
+        env_dir=tmp_path / "cache",
+    )
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
     assert printed["sizes"] == [1, 2, 4] and printed["key"]["model"] == str(model_dir)

@@ -30,8 +30,7 @@ def counted_tree(continuations: list[list[int]], budget: int) -> DraftTree:
 
 source_trees = st.builds(
     counted_tree,
-    st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=5), min_size=1, max_size=12).filter(
-        lambda c: any(c)),
+    st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=5), min_size=1, max_size=12).filter(lambda c: any(c)),
     st.integers(1, 20),
 )
 
@@ -64,8 +63,11 @@ def oracle_scores(trees: list[DraftTree], weights: list[list[float]]) -> dict[tu
     classes=st.integers(1, 4),
 )
 def test_merge_scores_and_selection_match_the_path_oracle(trees, data, budget, classes):
-    weights = data.draw(st.lists(st.lists(st.floats(0.0, 3.0), min_size=classes, max_size=classes),
-                                 min_size=len(trees), max_size=len(trees)))
+    weights = data.draw(
+        st.lists(
+            st.lists(st.floats(0.0, 3.0), min_size=classes, max_size=classes), min_size=len(trees), max_size=len(trees)
+        )
+    )
     merged = merge_trees(trees, np.array(weights) if classes > 1 else [w[0] for w in weights], budget)
     expected = oracle_scores(trees, weights)
     paths = merged.paths()
@@ -202,7 +204,7 @@ def test_request_and_output_store_drafts_verified_on_a_real_model():
     model = tiny_causal_lm("llama")
     prompt = [5, 6, 7, 8, 5, 6]
     with torch.inference_mode():
-        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):].tolist()
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt) :].tolist()
     store = OutputStore(max_tokens=1000)
     store.add(prompt[-2:] + greedy)
     config = DraftConfig(budget=16, max_depth=4)

@@ -59,8 +59,9 @@ def small_disk(tmp_path):
         pytest.skip("mounting a tmpfs needs root and mount(8)")
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if mounted.returncode:
         pytest.skip(f"mounting a tmpfs is not permitted here: {mounted.stderr.strip()}")
     try:
@@ -96,8 +97,10 @@ def test_a_full_disk_refuses_additions_and_a_restart_keeps_exactly_the_acknowled
             with pytest.raises(OutputStoreWriteError) as refused:
                 store.add(BIG)
             assert refused.value.errno == errno.ENOSPC
-            assert str(refused.value) == (f"output store {directory}: writing the log failed "
-                                          "(No space left on device); the addition was NOT stored")
+            assert str(refused.value) == (
+                f"output store {directory}: writing the log failed "
+                "(No space left on device); the addition was NOT stored"
+            )
             assert log_file(directory).stat().st_size == committed  # cut back: no garbage stays
             assert [d.tolist() for d in store.documents()] == list(acked.values())  # nor in memory
         filler.unlink()
@@ -131,8 +134,13 @@ with OutputStore(10**7, sys.argv[1]) as store:
 def test_a_file_size_limit_refuses_additions_and_a_restart_keeps_exactly_the_acknowledged_ones(tmp_path):
     """A child process owns the store; its RLIMIT_FSIZE is lowered from here to just past the
     log's end (so the next record lands partly, then fails with EFBIG) and raised again."""
-    child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=REPO, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path)],
+        cwd=REPO,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     assert child.stdin is not None and child.stdout is not None
 
     def add(tokens: list[int]) -> list:
@@ -225,8 +233,9 @@ def test_damage_before_valid_records_is_refused_naming_the_offset_and_salvage_ke
     kept, following = DOCS[:2] + DOCS[2 + lost :], len(DOCS) - 2 - lost
     with pytest.raises(OutputStoreError) as refused:
         OutputStore(10**7, tmp_path)
-    assert str(refused.value).startswith(f"{log_file(tmp_path)}: corrupt record at byte {offsets[2]}, "
-                                         f"followed by {following} valid records")
+    assert str(refused.value).startswith(
+        f"{log_file(tmp_path)}: corrupt record at byte {offsets[2]}, followed by {following} valid records"
+    )
     assert log_file(tmp_path).read_bytes() == bytes(damaged)  # refusing changes nothing
     with caplog.at_level(logging.WARNING), OutputStore(10**7, tmp_path, salvage=True) as store:
         assert [d.tolist() for d in store.documents()] == kept

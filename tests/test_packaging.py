@@ -22,8 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def wheel(tmp_path_factory) -> tuple[Path, str]:
     """The wheel built from a copy of the checkout, and the build's output."""
     source, dist = tmp_path_factory.mktemp("source"), tmp_path_factory.mktemp("dist")
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=ROOT, capture_output=True, check=True).stdout.decode()
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
     for name in filter(None, listed.split("\0")):
         if (ROOT / name).is_file():  # a file deleted but not yet committed is listed too
             (source / name).parent.mkdir(parents=True, exist_ok=True)
@@ -31,7 +35,10 @@ def wheel(tmp_path_factory) -> tuple[Path, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # its notes are not warnings
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w", dist, source],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert build.returncode == 0, build.stdout + build.stderr
     [path] = dist.glob("rest_spec-*.whl")
@@ -42,8 +49,12 @@ def wheel(tmp_path_factory) -> tuple[Path, str]:
 def installed(wheel, tmp_path_factory) -> Path:
     """The wheel installed, without its dependencies (this environment has them), into a directory."""
     target = tmp_path_factory.mktemp("installed")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", target,
-                    wheel[0]], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", target, wheel[0]],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return target
 
 

@@ -66,8 +66,16 @@ def test_greedy_sequences_equal_generate(smollm2, prompts, reference, request, w
     drafter = request.getfixturevalue(where)
     new_tokens = steps = 0
     for ids, expected in zip(prompts, reference):
-        out = plain(model, ids, custom_generate=rest_generate, drafter=drafter, draft_config=DraftConfig(budget=32),
-                    do_sample=False, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
+        out = plain(
+            model,
+            ids,
+            custom_generate=rest_generate,
+            drafter=drafter,
+            draft_config=DraftConfig(budget=32),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            return_dict_in_generate=True,
+        )
         assert isinstance(out, GenerateDecoderOnlyOutput) and isinstance(out, RestGenerateOutput)
         assert torch.equal(out.sequences, expected)
         new_tokens, steps = new_tokens + len(out.rest.output_ids), steps + out.rest.steps
@@ -77,12 +85,19 @@ def test_greedy_sequences_equal_generate(smollm2, prompts, reference, request, w
 def test_eos_list(smollm2, local, prompts, reference):
     """Several eos ids: generation stops after the first of them, as plain generate does."""
     model, _ = smollm2
-    new = reference[0][0, prompts[0].shape[1]:].tolist()
+    new = reference[0][0, prompts[0].shape[1] :].tolist()
     eos = [new[12], new[20]]  # tokens the greedy output reaches, so it stops early
     expected = plain(model, prompts[0], do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
     assert expected.shape[1] - prompts[0].shape[1] <= 13
-    out = plain(model, prompts[0], custom_generate=rest_generate, drafter=local, do_sample=False,
-                max_new_tokens=NEW_TOKENS, eos_token_id=eos)
+    out = plain(
+        model,
+        prompts[0],
+        custom_generate=rest_generate,
+        drafter=local,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=eos,
+    )
     assert torch.equal(out, expected)
 
 
@@ -102,20 +117,37 @@ def test_stopping_criteria(smollm2, local, prompts, reference):
     criteria = StoppingCriteriaList([StopAfterToken(token)])
     expected = plain(model, prompts[1], do_sample=False, max_new_tokens=NEW_TOKENS, stopping_criteria=criteria)
     assert expected.shape[1] - prompts[1].shape[1] <= 10
-    out = plain(model, prompts[1], custom_generate=rest_generate, drafter=local, do_sample=False,
-                max_new_tokens=NEW_TOKENS, stopping_criteria=criteria)
+    out = plain(
+        model,
+        prompts[1],
+        custom_generate=rest_generate,
+        drafter=local,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        stopping_criteria=criteria,
+    )
     assert torch.equal(out, expected)
 
 
 def test_stop_strings(smollm2, local, prompts, reference):
     model, tokenizer = smollm2
-    text = tokenizer.decode(reference[0][0, prompts[0].shape[1]:])
+    text = tokenizer.decode(reference[0][0, prompts[0].shape[1] :])
     stop = text[len(text) // 3 : len(text) // 3 + 4]  # a string the greedy output contains, mid-way
-    expected = plain(model, prompts[0], do_sample=False, max_new_tokens=NEW_TOKENS, stop_strings=[stop],
-                     tokenizer=tokenizer)
+    expected = plain(
+        model, prompts[0], do_sample=False, max_new_tokens=NEW_TOKENS, stop_strings=[stop], tokenizer=tokenizer
+    )
     assert expected.shape[1] < reference[0].shape[1]
-    out = plain(model, prompts[0], custom_generate=REST_GENERATE_DIR, trust_remote_code=True, drafter=local,
-                do_sample=False, max_new_tokens=NEW_TOKENS, stop_strings=[stop], tokenizer=tokenizer)
+    out = plain(
+        model,
+        prompts[0],
+        custom_generate=REST_GENERATE_DIR,
+        trust_remote_code=True,
+        drafter=local,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        stop_strings=[stop],
+        tokenizer=tokenizer,
+    )
     assert torch.equal(out, expected)
     with pytest.raises(ValueError, match="tokenizer="):
         generate_with_drafts(model, prompts[0], drafter=local, max_new_tokens=4, stop_strings=[stop])
@@ -142,18 +174,34 @@ def test_directory_form_streams(smollm2, local, prompts, reference, capsys):
     model, tokenizer = smollm2
     ids, expected = prompts[0], reference[0]
     recorder = RecordingStreamer()
-    out = plain(model, ids, custom_generate=REST_GENERATE_DIR, trust_remote_code=True, drafter=local,
-                do_sample=False, max_new_tokens=NEW_TOKENS, streamer=recorder)
+    out = plain(
+        model,
+        ids,
+        custom_generate=REST_GENERATE_DIR,
+        trust_remote_code=True,
+        drafter=local,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        streamer=recorder,
+    )
     assert torch.equal(out, expected)
     assert recorder.puts[0] == ids[0].tolist() and recorder.ends == 1
-    assert [t for put in recorder.puts[1:] for t in put] == expected[0, ids.shape[1]:].tolist()
+    assert [t for put in recorder.puts[1:] for t in put] == expected[0, ids.shape[1] :].tolist()
     assert len(recorder.puts) - 1 < NEW_TOKENS  # several tokens per put when drafts are accepted
 
     capsys.readouterr()
     plain(model, ids, do_sample=False, max_new_tokens=NEW_TOKENS, streamer=TextStreamer(tokenizer, skip_prompt=True))
     printed_plain = capsys.readouterr().out
-    plain(model, ids, custom_generate=REST_GENERATE_DIR, trust_remote_code=True, drafter=local, do_sample=False,
-          max_new_tokens=NEW_TOKENS, streamer=TextStreamer(tokenizer, skip_prompt=True))
+    plain(
+        model,
+        ids,
+        custom_generate=REST_GENERATE_DIR,
+        trust_remote_code=True,
+        drafter=local,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        streamer=TextStreamer(tokenizer, skip_prompt=True),
+    )
     assert capsys.readouterr().out == printed_plain != ""
 
 
@@ -163,7 +211,8 @@ def test_max_new_tokens_and_max_length(smollm2, local, prompts, reference):
     for limits in ({"max_new_tokens": 1}, {"max_length": ids.shape[1] + 5}):
         out = plain(model, ids, custom_generate=rest_generate, drafter=local, do_sample=False, **limits)
         assert torch.equal(out, reference[0][:, : out.shape[1]]) and out.shape[1] == ids.shape[1] + (
-            limits.get("max_new_tokens") or 5)
+            limits.get("max_new_tokens") or 5
+        )
     with pytest.raises(ValueError, match="max_new_tokens"):  # refused by generate itself, as without us
         plain(model, ids, custom_generate=rest_generate, drafter=local, max_new_tokens=0)
 
@@ -173,13 +222,28 @@ def test_sampling_config_is_applied(smollm2, local, prompts, reference):
     output exactly as in plain generate."""
     model, _ = smollm2
     ids = prompts[0]
-    out = plain(model, ids, custom_generate=rest_generate, drafter=local, do_sample=True, top_k=1, temperature=0.7,
-                max_new_tokens=NEW_TOKENS)
+    out = plain(
+        model,
+        ids,
+        custom_generate=rest_generate,
+        drafter=local,
+        do_sample=True,
+        top_k=1,
+        temperature=0.7,
+        max_new_tokens=NEW_TOKENS,
+    )
     assert torch.equal(out, reference[0])
     expected = plain(model, ids, do_sample=False, repetition_penalty=1.3, max_new_tokens=NEW_TOKENS)
     assert not torch.equal(expected, reference[0])
-    out = plain(model, ids, custom_generate=rest_generate, drafter=local, do_sample=False, repetition_penalty=1.3,
-                max_new_tokens=NEW_TOKENS)
+    out = plain(
+        model,
+        ids,
+        custom_generate=rest_generate,
+        drafter=local,
+        do_sample=False,
+        repetition_penalty=1.3,
+        max_new_tokens=NEW_TOKENS,
+    )
     assert torch.equal(out, expected)
 
 
@@ -188,8 +252,18 @@ def test_seeded_sampling_is_reproducible(smollm2, local, prompts):
     outputs = []
     for _ in range(2):
         torch.manual_seed(7)
-        outputs.append(plain(model, prompts[1], custom_generate=rest_generate, drafter=local, do_sample=True,
-                             temperature=0.8, top_p=0.9, max_new_tokens=16))
+        outputs.append(
+            plain(
+                model,
+                prompts[1],
+                custom_generate=rest_generate,
+                drafter=local,
+                do_sample=True,
+                temperature=0.8,
+                top_p=0.9,
+                max_new_tokens=16,
+            )
+        )
     assert torch.equal(*outputs)
 
 
@@ -197,21 +271,29 @@ def test_batch_rows_padded_like_generate(smollm2, local, prompts, reference):
     """Two left-padded prompts, one stopping early on eos: each row equals that prompt decoded alone,
     and the early row is padded with the pad id after its eos, as plain generate returns it."""
     model, tokenizer = smollm2
-    rows_new = [ref[0, ids.shape[1]:].tolist() for ids, ref in zip(prompts, reference)]
+    rows_new = [ref[0, ids.shape[1] :].tolist() for ids, ref in zip(prompts, reference)]
     eos = next(t for t in rows_new[1][5:] if t not in rows_new[0])  # ends row 1 early, not row 0
-    alone = [plain(model, ids, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos)[0, ids.shape[1]:]
-             for ids in prompts]
-    batch = tokenizer.pad({"input_ids": [ids[0].tolist() for ids in prompts]}, padding_side="left",
-                          return_tensors="pt")
-    out = model.generate(**batch, custom_generate=rest_generate, drafter=local, do_sample=False,
-                         max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    alone = [
+        plain(model, ids, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos)[0, ids.shape[1] :]
+        for ids in prompts
+    ]
+    batch = tokenizer.pad({"input_ids": [ids[0].tolist() for ids in prompts]}, padding_side="left", return_tensors="pt")
+    out = model.generate(
+        **batch,
+        custom_generate=rest_generate,
+        drafter=local,
+        do_sample=False,
+        max_new_tokens=NEW_TOKENS,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     width = batch.input_ids.shape[1]
     assert torch.equal(out[:, :width], batch.input_ids)
     assert len(alone[1]) < len(alone[0]) and out.shape[1] == width + len(alone[0])
     for row, expected in enumerate(alone):
         new = out[row, width:]
         assert torch.equal(new[: len(expected)], expected)
-        assert (new[len(expected):] == tokenizer.pad_token_id).all()
+        assert (new[len(expected) :] == tokenizer.pad_token_id).all()
 
 
 def test_unsupported_options_are_refused_by_name(smollm2, local, prompts):
@@ -219,7 +301,14 @@ def test_unsupported_options_are_refused_by_name(smollm2, local, prompts):
     with pytest.raises(ValueError, match="(?i)beam_search"):
         plain(model, prompts[0], custom_generate=rest_generate, drafter=local, num_beams=2, max_new_tokens=4)
     with pytest.raises(ValueError, match="output_scores"):
-        plain(model, prompts[0], custom_generate=rest_generate, drafter=local, max_new_tokens=4,
-              return_dict_in_generate=True, output_scores=True)
+        plain(
+            model,
+            prompts[0],
+            custom_generate=rest_generate,
+            drafter=local,
+            max_new_tokens=4,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
     with pytest.raises(TypeError, match="drafter must be a Drafter"):
         plain(model, prompts[0], custom_generate=rest_generate, drafter="indexes/python-stdlib", max_new_tokens=4)

@@ -19,7 +19,9 @@ def test_committed_generated_code_is_what_the_generator_writes(tmp_path):
     assert len(written) == 3
     for path in written:
         committed = generate.PROTO_DIR / path.relative_to(tmp_path)
-        assert path.read_bytes() == committed.read_bytes(), f"{committed} is stale: run python -m rest_spec.proto.generate"
+        assert path.read_bytes() == committed.read_bytes(), (
+            f"{committed} is stale: run python -m rest_spec.proto.generate"
+        )
 
 
 def test_generated_imports_use_the_installed_name():
@@ -82,7 +84,7 @@ def test_explicit_scores_of_the_wrong_length_are_refused():
 
 
 def test_empty_tree_is_the_default_message():
-    """"Not found" costs no bytes, and a reply without a tree decodes to the empty tree."""
+    """ "Not found" costs no bytes, and a reply without a tree decodes to the empty tree."""
     assert wire.tree_to_message(DraftTree.empty()).SerializeToString() == b""
     assert wire.tree_from_message(pb.DraftReply().tree) == DraftTree.empty()
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.server import DatastoreServer, ServerConfig
 from rest_spec.datastore.outputs import OutputStore
-from rest_spec.datastore.types import DraftConfig, SourceTrees
+from rest_spec.datastore.server import DatastoreServer, ServerConfig
 from rest_spec.datastore.tokenizer import TokenizerMismatchError, check_tokenizer
+from rest_spec.datastore.types import DraftConfig, SourceTrees
 from rest_spec.drafter.base import Drafter, SourceDrafter
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.remote import RemoteDrafter
@@ -126,8 +126,11 @@ def test_drafters_are_source_drafters(store, remote):
 
 def test_bad_outputs_are_value_errors_with_the_same_message(local_and_remote_with_outputs):
     local, remote = local_and_remote_with_outputs
-    for bad, message in (([1, VOCAB], r"tokens\[1\] = 500 is outside the vocabulary \[0, 500\)"), ([], "empty"),
-                         ([1] * (OUTPUTS_MAX_TOKENS + 1), "exceeds the store's max_tokens=1500")):
+    for bad, message in (
+        ([1, VOCAB], r"tokens\[1\] = 500 is outside the vocabulary \[0, 500\)"),
+        ([], "empty"),
+        ([1] * (OUTPUTS_MAX_TOKENS + 1), "exceeds the store's max_tokens=1500"),
+    ):
         with pytest.raises(ValueError, match=message) as remote_error:
             remote.add_output(bad)
         with pytest.raises(ValueError, match=message) as local_error:

@@ -56,8 +56,15 @@ def model() -> PreTrainedModel:
     "settings",
     [
         dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02),
-        dict(do_sample=True, temperature=0.7, top_k=20, repetition_penalty=1.5, no_repeat_ngram_size=2,
-             min_new_tokens=3, eos_token_id=[3, 5]),
+        dict(
+            do_sample=True,
+            temperature=0.7,
+            top_k=20,
+            repetition_penalty=1.5,
+            no_repeat_ngram_size=2,
+            min_new_tokens=3,
+            eos_token_id=[3, 5],
+        ),
     ],
     ids=["score-only", "context-reading"],
 )
@@ -87,12 +94,14 @@ def test_scores_at_every_tree_position_equal_plain_processing(model: PreTrainedM
 
 def exact_processors() -> LogitsProcessorList:
     """``SAMPLING`` as explicit processors, in the order ``model.generate`` applies them."""
-    return LogitsProcessorList([
-        RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]),
-        TemperatureLogitsWarper(SAMPLING["temperature"]),
-        TopKLogitsWarper(SAMPLING["top_k"]),
-        TopPLogitsWarper(SAMPLING["top_p"]),
-    ])
+    return LogitsProcessorList(
+        [
+            RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]),
+            TemperatureLogitsWarper(SAMPLING["temperature"]),
+            TopKLogitsWarper(SAMPLING["top_k"]),
+            TopPLogitsWarper(SAMPLING["top_p"]),
+        ]
+    )
 
 
 @torch.inference_mode()
@@ -129,9 +138,14 @@ def test_exact_probabilities_are_model_generates(model: PreTrainedModel, exact) 
     for prompt, (tables, _) in zip(PROMPTS, exact):
         for seed in range(3):
             torch.manual_seed(seed)
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, output_scores=True,
-                                 return_dict_in_generate=True, **SAMPLING)
-            sampled = out.sequences[0, len(prompt):].tolist()
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                output_scores=True,
+                return_dict_in_generate=True,
+                **SAMPLING,
+            )
+            sampled = out.sequences[0, len(prompt) :].tolist()
             for j, scores in enumerate(out.scores):
                 probs = tables[tuple(prompt + sampled[:j])]
                 assert torch.allclose(torch.softmax(scores[0], dim=-1), probs, atol=1e-6)
@@ -208,8 +222,14 @@ def first_tokens(
     counts = [Counter() for _ in PROMPTS]
     for _ in range(math.ceil(samples_per_prompt * len(PROMPTS) / ROWS_PER_CALL)):
         if rule is None:
-            result = generate(model, rows, drafter, max_new_tokens=NEW_TOKENS,
-                              generation_config=GenerationConfig(**SAMPLING), generator=generator)
+            result = generate(
+                model,
+                rows,
+                drafter,
+                max_new_tokens=NEW_TOKENS,
+                generation_config=GenerationConfig(**SAMPLING),
+                generator=generator,
+            )
         else:
             chooser = rule.for_prompts(model, config, [len(r) for r in rows], NEW_TOKENS, generator=generator)
             result = decode(model, rows, drafter, chooser=chooser, stop=StopConditions(NEW_TOKENS))
@@ -254,7 +274,9 @@ def test_sampling_with_trees_has_the_exact_distribution(model: PreTrainedModel, 
 def test_wrong_rules_fail_the_same_test(model: PreTrainedModel, exact, rule: type[TokenChooser]) -> None:
     """With half the samples, each wrong rule is rejected by a wide margin on some prompt."""
     counts = first_tokens(model, exact, samples_per_prompt=1000, rule=rule)
-    ratios = [chi_square(c, joint)[0] / chi_square_critical(chi_square(c, joint)[1]) for c, (_, joint) in zip(counts, exact)]
+    ratios = [
+        chi_square(c, joint)[0] / chi_square_critical(chi_square(c, joint)[1]) for c, (_, joint) in zip(counts, exact)
+    ]
     assert max(ratios) > 5, ratios
 
 
@@ -268,8 +290,9 @@ def test_a_fixed_seed_reproduces_the_output(model: PreTrainedModel, exact, with_
 
     def run(seed: int) -> list[list[int]]:
         generator = torch.Generator().manual_seed(seed)
-        return generate(model, list(PROMPTS), drafter, max_new_tokens=16, generation_config=settings,
-                        generator=generator).output_ids
+        return generate(
+            model, list(PROMPTS), drafter, max_new_tokens=16, generation_config=settings, generator=generator
+        ).output_ids
 
     assert run(7) == run(7)
     assert run(7) != run(8)

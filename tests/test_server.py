@@ -34,6 +34,7 @@ from tests.helpers import UNSEEN, contexts_from, synthetic_corpus, write_index
 
 MAX_CONTEXT = 64
 
+
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
     docs = synthetic_corpus()
@@ -167,12 +168,18 @@ def test_reflection_lists_and_describes_every_service(channel, version):
     )
     [listing] = info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     names = {s.name for s in listing.list_services_response.service}
-    assert names == {SERVICE_NAME, "grpc.health.v1.Health",
-                     "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+    assert names == {
+        SERVICE_NAME,
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
     replies = info(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=n) for n in sorted(names)]))
     for name, reply in zip(sorted(names), replies):
-        files = [descriptor_pb2.FileDescriptorProto.FromString(b)
-                 for b in reply.file_descriptor_response.file_descriptor_proto]
+        files = [
+            descriptor_pb2.FileDescriptorProto.FromString(b)
+            for b in reply.file_descriptor_response.file_descriptor_proto
+        ]
         package, service = name.rsplit(".", 1)
         assert any(f.package == package and service in {s.name for s in f.service} for f in files), name
 
@@ -185,8 +192,10 @@ def test_concurrent_clients_get_their_own_answers(index, store, server):
     def client(part: int) -> list:
         with grpc.insecure_channel(server.address) as channel:
             stub = pb_grpc.DatastoreStub(channel)
-            return [(i, wire.tree_from_message(stub.Draft(wire.draft_request(contexts[i], config)).tree))
-                    for i in range(part, len(contexts), 6)]
+            return [
+                (i, wire.tree_from_message(stub.Draft(wire.draft_request(contexts[i], config)).tree))
+                for i in range(part, len(contexts), 6)
+            ]
 
     with ThreadPoolExecutor(6) as pool:
         answers = [pair for part in pool.map(client, range(6)) for pair in part]
@@ -280,7 +289,9 @@ def _console_script() -> str:
 def test_serve_prints_its_address_and_exits_cleanly_on_sigterm(index):
     proc = subprocess.Popen(
         [_console_script(), "serve", "--index", str(index[0]), "--port", "0", "--workers", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = [None]
@@ -302,8 +313,9 @@ def test_serve_prints_its_address_and_exits_cleanly_on_sigterm(index):
 
 def _start_server(argv: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """A `rest-datastore serve` process and the address it printed."""
-    proc = subprocess.Popen([_console_script(), "serve", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [_console_script(), "serve", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     line = [None]
     reader = threading.Thread(target=lambda: line.__setitem__(0, proc.stdout.readline()), daemon=True)
     reader.start()

@@ -100,8 +100,10 @@ def test_a_batch_of_20000_short_contexts_is_refused_naming_the_limit(store):
     with serving(store) as (server, channel):
         code, details = refusal(lambda: raw(channel, "DraftBatch")(request, timeout=60))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
-        assert details == "contexts has 20000 entries, more than this server's limit of 1024 " \
+        assert (
+            details == "contexts has 20000 entries, more than this server's limit of 1024 "
             "(--max-batch-contexts): split the batch"
+        )
         assert len(small_draft(channel, timeout=10).tree.tokens) > 0
 
 
@@ -109,7 +111,9 @@ def _refused_after(details: str) -> int:
     """How many contexts a server drafted before refusing a reply over its limit."""
     match = re.fullmatch(
         r"the reply to (\d+) contexts exceeds this server's limit of (\d+) bytes after (\d+) \(--max-reply-bytes\): "
-        r"send fewer contexts or ask for smaller trees", details)
+        r"send fewer contexts or ask for smaller trees",
+        details,
+    )
     assert match, details
     return int(match.group(3))
 
@@ -119,9 +123,14 @@ def test_a_reply_over_the_limit_is_refused_before_the_batch_is_drafted(store):
     within the default limits: RESOURCE_EXHAUSTED once the reply would pass 4,000,000 bytes, long
     before the last context (bounded work), never a reply a stock client refuses."""
     big = DraftConfig(budget=1024, max_depth=64, n_min=1)
-    large = [c for c in contexts_from(DOCS, 200, seed=5) if wire.field_size(wire.tree_to_message(store.draft(c, big))) > 8000]
+    large = [
+        c for c in contexts_from(DOCS, 200, seed=5) if wire.field_size(wire.tree_to_message(store.draft(c, big))) > 8000
+    ]
     # budget 128: a 9 MB reply unchecked, so the 4 MB limit is reached before half of it
-    cases = [(SHORT_CONTEXTS, DraftConfig(budget=128), {"max_batch_contexts": 20_000}), ((large * 1000)[:1000], big, {})]
+    cases = [
+        (SHORT_CONTEXTS, DraftConfig(budget=128), {"max_batch_contexts": 20_000}),
+        ((large * 1000)[:1000], big, {}),
+    ]
     for contexts, config, limits in cases:
         with serving(store, **limits) as (server, channel):
             request = wire.draft_batch_request(contexts, config).SerializeToString()
@@ -155,8 +164,10 @@ def test_undecodable_bytes_are_invalid_argument_without_a_traceback(store, caplo
             for data in GARBAGE:
                 code, details = refusal(lambda: raw(channel, method.name)(data, timeout=10))
                 assert code == grpc.StatusCode.INVALID_ARGUMENT
-                assert details == f"malformed {method.input_type.name}: the request bytes do not decode as " \
+                assert (
+                    details == f"malformed {method.input_type.name}: the request bytes do not decode as "
                     f"{method.input_type.full_name}"
+                )
         assert len(small_draft(channel, timeout=10).tree.tokens) > 0
     assert "Traceback" not in caplog.text
 
@@ -171,7 +182,9 @@ def test_a_flood_of_bad_requests_costs_a_few_short_log_lines(store, caplog):
             code, _ = refusal(lambda: raw(channel, "Draft")(bad[i % 2], timeout=10))
             assert code == grpc.StatusCode.INVALID_ARGUMENT
     allowed = 10 + (time.monotonic() - started) / 6 + 1  # LogBudget's default burst, then one line per 6 s
-    lines = [r.getMessage() for r in caplog.records if r.name == "rest_spec.datastore.server" and "refused" in r.getMessage()]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "rest_spec.datastore.server" and "refused" in r.getMessage()
+    ]
     assert 1 <= len(lines) <= allowed and all(len(line) < 400 and "\n" not in line for line in lines)
     assert "Traceback" not in caplog.text
 
@@ -188,8 +201,14 @@ def test_log_budget_allows_a_burst_then_counts_what_it_suppressed():
     [
         (ValueError("context is empty"), grpc.StatusCode.INVALID_ARGUMENT),
         (IndexCorruptError("index file x.sa.npy is corrupt"), grpc.StatusCode.DATA_LOSS),
-        (OutputStoreWriteError(OSError(errno.ENOSPC, "No space left on device"), "full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-        (OutputStoreWriteError(OSError(errno.EDQUOT, "Disk quota exceeded"), "quota"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (
+            OutputStoreWriteError(OSError(errno.ENOSPC, "No space left on device"), "full"),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
+        (
+            OutputStoreWriteError(OSError(errno.EDQUOT, "Disk quota exceeded"), "quota"),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ),
         (OutputStoreWriteError(OSError(errno.EFBIG, "File too large"), "limit"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (OutputStoreWriteError(OSError(errno.EIO, "Input/output error"), "failing disk"), grpc.StatusCode.UNAVAILABLE),
         (RuntimeError("a bug"), grpc.StatusCode.INTERNAL),
@@ -258,10 +277,28 @@ def pem(tmp_path_factory) -> dict[str, Path]:
     for name in ("server", "other"):
         files[name], files[f"{name}_key"] = directory / f"{name}.pem", directory / f"{name}.key"
         subprocess.run(
-            [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-             "-keyout", str(files[f"{name}_key"]), "-out", str(files[name])],
-            check=True, capture_output=True,
+            [
+                openssl,
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                "-keyout",
+                str(files[f"{name}_key"]),
+                "-out",
+                str(files[name]),
+            ],
+            check=True,
+            capture_output=True,
         )
     return files
 
@@ -285,8 +322,11 @@ def test_tls_refuses_another_ca_and_plaintext(store, pem):
 def test_unusable_tls_files_are_one_line_errors(store, pem, tmp_path):
     not_pem = tmp_path / "not.pem"
     not_pem.write_text("hello\n")
-    with pytest.raises(ValueError, match=r"cannot serve TLS with certificate .*server.pem and key .*other.key: "
-                                         r"KEY_VALUES_MISMATCH"):
+    with pytest.raises(
+        ValueError,
+        match=r"cannot serve TLS with certificate .*server.pem and key .*other.key: "
+        r"KEY_VALUES_MISMATCH",
+    ):
         DatastoreServer(store, ServerConfig(port=0, tls_cert=pem["server"], tls_key=pem["other_key"]))
     with pytest.raises(ValueError, match=r"missing.pem .*: No such file or directory"):
         DatastoreServer(store, ServerConfig(port=0, tls_cert=tmp_path / "missing.pem", tls_key=pem["server_key"]))
@@ -304,7 +344,9 @@ def test_a_bearer_token_guards_add_output(store):
     with OutputStore(100, vocab_size=VOCAB) as outputs, serving(store, outputs, auth_token=TOKEN) as (server, channel):
         stub = pb_grpc.DatastoreStub(channel)
         for token in (None, "wrong", TOKEN + "x"):
-            code, details = refusal(lambda: stub.AddOutput(pb.AddOutputRequest(tokens=[1, 2]), metadata=_metadata(token)))
+            code, details = refusal(
+                lambda: stub.AddOutput(pb.AddOutputRequest(tokens=[1, 2]), metadata=_metadata(token))
+            )
             assert code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in details
         assert len(outputs) == 0
         assert stub.AddOutput(pb.AddOutputRequest(tokens=[1, 2]), metadata=_metadata(TOKEN)).seq == 0
@@ -318,8 +360,10 @@ def test_a_bearer_token_guards_add_output(store):
 def test_a_bearer_token_for_all_calls_leaves_health_open(store):
     with serving(store, auth_token=TOKEN, auth_scope="all") as (server, channel):
         stub = pb_grpc.DatastoreStub(channel)
-        for call in (lambda m: stub.Info(pb.InfoRequest(), metadata=m),
-                     lambda m: stub.Draft(wire.draft_request([1, 2], DraftConfig()), metadata=m)):
+        for call in (
+            lambda m: stub.Info(pb.InfoRequest(), metadata=m),
+            lambda m: stub.Draft(wire.draft_request([1, 2], DraftConfig()), metadata=m),
+        ):
             code, _ = refusal(lambda: call(_metadata(None)))
             assert code == grpc.StatusCode.UNAUTHENTICATED
             call(_metadata(TOKEN))
@@ -348,22 +392,36 @@ def test_generation_clis_reach_a_tls_server_with_a_token(store, pem, monkeypatch
     config = ServerConfig(port=0, tls_cert=pem["server"], tls_key=pem["server_key"], auth_token=TOKEN, auth_scope="all")
     with DatastoreServer(store, config) as server:
         monkeypatch.setenv("REST_AUTH_TOKEN", TOKEN)
-        args = build_parser().parse_args(["--prompt", "x", "--datastore", server.address, "--tls-ca", str(pem["server"])])
+        args = build_parser().parse_args(
+            ["--prompt", "x", "--datastore", server.address, "--tls-ca", str(pem["server"])]
+        )
         assert (args.tls_ca, args.auth_token) == (str(pem["server"]), TOKEN)
         with open_drafter(args.datastore, tls_ca=args.tls_ca, auth_token=args.auth_token) as drafter:
             assert drafter.draft(DOCS[4][:30], DraftConfig()) == store.draft(DOCS[4][:30], DraftConfig())
 
 
-@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("localhost", True), ("::1", True),
-                                            ("[::1]", True), ("0.0.0.0", False), ("::", False),
-                                            ("10.1.2.3", False), ("example.org", False)])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.1.2.3", False),
+        ("example.org", False),
+    ],
+)
 def test_loopback_hosts(host, loopback):
     assert is_loopback(host) == loopback
 
 
 def test_exposure_warnings():
-    assert exposure_warning("0.0.0.0", tls=False, token=False) == \
-        "serving 0.0.0.0 without TLS: requests and replies are readable on the network (--tls-cert/--tls-key)"
+    assert (
+        exposure_warning("0.0.0.0", tls=False, token=False)
+        == "serving 0.0.0.0 without TLS: requests and replies are readable on the network (--tls-cert/--tls-key)"
+    )
     assert "requests, replies and the bearer token are readable" in exposure_warning("10.0.0.1", tls=False, token=True)
     assert "bearer token without TLS" in exposure_warning("127.0.0.1", tls=False, token=True)
     assert exposure_warning("127.0.0.1", tls=False, token=False) is None
@@ -378,8 +436,13 @@ class ServerProcess:
     (so its log never blocks it); ``address`` once it printed "listening on", or ``error``."""
 
     def __init__(self, *args: str, startup_seconds: float = 120) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "rest_spec.datastore", "serve", "--port", "0", *map(str, args)],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rest_spec.datastore", "serve", "--port", "0", *map(str, args)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.lines: list[str] = []
         self._listening = threading.Event()
         threading.Thread(target=self._drain, daemon=True).start()
@@ -413,8 +476,18 @@ class ServerProcess:
 def test_cli_serves_tls_with_a_token_file_and_clients_pass_both(index, pem, tmp_path, capsys):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    server = ServerProcess("--index", index, "--tls-cert", pem["server"], "--tls-key", pem["server_key"],
-                           "--auth-token-file", token_file, "--auth-scope", "all")
+    server = ServerProcess(
+        "--index",
+        index,
+        "--tls-cert",
+        pem["server"],
+        "--tls-key",
+        pem["server_key"],
+        "--auth-token-file",
+        token_file,
+        "--auth-scope",
+        "all",
+    )
     try:
         assert server.address, server.output
         secure = ["info", "--server", server.address, "--tls-ca", str(pem["server"])]
@@ -451,7 +524,9 @@ def test_a_corrupt_index_is_data_loss_and_the_server_keeps_serving(corrupt_index
         with grpc.insecure_channel(server.address) as channel:
             stub = pb_grpc.DatastoreStub(channel)
             for _ in range(3):
-                code, details = refusal(lambda: stub.Draft(wire.draft_request([7, VOCAB - 2], DraftConfig()), timeout=10))
+                code, details = refusal(
+                    lambda: stub.Draft(wire.draft_request([7, VOCAB - 2], DraftConfig()), timeout=10)
+                )
                 assert code == grpc.StatusCode.DATA_LOSS
                 assert re.match(r"index file \S+\.sa\.npy is corrupt: suffix-array entry \d+ = \d+", details), details
             assert stub.Info(pb.InfoRequest(), timeout=10).vocab_size == VOCAB
@@ -461,8 +536,23 @@ def test_a_corrupt_index_is_data_loss_and_the_server_keeps_serving(corrupt_index
 
 
 def test_check_index_refuses_to_serve_a_corrupt_index(corrupt_index):
-    result = subprocess.run([sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(corrupt_index), "--port", "0",
-                             "--check-index"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rest_spec.datastore",
+            "serve",
+            "--index",
+            str(corrupt_index),
+            "--port",
+            "0",
+            "--check-index",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith("rest-datastore: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert ".sa.npy" in result.stderr and "Traceback" not in result.stderr
@@ -473,8 +563,9 @@ def small_tmpfs(tmp_path):
     """A 256 KiB tmpfs (root only; skipped where mounting is not permitted)."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {result.stderr.strip()}")
     try:
@@ -555,8 +646,24 @@ def test_a_damaged_outputs_log_is_refused_until_serve_is_told_to_salvage_it(inde
     data = bytearray(log.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside the second record
     log.write_bytes(bytes(data))
-    refused = subprocess.run([sys.executable, "-m", "rest_spec.datastore", "serve", "--index", str(index), "--port", "0",
-                              "--outputs-dir", str(directory)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rest_spec.datastore",
+            "serve",
+            "--index",
+            str(index),
+            "--port",
+            "0",
+            "--outputs-dir",
+            str(directory),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert refused.returncode == 1 and refused.stdout == ""
     error = refused.stderr.splitlines()[-1]  # after serve's INFO log lines
     assert error.startswith("rest-datastore: error: ") and "--outputs-salvage" in error, refused.stderr

@@ -23,8 +23,13 @@ from rest_spec.datastore.types import DraftConfig, DraftTree
 from tests.helpers import brute_draft, synthetic_corpus, write_index
 
 configs = st.tuples(st.integers(1, 3), st.integers(0, 3)).flatmap(
-    lambda n: st.builds(DraftConfig, budget=st.integers(1, 30), max_depth=st.integers(1, 6),
-                        n_min=st.just(n[0]), n_max=st.just(n[0] + n[1]))
+    lambda n: st.builds(
+        DraftConfig,
+        budget=st.integers(1, 30),
+        max_depth=st.integers(1, 6),
+        n_min=st.just(n[0]),
+        n_max=st.just(n[0] + n[1]),
+    )
 )
 
 
@@ -104,7 +109,8 @@ def test_request_matcher_refuses_a_context_it_has_not_seen_grow():
 def assert_drafts_like_oracle(store: OutputStore, docs: list[list[int]], context: list[int], config: DraftConfig):
     tree = store.draft(context, config)
     tokens, parents, counts, match_len, num_matches = brute_draft(
-        docs, context, budget=config.budget, max_depth=config.max_depth, n_max=config.n_max, n_min=max(2, config.n_min))
+        docs, context, budget=config.budget, max_depth=config.max_depth, n_max=config.n_max, n_min=max(2, config.n_min)
+    )
     assert (tree.tokens.tolist(), tree.parents.tolist(), tree.counts.tolist()) == (tokens, parents, counts)
     assert (tree.match_len, tree.num_matches, tree.num_sampled) == (match_len, num_matches, num_matches)
 
@@ -276,12 +282,17 @@ def test_a_killed_writer_loses_no_acknowledged_document(tmp_path):
     """A real crash: a child process adds documents, printing each acknowledgement, and is
     killed with SIGKILL mid-stream; every acknowledged document must be there on reopen."""
     child = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys; from rest_spec.datastore.outputs import OutputStore\n"
-         f"store = OutputStore(10**7, {str(tmp_path)!r})\n"
-         "for i in range(10**6):\n"
-         "    print(store.add([i % 1000, 7, 8, i % 13]), flush=True)\n"],
-        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+        [
+            sys.executable,
+            "-c",
+            "import sys; from rest_spec.datastore.outputs import OutputStore\n"
+            f"store = OutputStore(10**7, {str(tmp_path)!r})\n"
+            "for i in range(10**6):\n"
+            "    print(store.add([i % 1000, 7, 8, i % 13]), flush=True)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
     )
     assert child.stdout is not None
     acked = [int(child.stdout.readline()) for _ in range(200)]

@@ -82,8 +82,10 @@ def test_tree_inputs_match_walk(tree: DraftTree, past_length: int, pending: int)
 
 
 @settings(max_examples=50, deadline=None)
-@given(batch=st.lists(st.tuples(trees(max_nodes=12), st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=4),
-       holes=st.integers(0, 3))
+@given(
+    batch=st.lists(st.tuples(trees(max_nodes=12), st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=4),
+    holes=st.integers(0, 3),
+)
 def test_batch_inputs_pad_trees_and_hide_padding_and_holes(batch, holes: int) -> None:
     """Rows with different trees, left padding and trailing holes: every row's positions count its
     own tokens, its mask shows exactly its own cached slots and ancestors, and padding positions
@@ -113,8 +115,10 @@ def test_batch_inputs_pad_trees_and_hide_padding_and_holes(batch, holes: int) ->
 
 
 @settings(max_examples=100, deadline=None)
-@given(batch=st.lists(st.tuples(trees(max_nodes=6), st.integers(0, 2), st.integers(1, 4)), min_size=1, max_size=3),
-       chains=st.booleans())
+@given(
+    batch=st.lists(st.tuples(trees(max_nodes=6), st.integers(0, 2), st.integers(1, 4)), min_size=1, max_size=3),
+    chains=st.booleans(),
+)
 def test_causal_exactly_when_the_mask_is_plain_causal(batch, chains: bool) -> None:
     """``TreeInputs.causal`` (the verifier then drops the custom mask) holds iff every row's mask
     is ordinary causal attention over the whole cache."""

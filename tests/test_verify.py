@@ -130,8 +130,10 @@ def test_compacted_cache_equals_plain_run(model: PreTrainedModel, seed: int) -> 
     rows = prefill(model, cache, prefixes)
     contexts = [list(p) for p in prefixes]
     for _ in range(2):
-        trees = [tree_from_paths([rng.integers(0, VOCAB, int(rng.integers(1, 6))).tolist() for _ in range(5)])
-                 for _ in contexts]
+        trees = [
+            tree_from_paths([rng.integers(0, VOCAB, int(rng.integers(1, 6))).tolist() for _ in range(5)])
+            for _ in contexts
+        ]
         verify_trees(model, cache, rows, contexts, trees)
         assert cache_length(cache) == rows.length + max(len(t) for t in trees) + 1
         nodes = [int(rng.integers(-1, len(tree))) for tree in trees]
@@ -196,8 +198,13 @@ def test_verify_refuses_a_cache_that_does_not_match_its_rows(model: PreTrainedMo
 
 def test_sliding_window_layers_are_refused() -> None:
     config = MistralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=64, sliding_window=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=64,
+        sliding_window=4,
     )
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(UnsupportedCacheError, match="sliding-window"):
