@@ -2,7 +2,7 @@
 
 ``Datastore.open`` memory-maps every shard (nothing is read beyond a few header bytes and spot
 digests), so opening a multi-GB index is instant and concurrent ``draft`` calls from many threads
-share the page cache. A draft follows REST (NOTES section 1) with three corrections: matches never
+share the page cache. A draft follows REST (He et al., 2023) with three corrections: matches never
 cross a document and continuations stop at the document's end; when more positions match than
 ``max_candidates``, a uniform random sample (seeded by the query, so the same input always gives
 the same tree) is counted instead of the lexicographically first ones; and the tree holds exactly

@@ -13,7 +13,7 @@ the row's own prompt length.
 Processors that read the scores only (temperature, top-k, ...) run once over all positions of all
 rows; any other list runs once per (row, depth) on [positions, context + depth] input_ids.
 Together with ``verify.accept_path`` (one independent draw per position), this is the lossless
-tree rule of NOTES section 3.
+tree rule of speculative sampling over trees (SpecInfer, Miao et al., 2023).
 """
 
 from __future__ import annotations

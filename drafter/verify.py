@@ -10,7 +10,7 @@ Acceptance is split in two so that the token rule can change without touching th
    node and all its ancestors, and returns the deepest such path plus the rule's token after it.
 
 Step 2 with independent per-position samples is exactly the "sample at the node, descend if the
-sample is a child" walk (NOTES section 3): only the samples on the visited path are ever used, and
+sample is a child" walk of tree speculative sampling: only the samples on the visited path are ever used, and
 each is drawn from the model's distribution given the context and the path above it, so every
 committed token has exactly the distribution plain sampling gives it.
 """
