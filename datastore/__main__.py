@@ -29,7 +29,7 @@ from pathlib import Path
 # is first imported, so it is set before the imports below (GRPC_VERBOSITY=debug still wins)
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from rest_spec.datastore.client import DatastoreClient  # noqa: E402
+from rest_spec.datastore.client import DatastoreClient, add_connection_arguments  # noqa: E402
 from rest_spec.datastore.errors import first_line  # noqa: E402
 from rest_spec.datastore.index import Datastore  # noqa: E402
 from rest_spec.datastore.server import AUTH_SCOPES, ServerConfig, serve  # noqa: E402
@@ -77,18 +77,7 @@ def _add_source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for --server (default: %(default)s)"
     )
-    parser.add_argument(
-        "--tls-ca",
-        metavar="PEM",
-        default=os.environ.get("REST_TLS_CA"),
-        help="connect to --server over TLS, trusting this CA certificate (default: $REST_TLS_CA)",
-    )
-    parser.add_argument(
-        "--auth-token",
-        metavar="TOKEN",
-        default=os.environ.get("REST_AUTH_TOKEN"),
-        help="bearer token for a --server started with --auth-token (default: $REST_AUTH_TOKEN)",
-    )
+    add_connection_arguments(parser, "--server")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,8 @@ the server never looks further back; one call per step answers both the index an
 
 from __future__ import annotations
 
+import argparse
+import os
 import ssl
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +22,23 @@ from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser, server_flag: str) -> None:
+    """The flags every CLI that reaches a datastore server takes: ``--tls-ca`` and ``--auth-token``
+    (env ``REST_TLS_CA``, ``REST_AUTH_TOKEN``), named after the CLI's ``server_flag``."""
+    parser.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        default=os.environ.get("REST_TLS_CA"),
+        help=f"connect to {server_flag} over TLS, trusting this CA certificate (default: $REST_TLS_CA)",
+    )
+    parser.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        default=os.environ.get("REST_AUTH_TOKEN"),
+        help=f"bearer token for a {server_flag} started with --auth-token (default: $REST_AUTH_TOKEN)",
+    )
 
 
 def open_channel(address: str, tls_ca: str | Path | None = None, options: Sequence = ()) -> grpc.Channel:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import sys
 import time
@@ -20,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rest_spec.datastore.client import add_connection_arguments
 from rest_spec.datastore.errors import first_line
 from rest_spec.datastore.types import DEFAULT_CONFIG, DraftConfig
 from rest_spec.drafter.prompts import Prompt, as_chat, encode_prompt
@@ -63,18 +63,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--no-draft", action="store_true", help="plain greedy decoding through the same loop (baseline)"
     )
-    parser.add_argument(
-        "--tls-ca",
-        metavar="PEM",
-        default=os.environ.get("REST_TLS_CA"),
-        help="--datastore HOST:PORT over TLS, trusting this CA certificate (default: $REST_TLS_CA)",
-    )
-    parser.add_argument(
-        "--auth-token",
-        metavar="TOKEN",
-        default=os.environ.get("REST_AUTH_TOKEN"),
-        help="bearer token for a --datastore HOST:PORT started with --auth-token (default: $REST_AUTH_TOKEN)",
-    )
+    add_connection_arguments(parser, "--datastore HOST:PORT")
     parser.add_argument(
         "--model",
         metavar="SPEC",
