@@ -431,13 +431,23 @@ def test_exposure_warnings():
 # ---- the server as a process: TLS and token from the CLI, a corrupt index, a full disk, readiness ---
 
 
+def serve_argv(*args) -> list[str]:
+    """``python -m rest_spec.datastore serve --port 0 ARGS``."""
+    return [sys.executable, "-m", "rest_spec.datastore", "serve", "--port", "0", *map(str, args)]
+
+
+def serve_until_exit(*args) -> subprocess.CompletedProcess:
+    """A ``serve`` expected to refuse to start: its exit status and output."""
+    return subprocess.run(serve_argv(*args), cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
 class ServerProcess:
     """``python -m rest_spec.datastore serve ARGS`` with its merged stdout and stderr drained into ``lines``
     (so its log never blocks it); ``address`` once it printed "listening on", or ``error``."""
 
     def __init__(self, *args: str, startup_seconds: float = 120) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rest_spec.datastore", "serve", "--port", "0", *map(str, args)],
+            serve_argv(*args),
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -536,23 +546,7 @@ def test_a_corrupt_index_is_data_loss_and_the_server_keeps_serving(corrupt_index
 
 
 def test_check_index_refuses_to_serve_a_corrupt_index(corrupt_index):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rest_spec.datastore",
-            "serve",
-            "--index",
-            str(corrupt_index),
-            "--port",
-            "0",
-            "--check-index",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = serve_until_exit("--index", corrupt_index, "--check-index")
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith("rest-datastore: error: ") and result.stderr.count("\n") == 1, result.stderr
     assert ".sa.npy" in result.stderr and "Traceback" not in result.stderr
@@ -646,24 +640,7 @@ def test_a_damaged_outputs_log_is_refused_until_serve_is_told_to_salvage_it(inde
     data = bytearray(log.read_bytes())
     data[len(data) // 2] ^= 0xFF  # inside the second record
     log.write_bytes(bytes(data))
-    refused = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rest_spec.datastore",
-            "serve",
-            "--index",
-            str(index),
-            "--port",
-            "0",
-            "--outputs-dir",
-            str(directory),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    refused = serve_until_exit("--index", index, "--outputs-dir", directory)
     assert refused.returncode == 1 and refused.stdout == ""
     error = refused.stderr.splitlines()[-1]  # after serve's INFO log lines
     assert error.startswith("rest-datastore: error: ") and "--outputs-salvage" in error, refused.stderr
