@@ -139,7 +139,8 @@ class RequestMatcher:
     def __len__(self) -> int:
         return self._index.size - 1
 
-    def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:
+    def extend(self, context: Sequence[int] | np.ndarray) -> None:
+        """Index the tokens of ``context`` (the whole live context) added since the last call."""
         seen = len(self)
         if len(context) < seen or (seen and context[seen - 1] != self._index.tokens[seen]):
             raise ValueError(
@@ -148,6 +149,17 @@ class RequestMatcher:
         if len(context) == 0:
             raise ValueError("context must be a non-empty 1-D sequence of token ids")
         self._index.append(token_ids(context, "context", SEP, last=len(context) - seen).astype(np.uint32))
+
+    def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:
+        self.extend(context)
+        return self.draft_ahead((), config)
+
+    def draft_ahead(self, extra: Sequence[int], config: DraftConfig = DraftConfig()) -> DraftTree:
+        """The draft for the indexed context continued by ``extra``, tokens not committed yet (a
+        path the verifier may accept): they take part in the match but are not indexed, so the
+        matcher's state is unchanged and any number of such drafts can be asked for."""
         size = self._index.size
-        query = self._index.tokens[max(1, size - config.n_max) : size][::-1]
-        return self._index.draft(query, config, 1, self.max_candidates)
+        query = self._index.tokens[max(1, size - config.n_max) : size]
+        if len(extra):
+            query = np.concatenate((query, token_ids(extra, "extra", SEP).astype(np.uint32)))[-config.n_max :]
+        return self._index.draft(query[::-1], config, 1, self.max_candidates)

@@ -11,6 +11,7 @@ import argparse
 import os
 import ssl
 from collections.abc import Sequence
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import grpc
@@ -103,19 +104,24 @@ class DatastoreClient:
             return exc.details()
         return f"no connection within {self.timeout:g} s"
 
-    def _call(self, rpc, request):
-        """One RPC; INVALID_ARGUMENT -> ValueError, unreachable -> ConnectionError, else RuntimeError
-        (e.g. FAILED_PRECONDITION: an output sent to a server that keeps none; UNAUTHENTICATED;
-        RESOURCE_EXHAUSTED: a limit of the server), each with the server's message."""
+    def _error(self, exc: grpc.RpcError) -> Exception:
+        """The exception a failed call raises: INVALID_ARGUMENT -> ValueError, unreachable ->
+        ConnectionError, else RuntimeError (e.g. FAILED_PRECONDITION: an output sent to a server
+        that keeps none; UNAUTHENTICATED; RESOURCE_EXHAUSTED: a limit of the server), each with
+        the server's message."""
+        code, details = exc.code(), exc.details()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ValueError(details)
+        if code in _UNREACHABLE:
+            return ConnectionError(f"datastore at {self.address}: {code.name}: {details}")
+        return RuntimeError(f"datastore at {self.address}: {code.name}: {details}")
+
+    def _call(self, rpc, request, timeout: float | None = None):
+        """One RPC, waiting at most ``timeout`` (default: the client's); errors as ``_error``."""
         try:
-            return rpc(request, timeout=self.timeout, metadata=self._metadata)
+            return rpc(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details()
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ValueError(details) from None
-            if code in _UNREACHABLE:
-                raise ConnectionError(f"datastore at {self.address}: {code.name}: {details}") from None
-            raise RuntimeError(f"datastore at {self.address}: {code.name}: {details}") from None
+            raise self._error(exc) from None
 
     def draft(self, context: Sequence[int], config: DraftConfig = DraftConfig()) -> DraftTree:
         reply = self._call(self._stub.Draft, wire.draft_request(context, config))
@@ -136,6 +142,27 @@ class DatastoreClient:
     ) -> list[SourceTrees]:
         """``draft_sources`` for every context, in one call; in the order of ``contexts``."""
         reply = self._call(self._stub.DraftBatch, wire.draft_batch_request(contexts, config, include_outputs=True))
+        return self._source_trees(reply)
+
+    def draft_batch_future(
+        self,
+        contexts: Sequence[Sequence[int]],
+        config: DraftConfig = DraftConfig(),
+        *,
+        include_outputs: bool = False,
+        timeout: float | None = None,
+    ) -> PendingDrafts:
+        """``draft_sources_batch`` (or, without ``include_outputs``, the index trees with empty
+        output trees) started now and answered later: the call runs while the caller does other
+        work (a forward pass). The server gives up at ``timeout`` (default: the client's), and
+        ``cancel()`` stops it earlier."""
+        request = wire.draft_batch_request(contexts, config, include_outputs=include_outputs)
+        call = self._stub.DraftBatch.future(
+            request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata
+        )
+        return PendingDrafts(self, call)
+
+    def _source_trees(self, reply: pb.DraftBatchReply) -> list[SourceTrees]:
         trees = [wire.tree_from_message(t) for t in reply.trees]
         # a server without an output store answers no output trees: all empty
         outputs = [wire.tree_from_message(t) for t in reply.outputs] or [DraftTree.empty()] * len(trees)
@@ -162,3 +189,30 @@ class DatastoreClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PendingDrafts:
+    """A ``DraftBatch`` call in flight (``DatastoreClient.draft_sources_batch_future``)."""
+
+    def __init__(self, client: DatastoreClient, call: grpc.Future) -> None:
+        self._client, self._call = client, call
+
+    def result(self, timeout: float | None = None) -> list[SourceTrees]:
+        """The trees, waiting at most ``timeout`` seconds for them (the call goes on after a
+        ``TimeoutError``); errors as the blocking calls raise them, ``CancelledError`` after
+        ``cancel``."""
+        try:
+            reply = self._call.result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise TimeoutError(f"no reply from datastore at {self._client.address} within {timeout:g} s") from None
+        except grpc.FutureCancelledError:
+            raise CancelledError(f"draft request to {self._client.address} was cancelled") from None
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED:
+                raise CancelledError(f"draft request to {self._client.address} was cancelled") from None
+            raise self._client._error(exc) from None
+        return self._client._source_trees(reply)
+
+    def cancel(self) -> bool:
+        """Stop waiting and tell the server to stop working; False when it had answered already."""
+        return self._call.cancel()

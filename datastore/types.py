@@ -213,6 +213,40 @@ class DraftTree:
             source_samples=None if self.source_samples is None else self.source_samples[keep],
         )
 
+    def after(self, token: int) -> DraftTree | None:
+        """The tree for the context extended by ``token``: the subtree under the root child
+        ``token``, re-rooted, its scores conditioned on that child (divided by its score), the
+        match one token longer; None when no root child is ``token``. A tree drafted one token
+        ahead of a context this way equals, on the index, the tree drafted after the token
+        whenever the longer match exists -- what ``drafter.overlap`` prepares during a forward."""
+        child = np.flatnonzero((self.parents == -1) & (self.tokens == token))
+        if child.size == 0:
+            return None
+        top = int(child[0])
+        inside = np.zeros(len(self) + 1, dtype=bool)  # slot -1: the root, never inside
+        inside[top] = True
+        depths = self.depths
+        for depth in range(2, self.max_depth + 1):  # one vectorized step per level
+            level = np.flatnonzero(depths == depth)
+            inside[level] = inside[self.parents[level]]
+        keep = np.flatnonzero(inside[:-1])[1:]  # below ``top``, BFS order kept
+        new_index = np.full(len(self) + 1, -1, dtype=np.int64)
+        new_index[keep] = np.arange(keep.size)
+        parents = np.where(self.parents[keep] == top, -1, new_index[self.parents[keep]])
+        top_score = float(self.scores[top])
+        scores = self.scores[keep] / top_score if top_score > 0 else np.zeros(keep.size)
+        return DraftTree(
+            self.tokens[keep],
+            parents,
+            self.counts[keep],
+            self.match_len + 1 if self.match_len else 0,
+            int(self.counts[top]),
+            int(self.counts[top]),
+            scores=np.minimum(scores, 1.0),
+            source_probs=None if self.source_probs is None else self.source_probs[keep],
+            source_samples=None if self.source_samples is None else self.source_samples[keep],
+        )
+
     def paths(self) -> list[tuple[int, ...]]:
         """The token path from the root to each node (for tests and debugging)."""
         out: list[tuple[int, ...]] = []

@@ -25,7 +25,7 @@ import numpy as np
 
 from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from rest_spec.drafter.base import Drafter, SourceDrafter
+from rest_spec.drafter.base import Deferred, Drafter, Pending, SourceDrafter
 from rest_spec.drafter.cost import VerifyCost, select_tree
 from rest_spec.drafter.merge import SourceCalibration, merge_trees
 
@@ -47,6 +47,26 @@ def accepted_nodes(tree: DraftTree, appended: Sequence[int]) -> np.ndarray:
     return np.array(path, dtype=np.int64)
 
 
+def continued_rows(previous: Sequence[list[int]], rows: Sequence[list[int]]) -> list[int | None]:
+    """For each of ``rows`` (live contexts as lists, in batch order), the index of the row of ``previous``
+    (the last step's contexts) it continues -- strictly longer, same prefix -- or None for a new
+    request. Rows keep their order, so row i continues a previous row after row i-1's."""
+    found: list[int | None] = []
+    after = 0
+    for row in rows:
+        k = next(
+            (
+                k
+                for k in range(after, len(previous))
+                if len(row) > len(previous[k]) and row[: len(previous[k])] == previous[k]
+            ),
+            None,
+        )
+        found.append(k)
+        after = after if k is None else k + 1
+    return found
+
+
 def _token_list(context: Sequence[int] | np.ndarray) -> list[int]:
     """A copy of ``context`` (the loop's list changes in place after the call)."""
     return context.tolist() if isinstance(context, np.ndarray) else list(context)
@@ -60,10 +80,6 @@ class _Request:
     matcher: RequestMatcher | None
     context: list[int] = dataclasses.field(default_factory=list)
     tree: DraftTree = dataclasses.field(default_factory=DraftTree.empty)
-
-    def continued_by(self, context: list[int]) -> bool:
-        """Whether ``context`` is this request one step later (strictly longer, same prefix)."""
-        return len(context) > len(self.context) and context[: len(self.context)] == self.context
 
 
 class AdaptiveDrafter:
@@ -113,42 +129,74 @@ class AdaptiveDrafter:
 
     def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
         rows = [_token_list(context) for context in contexts]
-        requests = self._follow(rows)
-        candidates = dataclasses.replace(
+        requests = self.advance(rows)
+        candidates = self.candidates(config)
+        shared = self.start_shared(rows, candidates).result()
+        trees = [
+            self.select(self.merge(base_trees, self.request_tree(request, (), candidates), candidates))
+            for request, base_trees in zip(requests, shared)
+        ]
+        self.record(trees)
+        return trees
+
+    # The steps of ``draft_batch``, apart so that ``drafter.overlap`` can run the slow ones (the
+    # base's call, the merges) for likely next contexts while the model verifies the current ones.
+
+    def advance(self, rows: list[list[int]]) -> list[_Request]:
+        """Each row's request: the previous call's row it continues (in order; crediting what the
+        verifier accepted of that row's tree to the calibration), or a new one. ``rows`` are the
+        live contexts, copied."""
+        previous, self._requests = self._requests, []
+        for row, found in zip(rows, continued_rows([request.context for request in previous], rows)):
+            if found is None:
+                request = _Request(RequestMatcher() if "request" in self.sources else None)
+            else:
+                request = previous[found]
+                if len(request.tree):
+                    self.calibration.observe(request.tree, accepted_nodes(request.tree, row[len(request.context) :]))
+            request.context, request.tree = row, DraftTree.empty()
+            if request.matcher is not None:
+                request.matcher.extend(row)
+            self._requests.append(request)
+        return self._requests
+
+    def record(self, trees: Sequence[DraftTree]) -> None:
+        """The trees verified for the rows of the last ``advance``: what the next one credits."""
+        for request, tree in zip(self._requests, trees):
+            request.tree = tree
+
+    def candidates(self, config: DraftConfig) -> DraftConfig:
+        """How each source drafts under the loop's ``config``: this drafter's config, capped."""
+        return dataclasses.replace(
             self.config,
             budget=min(self.config.budget, config.budget),
             max_depth=min(self.config.max_depth, config.max_depth),
         )
-        shared = self._shared_sources(rows, candidates)
-        trees = []
-        for request, row, base_trees in zip(requests, rows, shared):
-            by_source = {"index": base_trees.index, "outputs": base_trees.outputs}
-            if request.matcher is not None:
-                by_source["request"] = request.matcher.draft(row, candidates)
-            merged = merge_trees([by_source[s] for s in self.sources], self.calibration.weights, candidates.budget)
-            request.tree = merged if self.cost is None else select_tree(merged, self.cost)
-            request.context = row
-            trees.append(request.tree)
-        return trees
 
-    def _follow(self, rows: list[list[int]]) -> list[_Request]:
-        """Each row's request: the previous call's row it continues (in order; crediting what the
-        verifier accepted of that row's tree), or a new one."""
-        previous, self._requests = self._requests, []
-        after = 0  # rows keep their order, so row i continues a previous row after row i-1's
-        for row in rows:
-            found = next((k for k in range(after, len(previous)) if previous[k].continued_by(row)), None)
-            if found is None:
-                request = _Request(RequestMatcher() if "request" in self.sources else None)
-            else:
-                request, after = previous[found], found + 1
-                if len(request.tree):
-                    self.calibration.observe(request.tree, accepted_nodes(request.tree, row[len(request.context) :]))
-            self._requests.append(request)
-        return self._requests
+    def request_tree(self, request: _Request, extra: Sequence[int], config: DraftConfig) -> DraftTree:
+        """The request source's tree for the request's context continued by ``extra``."""
+        return DraftTree.empty() if request.matcher is None else request.matcher.draft_ahead(extra, config)
+
+    def start_shared(self, rows: list[list[int]], config: DraftConfig, timeout: float | None = None) -> Pending:
+        """The index and outputs trees per row (empty where off), in one call to the base: an RPC
+        started now where the base can (``draft_batch_future``), else work done when collected."""
+        include_outputs = "outputs" in self.sources
+        start = getattr(self.base, "draft_batch_future", None)
+        if start is not None and "index" in self.sources:
+            return start(rows, config, include_outputs=include_outputs, timeout=timeout)
+        return Deferred(lambda: self._shared_sources(rows, config))
+
+    def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
+        """Every source's candidates merged into one scored tree (``config.budget`` nodes)."""
+        by_source = {"index": shared.index, "outputs": shared.outputs, "request": request}
+        return merge_trees([by_source[s] for s in self.sources], self.calibration.weights, config.budget)
+
+    def select(self, tree: DraftTree) -> DraftTree:
+        """The part of a merged tree worth verifying on this hardware (all of it without a cost)."""
+        return tree if self.cost is None else select_tree(tree, self.cost)
 
     def _shared_sources(self, rows: list[list[int]], config: DraftConfig) -> list[SourceTrees]:
-        """The index and outputs trees per row, in one call to the base (empty where off)."""
+        """The index and outputs trees per row (empty where off), in one call to the base."""
         empty = DraftTree.empty()
         if "outputs" in self.sources:
             if len(rows) == 1:

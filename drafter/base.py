@@ -5,12 +5,15 @@ by one (static index, store of recent outputs) and takes new outputs -- what
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 
-__all__ = ["Drafter", "SourceDrafter", "SourceTrees"]
+__all__ = ["Deferred", "Drafter", "Pending", "SourceDrafter", "SourceTrees"]
+
+T = TypeVar("T", covariant=True)
 
 
 @runtime_checkable
@@ -42,3 +45,42 @@ class SourceDrafter(Drafter, Protocol):
         """Store one generation (its new tokens) for later drafts; returns its sequence number.
         ``RuntimeError`` when the drafter keeps no outputs."""
         ...
+
+
+class Pending(Protocol[T]):
+    """Drafts asked for now and collected later (``RemoteDrafter.draft_batch_future``: an RPC in
+    flight; ``Deferred``: work done when collected)."""
+
+    def result(self, timeout: float | None = None) -> T:
+        """The answer, waiting at most ``timeout`` seconds (``TimeoutError`` after that)."""
+        ...
+
+    def cancel(self) -> bool:
+        """Give up on the answer (and stop the work where it runs elsewhere)."""
+        ...
+
+
+V = TypeVar("V")
+
+
+class Deferred(Generic[V]):
+    """A ``Pending`` for work that runs where it is collected (an in-process index: nothing to
+    wait for, so the work runs in whichever thread asks for the result, once)."""
+
+    def __init__(self, work: Callable[[], V]) -> None:
+        self._work: Callable[[], V] | None = work
+        self._value: V | None = None
+        self._cancelled = False
+
+    def result(self, timeout: float | None = None) -> V:
+        if self._cancelled:
+            raise CancelledError("the draft was cancelled")
+        if self._work is not None:
+            self._value, self._work = self._work(), None
+        return self._value  # type: ignore[return-value]
+
+    def cancel(self) -> bool:
+        if self._work is None:
+            return False
+        self._cancelled, self._work = True, None
+        return True

@@ -27,9 +27,10 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, Pr
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache, select_rows
+from rest_spec.drafter.overlap import Drafting, DraftingStats, OverlapConfig
 from rest_spec.drafter.sampling import TokenChooser, prepare_generation_config
 from rest_spec.drafter.tree_attention import padded_prefill_mask
 from rest_spec.drafter.verify import verify_trees
@@ -44,8 +45,10 @@ class GenerationResult:
     accepted_per_step  draft tokens accepted at each step (the bonus token not counted)
     seconds            wall-clock time of the whole call, prefill included
     prefill_seconds    the prompt's forward pass
-    draft_seconds      time inside the drafter
+    draft_seconds      time the loop spent drafting: waiting for drafts, starting the next ones
     verify_seconds     forward + acceptance + cache compaction
+    drafting           how drafting overlapped verification (``DraftingStats.summary()``: share
+                       of steps whose draft was ready, waits, fallbacks, cancellations)
     """
 
     output_ids: list[int]
@@ -55,6 +58,7 @@ class GenerationResult:
     prefill_seconds: float
     draft_seconds: float
     verify_seconds: float
+    drafting: DraftingStats = field(default_factory=DraftingStats)
 
     @property
     def mean_accepted(self) -> float:
@@ -74,8 +78,8 @@ class BatchGenerationResult:
     accepted_per_step  per row: draft tokens accepted at each step the row took part in (a row
                        leaves the batch when it finishes, so rows have different step counts)
     steps              batched verification forward passes (the prefill not counted)
-    seconds, prefill_seconds, draft_seconds, verify_seconds: as in ``GenerationResult``, for the
-                       whole batch
+    seconds, prefill_seconds, draft_seconds, verify_seconds, drafting: as in
+                       ``GenerationResult``, for the whole batch
     """
 
     output_ids: list[list[int]]
@@ -85,6 +89,7 @@ class BatchGenerationResult:
     prefill_seconds: float
     draft_seconds: float
     verify_seconds: float
+    drafting: DraftingStats = field(default_factory=DraftingStats)
 
     @property
     def new_tokens(self) -> int:
@@ -111,6 +116,7 @@ class BatchGenerationResult:
             prefill_seconds=self.prefill_seconds,
             draft_seconds=self.draft_seconds,
             verify_seconds=self.verify_seconds,
+            drafting=self.drafting,
         )
 
 
@@ -221,15 +227,6 @@ class StopConditions:
         return kept, done
 
 
-def draft_trees(drafter: Drafter | None, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
-    """One tree per context: the single-context call for one row, one batch call for more."""
-    if drafter is None:
-        return [DraftTree.empty()] * len(contexts)
-    if len(contexts) == 1:
-        return [drafter.draft(contexts[0], config)]
-    return list(drafter.draft_batch(contexts, config))
-
-
 @torch.inference_mode()
 def decode(
     model: PreTrainedModel,
@@ -239,11 +236,13 @@ def decode(
     chooser: TokenChooser,
     stop: StopConditions,
     config: DraftConfig = DraftConfig(),
+    overlap: OverlapConfig = OverlapConfig(),
     on_step: Callable[[list[list[int]]], None] | None = None,
 ) -> BatchGenerationResult:
     """The loop behind ``generate``: one row per prompt (unpadded ids); ``chooser`` has one row per
     prompt too. ``on_step`` receives, after every step, the tokens each row committed in it
-    (empty for rows that had finished)."""
+    (empty for rows that had finished). Drafts come through ``drafter.overlap.Drafting``: the
+    next step's are prepared during each forward."""
     start = time.perf_counter()
     contexts = [list(prompt) for prompt in prompts]  # prompt + committed tokens, per row
     prompt_lengths = [len(prompt) for prompt in prompts]
@@ -255,34 +254,40 @@ def decode(
 
     steps = 0
     draft_seconds = verify_seconds = 0.0
-    while active:
-        t0 = time.perf_counter()
-        # The drafter sees the live context lists; it must not keep a reference across steps.
-        live = [contexts[row] for row in active]
-        trees = draft_trees(drafter, live, config)
-        t1 = time.perf_counter()
-        verdicts = verify_trees(model, cache, rows, live, trees, chooser)
-        rows = compact_cache(cache, rows, [verdict.keep for verdict in verdicts])
-        verify_seconds += time.perf_counter() - t1
-        draft_seconds += t1 - t0
-        steps += 1
+    drafting = Drafting(drafter, config, overlap, step_seconds=prefill_seconds)
+    try:
+        while active:
+            t0 = time.perf_counter()
+            live = [contexts[row] for row in active]  # the drafter copies what it keeps
+            trees = drafting.trees(live)
+            drafting.speculate(live, trees)  # the next step's drafts, during this forward
+            t1 = time.perf_counter()
+            verdicts = verify_trees(model, cache, rows, live, trees, chooser)
+            rows = compact_cache(cache, rows, [verdict.keep for verdict in verdicts])
+            t2 = time.perf_counter()
+            drafting.verified(t2 - t1)
+            verify_seconds += t2 - t1
+            draft_seconds += t1 - t0
+            steps += 1
 
-        committed: list[list[int]] = [[] for _ in prompts]
-        unfinished = []  # indices into ``active``
-        for index, (row, verdict) in enumerate(zip(active, verdicts)):
-            accepted[row].append(len(verdict.accepted_tokens))
-            generated = len(contexts[row]) - prompt_lengths[row]
-            committed[row], done = stop.commit(contexts[row], generated, verdict.new_tokens)
-            contexts[row].extend(committed[row])
-            if not done:
-                unfinished.append(index)
-        if on_step is not None:
-            on_step(committed)
-        if len(unfinished) < len(active):
-            if unfinished:
-                rows = select_rows(cache, rows, np.array(unfinished))
-                chooser = chooser.select_rows(unfinished)
-            active = [active[index] for index in unfinished]
+            committed: list[list[int]] = [[] for _ in prompts]
+            unfinished = []  # indices into ``active``
+            for index, (row, verdict) in enumerate(zip(active, verdicts)):
+                accepted[row].append(len(verdict.accepted_tokens))
+                generated = len(contexts[row]) - prompt_lengths[row]
+                committed[row], done = stop.commit(contexts[row], generated, verdict.new_tokens)
+                contexts[row].extend(committed[row])
+                if not done:
+                    unfinished.append(index)
+            if on_step is not None:
+                on_step(committed)
+            if len(unfinished) < len(active):
+                if unfinished:
+                    rows = select_rows(cache, rows, np.array(unfinished))
+                    chooser = chooser.select_rows(unfinished)
+                active = [active[index] for index in unfinished]
+    finally:
+        drafting.close()
 
     return BatchGenerationResult(
         output_ids=[context[length:] for context, length in zip(contexts, prompt_lengths)],
@@ -292,6 +297,7 @@ def decode(
         prefill_seconds=prefill_seconds,
         draft_seconds=draft_seconds,
         verify_seconds=verify_seconds,
+        drafting=drafting.stats,
     )
 
 
@@ -330,6 +336,7 @@ def generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
     generator: torch.Generator | None = None,
+    overlap: OverlapConfig | bool = True,
 ) -> GenerationResult | BatchGenerationResult:
     """Decode ``input_ids`` with draft trees from ``drafter``: the output has exactly the
     distribution of ``model.generate``'s with the same arguments, and with greedy decoding it is
@@ -346,6 +353,9 @@ def generate(
     stopping_criteria   checked after every committed token (e.g. ``StopStringCriteria``)
     streamer            ``put`` with each step's committed tokens (see ``stream_to``), then ``end``
     generator           randomness of sampling, on the model's device; a fixed seed reproduces
+    overlap             prepare each step's drafts during the previous forward, with deadlines and
+                        a local fallback for remote drafts (``drafter.overlap``; an
+                        ``OverlapConfig``, True for the defaults, False to draft between forwards)
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -364,7 +374,11 @@ def generate(
     if streamer is not None:
         pad = generation._pad_token_tensor  # the pad id, else the first eos id (model.generate's rule)
         on_step = stream_to(streamer, batched, None if pad is None else int(pad))
-    result = decode(model, prompts, drafter, chooser=chooser, stop=stop, config=config, on_step=on_step)
+    if isinstance(overlap, bool):
+        overlap = OverlapConfig(enabled=overlap)
+    result = decode(
+        model, prompts, drafter, chooser=chooser, stop=stop, config=config, overlap=overlap, on_step=on_step
+    )
     if streamer is not None:
         streamer.end()
     return result if batched else result.row(0)

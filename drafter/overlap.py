@@ -1,0 +1,374 @@
+"""Drafting that never makes the model wait: step k+1's drafts are prepared while the model
+verifies step k, remote drafts have deadlines, and a late or dead datastore means a local draft,
+never a stalled or failed generation (PipeInfer: speculation beside verification, stale
+speculation cancelled, committed state kept apart from speculative state).
+
+Before each forward, ``Drafting.speculate`` takes the most likely outcomes of the tree about to
+be verified -- the accepted path ends at node v (or at the root) with probability
+score(v) - sum of its children's scores -- and, for each, asks the sources for the context
+extended by that path, one level deeper than a step's tree: the next step's context is that
+plus the verifier's bonus token, which nobody knows yet. One call (one RPC) carries every
+hypothesis of every row. A background thread merges what comes back and prepares, per
+hypothesis, the trees under the likeliest bonus tokens (``DraftTree.after``; the bonus is
+never a child of v in the verified tree, so those are skipped). After the forward,
+``Drafting.trees`` reads each row's outcome from its new context: a prepared tree is used as
+is, a hypothesis without the bonus token prepared is finished on the spot, and a row whose
+outcome was not foreseen gets a fresh draft. When no row's outcome was foreseen the call in
+flight is cancelled, server-side work included.
+
+Deadlines follow the step time (the median of recent forwards): a speculative reply may arrive
+up to ``deadline`` of a step after the forward ends, a fresh draft may keep the loop waiting at
+most that long. A reply that is late, or a datastore that fails (unreachable, overloaded,
+corrupt), costs that step its shared sources: it drafts from the request's own text alone (the
+adaptive drafter) or verifies no draft, and the next step asks the datastore again (gRPC
+reconnects by itself). Verification is lossless whatever tree it gets, so output never changes.
+
+The request matcher and the calibration are touched only by the decoding thread, or by the
+background thread while the decoding thread waits for it: speculative contexts are never
+committed anywhere (``RequestMatcher.draft_ahead``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rest_spec.datastore.types import MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
+from rest_spec.drafter.adaptive import AdaptiveDrafter, continued_rows
+from rest_spec.drafter.base import Deferred, Drafter, Pending
+from rest_spec.drafter.cost import path_to
+
+log = logging.getLogger(__name__)
+
+NO_SOURCES = SourceTrees(DraftTree.empty(), DraftTree.empty())
+# What a datastore that cannot answer raises: unreachable or late (ConnectionError, TimeoutError),
+# failing server-side (RuntimeError: RESOURCE_EXHAUSTED, DATA_LOSS, ...). A ValueError is a bad
+# request, a bug to report, not a datastore to route around.
+DATASTORE_FAILURES = (ConnectionError, TimeoutError, RuntimeError)
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """How drafting runs beside verification.
+
+    enabled        prepare step k+1's drafts during step k's forward (False: draft after it)
+    hypotheses     accepted-path outcomes per row drafted ahead, most likely first
+    bonus_tokens   per hypothesis, trees finished ahead for this many likely bonus tokens (others
+                   are finished when needed, from the same reply)
+    deadline       the longest a datastore reply may keep the loop waiting, as a share of the
+                   step time; past it the step drafts from local sources only
+    """
+
+    enabled: bool = True
+    hypotheses: int = 4
+    bonus_tokens: int = 4
+    deadline: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.hypotheses < 1 or self.bonus_tokens < 0 or not self.deadline > 0:
+            raise ValueError(
+                f"hypotheses must be >= 1, bonus_tokens >= 0 and deadline > 0, got "
+                f"{self.hypotheses}, {self.bonus_tokens} and {self.deadline}"
+            )
+
+
+@dataclass
+class DraftingStats:
+    """What drafting cost one generation, per step of the loop.
+
+    steps         verification steps
+    ready_steps   steps whose every row had its draft prepared, and the preparation finished,
+                  by the end of the previous forward (the loop did not wait)
+    waits         per step, seconds the loop waited for that step's drafts after the forward
+    launches      per step, seconds the loop spent starting the next step's speculation
+    predicted     row-steps drafted ahead (a foreseen outcome)
+    fresh         row-steps drafted after the forward (an outcome not foreseen, or no overlap)
+    fallbacks     row-steps drafted without the datastore's sources, its reply late or failed
+    cancelled     datastore calls given up (stale speculation, or past the deadline)
+    """
+
+    steps: int = 0
+    ready_steps: int = 0
+    waits: list[float] = field(default_factory=list)
+    launches: list[float] = field(default_factory=list)
+    predicted: int = 0
+    fresh: int = 0
+    fallbacks: int = 0
+    cancelled: int = 0
+
+    def summary(self) -> dict:
+        """The figures ``rest-generate --json`` prints: shares, milliseconds, counts."""
+        waits, launches = np.asarray(self.waits) * 1e3, np.asarray(self.launches) * 1e3
+        rows = self.predicted + self.fresh
+        return {
+            "steps": self.steps,
+            "ready_share": round(self.ready_steps / self.steps, 4) if self.steps else 0.0,
+            "predicted_share": round(self.predicted / rows, 4) if rows else 0.0,
+            "wait_ms_median": round(float(np.median(waits)), 4) if waits.size else 0.0,
+            "wait_ms_p99": round(float(np.percentile(waits, 99)), 4) if waits.size else 0.0,
+            "launch_ms_median": round(float(np.median(launches)), 4) if launches.size else 0.0,
+            "fallbacks": self.fallbacks,
+            "cancelled": self.cancelled,
+        }
+
+
+class _PlainSources:
+    """A ``Drafter`` taken as it drafts (``LocalDrafter``, ``RemoteDrafter``, any other): one
+    source, its tree verified as is, nothing local to fall back on."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+
+    def advance(self, rows: list[list[int]]) -> list[None]:
+        return [None] * len(rows)
+
+    def record(self, trees: Sequence[DraftTree]) -> None:
+        pass
+
+    def candidates(self, config: DraftConfig) -> DraftConfig:
+        return config
+
+    def request_tree(self, request: None, extra: Sequence[int], config: DraftConfig) -> DraftTree:
+        return DraftTree.empty()
+
+    def start_shared(self, rows: list[list[int]], config: DraftConfig, timeout: float | None = None) -> Pending:
+        start = getattr(self.drafter, "draft_batch_future", None)
+        if start is not None:
+            return start(rows, config, timeout=timeout)
+        return Deferred(lambda: [SourceTrees(tree, DraftTree.empty()) for tree in self._draft(rows, config)])
+
+    def _draft(self, rows: list[list[int]], config: DraftConfig) -> list[DraftTree]:
+        return [self.drafter.draft(rows[0], config)] if len(rows) == 1 else list(self.drafter.draft_batch(rows, config))
+
+    def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
+        return shared.index
+
+    def select(self, tree: DraftTree) -> DraftTree:
+        return tree
+
+
+@dataclass(frozen=True)
+class _Hypothesis:
+    """One foreseen outcome of verifying a row's tree: the accepted ``path`` (tokens), and the
+    tokens that cannot be the bonus after it (the children of its last node)."""
+
+    row: int
+    path: tuple[int, ...]
+    excluded: frozenset[int]
+
+
+@dataclass
+class _Prepared:
+    """A hypothesis's merged tree one level deeper, and the trees finished for likely bonus tokens."""
+
+    merged: DraftTree
+    trees: dict[int, DraftTree]
+    fallback: bool  # drafted without the datastore's sources (its reply late or failed)
+
+
+@dataclass
+class _Ahead:
+    """Speculation in flight: the rows it was launched for, their hypotheses, the datastore call
+    and the background job that finishes the trees."""
+
+    rows: list[list[int]]
+    hypotheses: list[_Hypothesis]
+    shared: Pending
+    job: Future
+
+
+def likely_outcomes(tree: DraftTree, count: int) -> list[_Hypothesis]:
+    """The ``count`` most likely accepted paths of ``tree`` (row 0), the empty path included:
+    the path ends at node v with probability score(v) - the sum of its children's scores."""
+    ends = np.bincount(tree.parents + 1, weights=tree.scores, minlength=len(tree) + 1)  # children's sum
+    chance = np.concatenate(([1.0], tree.scores)) - ends
+    hypotheses = []
+    for end in np.argsort(-chance, kind="stable")[:count] - 1:  # -1: the root
+        nodes = path_to(tree, int(end)) if end >= 0 else np.zeros(0, np.int64)
+        children = tree.tokens[tree.parents == end]
+        hypotheses.append(_Hypothesis(0, tuple(tree.tokens[nodes].tolist()), frozenset(children.tolist())))
+    return hypotheses
+
+
+class Drafting:
+    """The decoding loop's drafts, step by step: ``trees`` before each forward, ``speculate``
+    right before it, ``verified`` after it; ``close`` at the end. One per generation.
+
+    drafter   an ``AdaptiveDrafter`` (its request source is what a step falls back on), any
+              other ``Drafter``, or None (no drafts)
+    config    the loop's tree size (``budget``, ``max_depth``)
+    overlap   see ``OverlapConfig``
+    step_seconds  a first estimate of a step's time (the prefill's), until forwards are measured
+    """
+
+    def __init__(
+        self,
+        drafter: Drafter | None,
+        config: DraftConfig,
+        overlap: OverlapConfig = OverlapConfig(),
+        step_seconds: float = 0.1,
+    ) -> None:
+        self.sources = (
+            None if drafter is None else drafter if isinstance(drafter, AdaptiveDrafter) else _PlainSources(drafter)
+        )
+        self.config, self.overlap = config, overlap
+        self.stats = DraftingStats()
+        self._forwards: deque[float] = deque([step_seconds], maxlen=16)
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="rest-speculate")
+            if overlap.enabled and self.sources is not None
+            else None
+        )
+        self._ahead: _Ahead | None = None
+        self._requests: list = []
+        self._warned = False
+        self._late = 0  # speculative calls the background job gave up on
+
+    def step_seconds(self) -> float:
+        """The median of the recent forwards (the prefill's time before the first)."""
+        return float(np.median(self._forwards))
+
+    def verified(self, seconds: float) -> None:
+        """A forward (verification) took ``seconds``: the deadlines follow it."""
+        self._forwards.append(seconds)
+
+    def trees(self, contexts: Sequence[Sequence[int]]) -> list[DraftTree]:
+        """One tree per live context: prepared ahead where the outcome was foreseen, else drafted now."""
+        if self.sources is None:
+            return [DraftTree.empty()] * len(contexts)
+        start = time.perf_counter()
+        rows = [list(context) for context in contexts]
+        ahead, self._ahead = self._ahead, None
+        trees: list[DraftTree | None] = [None] * len(rows)
+        remote_ok, ready = True, ahead is not None and ahead.job.done()
+        if ahead is not None:
+            remote_ok = self._collect(ahead, rows, trees)
+        self._requests = self.sources.advance(rows)  # the background job has finished: safe
+        missing = [i for i, tree in enumerate(trees) if tree is None]
+        if missing:
+            fresh = self._fresh([rows[i] for i in missing], [self._requests[i] for i in missing], remote_ok)
+            for i, tree in zip(missing, fresh):
+                trees[i] = tree
+        self.sources.record(trees)
+        self.stats.steps += 1
+        self.stats.ready_steps += ready and not missing
+        self.stats.predicted += len(rows) - len(missing)
+        self.stats.fresh += len(missing)
+        self.stats.waits.append(time.perf_counter() - start)
+        return trees  # type: ignore[return-value]
+
+    def speculate(self, contexts: Sequence[Sequence[int]], trees: Sequence[DraftTree]) -> None:
+        """Start preparing the next step's drafts for the likely outcomes of verifying ``trees``."""
+        if self._worker is None:
+            return
+        start = time.perf_counter()
+        config = self.sources.candidates(self.config)
+        deeper = dataclasses.replace(config, max_depth=min(config.max_depth + 1, MAX_DEPTH))
+        hypotheses = []
+        for row, tree in enumerate(trees):
+            for hypothesis in likely_outcomes(tree, self.overlap.hypotheses):
+                hypotheses.append(dataclasses.replace(hypothesis, row=row))
+        tails = [[*contexts[h.row][-config.n_max :], *h.path] for h in hypotheses]  # all a source reads
+        deadline = start + self.step_seconds() * (1 + self.overlap.deadline)
+        shared = self.sources.start_shared(tails, deeper, timeout=deadline - start)
+        job = self._worker.submit(self._prepare, hypotheses, self._requests, shared, deeper, deadline)
+        self._ahead = _Ahead([list(context) for context in contexts], hypotheses, shared, job)
+        self.stats.launches.append(time.perf_counter() - start)
+
+    def close(self) -> None:
+        """Cancel speculation in flight and stop the background thread."""
+        if self._ahead is not None:
+            self.stats.cancelled += self._ahead.shared.cancel()
+            self._ahead = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+    # ---------------------------------------------------------------------------------- internals
+
+    def _prepare(
+        self, hypotheses: list[_Hypothesis], requests: list, shared: Pending, config: DraftConfig, deadline: float
+    ) -> list[_Prepared] | None:
+        """Background: each hypothesis's merged tree and the trees under its likely bonus tokens;
+        None when the speculation was cancelled as stale."""
+        local = [self.sources.request_tree(requests[h.row], h.path, config) for h in hypotheses]
+        base, gave_up = self._result(shared, deadline - time.perf_counter())
+        if base is CancelledError:
+            return None
+        self._late += gave_up  # read by the decoding thread once this job is done
+        prepared = []
+        for hypothesis, request, sources in zip(hypotheses, local, base or [NO_SOURCES] * len(hypotheses)):
+            merged = self.sources.merge(sources, request, config)
+            roots = np.flatnonzero(merged.parents == -1)
+            roots = roots[[int(t) not in hypothesis.excluded for t in merged.tokens[roots]]]
+            likely = roots[np.argsort(-merged.scores[roots], kind="stable")[: self.overlap.bonus_tokens]]
+            trees = {int(merged.tokens[i]): self.sources.select(merged.after(int(merged.tokens[i]))) for i in likely}
+            prepared.append(_Prepared(merged, trees, base is None))
+        return prepared
+
+    def _collect(self, ahead: _Ahead, rows: list[list[int]], trees: list[DraftTree | None]) -> bool:
+        """Fill ``trees`` for the rows whose outcome ``ahead`` foresaw; returns whether the
+        datastore answered in time (if not, this step does not ask it again)."""
+        outcome: dict[int, tuple[int, int]] = {}  # row -> (hypothesis index, bonus token)
+        for row, previous in enumerate(continued_rows(ahead.rows, rows)):
+            if previous is None:
+                continue
+            appended = rows[row][len(ahead.rows[previous]) :]
+            for index, hypothesis in enumerate(ahead.hypotheses):
+                if hypothesis.row == previous and hypothesis.path == tuple(appended[:-1]):
+                    outcome[row] = (index, appended[-1])
+                    break
+        if not outcome and ahead.shared.cancel():  # nothing foreseen: stale, stop the server's work
+            self.stats.cancelled += 1
+        prepared = ahead.job.result()  # bounded by the job's own deadline
+        self.stats.cancelled, self._late = self.stats.cancelled + self._late, 0
+        if prepared is None:
+            return True
+        for row, (index, bonus) in outcome.items():
+            hit = prepared[index]
+            tree = hit.trees.get(bonus)
+            if tree is None and (after := hit.merged.after(bonus)) is not None:
+                tree = self.sources.select(after)
+            trees[row] = tree
+            self.stats.fallbacks += hit.fallback and tree is not None
+        return not any(p.fallback for p in prepared)
+
+    def _fresh(self, rows: list[list[int]], requests: list, remote_ok: bool) -> list[DraftTree]:
+        """Trees drafted now for ``rows``, the datastore given ``deadline`` of a step to answer
+        (not asked when it just failed to)."""
+        config = self.sources.candidates(self.config)
+        base = None
+        if remote_ok:
+            timeout = self.step_seconds() * self.overlap.deadline
+            shared = self.sources.start_shared([row[-config.n_max :] for row in rows], config, timeout=timeout)
+            base, gave_up = self._result(shared, timeout)
+            self.stats.cancelled += gave_up
+        if base is None or base is CancelledError:
+            self.stats.fallbacks += len(rows)
+            base = [NO_SOURCES] * len(rows)
+        return [
+            self.sources.select(self.sources.merge(sources, self.sources.request_tree(request, (), config), config))
+            for request, sources in zip(requests, base)
+        ]
+
+    def _result(self, shared: Pending, timeout: float) -> tuple[object, bool]:
+        """The datastore's answer -- None when it was late or failed, the ``CancelledError``
+        class when it was cancelled -- and whether it was given up on here (late: cancelled)."""
+        try:
+            return shared.result(timeout=max(timeout, 0.0)), False
+        except CancelledError:
+            return CancelledError, False
+        except DATASTORE_FAILURES as exc:
+            gave_up = isinstance(exc, TimeoutError) and shared.cancel()
+            if not self._warned:
+                log.warning("drafting from local sources only: %s", exc)
+                self._warned = True
+            else:
+                log.debug("drafting from local sources only: %s", exc)
+            return None, gave_up
