@@ -40,13 +40,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rest_spec.datastore.types import MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
+from rest_spec.datastore.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.adaptive import AdaptiveDrafter, continued_rows
 from rest_spec.drafter.base import Deferred, Drafter, Pending
 from rest_spec.drafter.cost import path_to
 
 log = logging.getLogger(__name__)
 
+AHEAD_WIDTH = 4  # a hypothesis's tree holds this many step trees' worth of nodes
 NO_SOURCES = SourceTrees(DraftTree.empty(), DraftTree.empty())
 # What a datastore that cannot answer raises: unreachable or late (ConnectionError, TimeoutError),
 # failing server-side (RuntimeError: RESOURCE_EXHAUSTED, DATA_LOSS, ...). A ValueError is a bad
@@ -184,6 +185,20 @@ class _Ahead:
     job: Future
 
 
+def ahead_config(config: DraftConfig) -> DraftConfig:
+    """How a hypothesis context is drafted so that its tree under the bonus token is the tree a
+    step would draft after that token, whenever the match extends by it: one level deeper, the
+    suffix bounds one token shorter (a match of m tokens plus the bonus is a match of m + 1),
+    and room for several bonus tokens' subtrees, each as large as a step's tree."""
+    return dataclasses.replace(
+        config,
+        budget=min(config.budget * AHEAD_WIDTH, MAX_BUDGET),
+        max_depth=min(config.max_depth + 1, MAX_DEPTH),
+        n_max=max(config.n_max - 1, 1),
+        n_min=max(config.n_min - 1, 1),
+    )
+
+
 def likely_outcomes(tree: DraftTree, count: int) -> list[_Hypothesis]:
     """The ``count`` most likely accepted paths of ``tree`` (row 0), the empty path included:
     the path ends at node v with probability score(v) - the sum of its children's scores."""
@@ -270,7 +285,7 @@ class Drafting:
             return
         start = time.perf_counter()
         config = self.sources.candidates(self.config)
-        deeper = dataclasses.replace(config, max_depth=min(config.max_depth + 1, MAX_DEPTH))
+        deeper = ahead_config(config)
         hypotheses = []
         for row, tree in enumerate(trees):
             for hypothesis in likely_outcomes(tree, self.overlap.hypotheses):
