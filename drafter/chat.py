@@ -50,9 +50,10 @@ class ChatSession:
         config: DraftConfig,
         max_new_tokens: int,
         system: str | None = None,
+        overlap: bool = True,
     ) -> None:
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
-        self.config, self.max_new_tokens = config, max_new_tokens
+        self.config, self.max_new_tokens, self.overlap = config, max_new_tokens, overlap
         self.system = system
         self.messages: list[dict] = []
         self.reset()
@@ -73,7 +74,13 @@ class ChatSession:
 
         ids = self.prompt_ids(user_text)
         result = generate(
-            self.model, ids, self.drafter, max_new_tokens=self.max_new_tokens, config=self.config, streamer=streamer
+            self.model,
+            ids,
+            self.drafter,
+            max_new_tokens=self.max_new_tokens,
+            config=self.config,
+            streamer=streamer,
+            overlap=self.overlap,
         )
         remember_output(self.drafter, result.output_ids)
         text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
@@ -151,7 +158,13 @@ def run(args: argparse.Namespace) -> None:
     tokenizer, model, drafter = load_parts(args)
     try:
         session = ChatSession(
-            model, tokenizer, drafter, config=args.config, max_new_tokens=args.max_new_tokens, system=args.system
+            model,
+            tokenizer,
+            drafter,
+            config=args.config,
+            max_new_tokens=args.max_new_tokens,
+            system=args.system,
+            overlap=not args.no_overlap,
         )
         chat(session)
     finally:

@@ -92,6 +92,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "acceptance scores, and verify the tree size that pays on this hardware (the verify cost is "
         "measured once per model, device and dtype and cached; --budget caps the candidates)",
     )
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="draft between forward passes instead of preparing each step's drafts during the previous "
+        "forward (remote drafts then cost a round trip per step; output is the same either way)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr")
 
 
@@ -201,6 +207,7 @@ def result_record(result: GenerationResult, text: str) -> dict:
         "tokens_per_second": round(result.tokens_per_second, 2),
         "draft_seconds": round(result.draft_seconds, 4),
         "verify_seconds": round(result.verify_seconds, 4),
+        "drafting": result.drafting.summary(),
     }
 
 
@@ -275,6 +282,7 @@ def run(args: argparse.Namespace) -> None:
                 drafter,
                 max_new_tokens=args.max_new_tokens,
                 config=args.config,
+                overlap=not args.no_overlap,
             )
             remember_output(drafter, result.output_ids)
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)

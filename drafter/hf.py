@@ -43,6 +43,7 @@ from transformers.generation import (
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, generate
+from rest_spec.drafter.overlap import OverlapConfig
 from rest_spec.drafter.sampling import row_logits_processors
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def rest_generate(
     *,
     drafter: Drafter | None,
     draft_config: DraftConfig = DraftConfig(),
+    overlap: OverlapConfig | bool = True,
     streamer: BaseStreamer | None = None,
     **model_kwargs,
 ) -> torch.LongTensor | RestGenerateOutput:
@@ -79,7 +81,9 @@ def rest_generate(
     transformers calls it with its prepared inputs: ``input_ids`` [B, L] (left-padded when B > 1), the
     resolved ``generation_config`` (``max_length`` already includes the prompt), the logits processors
     and stopping criteria it built, and model inputs (``attention_mask``; ``None`` when all ones).
-    ``drafter=None`` decodes without drafts through the same loop (a baseline). ``streamer`` is for
+    ``drafter=None`` decodes without drafts through the same loop (a baseline); ``overlap`` as in
+    ``drafter.generate.generate`` (drafts prepared during forwards; ``.rest.drafting`` of the
+    dict output says how well that went). ``streamer`` is for
     ``generate_with_drafts`` to bind: transformers never passes one to a callable.
     """
     if drafter is not None and not isinstance(drafter, Drafter):
@@ -96,6 +100,7 @@ def rest_generate(
         drafter,
         max_new_tokens=max_new_tokens,
         config=draft_config,
+        overlap=overlap,
         attention_mask=model_kwargs.get("attention_mask"),
         generation_config=generation_config,  # eos ids, sampling: our loop reads them from here
         logits_processor=_user_processors(model, logits_processor, generation_config, prompt_width, max_new_tokens),
@@ -119,6 +124,7 @@ def generate_with_drafts(
     *,
     drafter: Drafter | None,
     draft_config: DraftConfig = DraftConfig(),
+    overlap: OverlapConfig | bool = True,
     tokenizer=None,
     stop_strings: str | Sequence[str] | None = None,
     **generate_kwargs,
@@ -143,7 +149,9 @@ def generate_with_drafts(
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
     if configured:
         generate_kwargs["stop_strings"] = None  # stopped on above; transformers would want the tokenizer
-    decode = functools.partial(rest_generate, drafter=drafter, draft_config=draft_config, streamer=streamer)
+    decode = functools.partial(
+        rest_generate, drafter=drafter, draft_config=draft_config, overlap=overlap, streamer=streamer
+    )
     return model.generate(
         inputs,
         generation_config=generation_config,
