@@ -84,7 +84,14 @@ class DatastoreClient:
         self.address = address
         self.timeout = timeout
         self._metadata = () if auth_token is None else (wire.bearer_metadata(auth_token),)
-        options = [("grpc.max_receive_message_length", max_reply_bytes)]
+        options = [
+            ("grpc.max_receive_message_length", max_reply_bytes),
+            # a server that went away is retried within a second once it is back (gRPC's default
+            # backoff grows to two minutes, during which every draft would fall back to local)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
         self._channel = open_channel(address, tls_ca, options)
         self._stub = pb_grpc.DatastoreStub(self._channel)
         try:
