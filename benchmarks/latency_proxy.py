@@ -93,3 +93,26 @@ class LatencyProxy:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.latency_proxy --target HOST:PORT --rtt-ms 2``: prints ``listening on
+    ADDRESS`` and forwards until killed (a proxy in its own process, off the client's GIL)."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, metavar="HOST:PORT")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="added round trip (default: %(default)s)")
+    args = parser.parse_args(argv)
+    stop = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # before the threads start: they inherit it
+    proxy = LatencyProxy(args.target, args.rtt_ms / 1e3)
+    print(f"listening on {proxy.address}", flush=True)
+    signal.sigwait(stop)
+    proxy.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -60,9 +60,9 @@ def server_rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def start_server(index: Path, workers: int, log_file) -> tuple[subprocess.Popen, str]:
-    """``rest-datastore serve`` on a free loopback port, its log to ``log_file``; returns the
-    process and the address it printed once ready."""
+def start_server(index: Path, workers: int, log_file, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """``rest-datastore serve`` on loopback ``port`` (0: a free one), its log to ``log_file``;
+    returns the process and the address it printed once ready."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -72,7 +72,7 @@ def start_server(index: Path, workers: int, log_file) -> tuple[subprocess.Popen,
             "--index",
             str(index),
             "--port",
-            "0",
+            str(port),
             "--workers",
             str(workers),
         ],

@@ -5,16 +5,18 @@ speculation cancelled, committed state kept apart from speculative state).
 
 Before each forward, ``Drafting.speculate`` takes the most likely outcomes of the tree about to
 be verified -- the accepted path ends at node v (or at the root) with probability
-score(v) - sum of its children's scores -- and, for each, asks the sources for the context
-extended by that path, one level deeper than a step's tree: the next step's context is that
-plus the verifier's bonus token, which nobody knows yet. One call (one RPC) carries every
-hypothesis of every row. A background thread merges what comes back and prepares, per
-hypothesis, the trees under the likeliest bonus tokens (``DraftTree.after``; the bonus is
-never a child of v in the verified tree, so those are skipped). After the forward,
-``Drafting.trees`` reads each row's outcome from its new context: a prepared tree is used as
-is, a hypothesis without the bonus token prepared is finished on the spot, and a row whose
-outcome was not foreseen gets a fresh draft. When no row's outcome was foreseen the call in
-flight is cancelled, server-side work included.
+score(v) - sum of its children's scores -- and, for each, asks the datastore for the context
+extended by that path, one level deeper, one token shorter in its suffix bounds and wider than a
+step's tree (``ahead_config``): the next step's context is that plus the verifier's bonus token,
+which nobody knows yet, and the tree under that token (``DraftTree.after``) is what the step
+would draft once the token is known, whenever the match extends by it. One call (one RPC)
+carries every hypothesis of every row; a background thread waits for it (or, in process, does
+the search, beside the forward). After the forward, ``Drafting.trees`` reads each row's outcome
+from its new context: a foreseen outcome whose bonus token continues the index's match takes
+the trees under it; any other row gets its sources fetched now. The request's own text is
+matched on the spot (it is local and cheap), and the sources are merged and sized as the
+drafter always does. When no row's outcome was foreseen the call in flight is cancelled,
+server-side work included.
 
 Deadlines follow the step time (the median of recent forwards): a speculative reply may arrive
 up to ``deadline`` of a step after the forward ends, a fresh draft may keep the loop waiting at
@@ -23,9 +25,8 @@ corrupt), costs that step its shared sources: it drafts from the request's own t
 adaptive drafter) or verifies no draft, and the next step asks the datastore again (gRPC
 reconnects by itself). Verification is lossless whatever tree it gets, so output never changes.
 
-The request matcher and the calibration are touched only by the decoding thread, or by the
-background thread while the decoding thread waits for it: speculative contexts are never
-committed anywhere (``RequestMatcher.draft_ahead``).
+The background thread touches no drafter state (request matchers, calibration): only the
+decoding thread does, and speculative contexts are never committed anywhere.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ from rest_spec.drafter.cost import path_to
 log = logging.getLogger(__name__)
 
 AHEAD_WIDTH = 4  # a hypothesis's tree holds this many step trees' worth of nodes
+# Besides the longest match, each hypothesis asks for the matches of its last 4, 2 and 1 tokens
+# (a context cut to n tokens matches at most n): when the bonus token does not continue the
+# longest match, the step's own draft backs off to a shorter one that it does continue.
+SUFFIX_LADDER = (4, 2, 1)
 NO_SOURCES = SourceTrees(DraftTree.empty(), DraftTree.empty())
 # What a datastore that cannot answer raises: unreachable or late (ConnectionError, TimeoutError),
 # failing server-side (RuntimeError: RESOURCE_EXHAUSTED, DATA_LOSS, ...). A ValueError is a bad
@@ -61,23 +66,17 @@ class OverlapConfig:
 
     enabled        prepare step k+1's drafts during step k's forward (False: draft after it)
     hypotheses     accepted-path outcomes per row drafted ahead, most likely first
-    bonus_tokens   per hypothesis, trees finished ahead for this many likely bonus tokens (others
-                   are finished when needed, from the same reply)
     deadline       the longest a datastore reply may keep the loop waiting, as a share of the
                    step time; past it the step drafts from local sources only
     """
 
     enabled: bool = True
-    hypotheses: int = 4
-    bonus_tokens: int = 4
+    hypotheses: int = 3
     deadline: float = 0.25
 
     def __post_init__(self) -> None:
-        if self.hypotheses < 1 or self.bonus_tokens < 0 or not self.deadline > 0:
-            raise ValueError(
-                f"hypotheses must be >= 1, bonus_tokens >= 0 and deadline > 0, got "
-                f"{self.hypotheses}, {self.bonus_tokens} and {self.deadline}"
-            )
+        if self.hypotheses < 1 or not self.deadline > 0:
+            raise ValueError(f"hypotheses must be >= 1 and deadline > 0, got {self.hypotheses} and {self.deadline}")
 
 
 @dataclass
@@ -149,7 +148,11 @@ class _PlainSources:
         return [self.drafter.draft(rows[0], config)] if len(rows) == 1 else list(self.drafter.draft_batch(rows, config))
 
     def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
-        return shared.index
+        """The index tree, cut to the budget (a tree under a bonus token comes from a wider one)."""
+        tree = shared.index
+        if len(tree) <= config.budget:
+            return tree
+        return tree.subset(np.sort(np.argsort(-tree.scores, kind="stable")[: config.budget]))
 
     def select(self, tree: DraftTree) -> DraftTree:
         return tree
@@ -157,21 +160,14 @@ class _PlainSources:
 
 @dataclass(frozen=True)
 class _Hypothesis:
-    """One foreseen outcome of verifying a row's tree: the accepted ``path`` (tokens), and the
-    tokens that cannot be the bonus after it (the children of its last node)."""
+    """One foreseen outcome of verifying a row's tree: the accepted ``path`` (tokens), and where
+    its source trees are in the speculative call's answer: ``first``, then one per suffix bound
+    of ``SUFFIX_LADDER`` shorter than the context (``levels`` in all)."""
 
     row: int
     path: tuple[int, ...]
-    excluded: frozenset[int]
-
-
-@dataclass
-class _Prepared:
-    """A hypothesis's merged tree one level deeper, and the trees finished for likely bonus tokens."""
-
-    merged: DraftTree
-    trees: dict[int, DraftTree]
-    fallback: bool  # drafted without the datastore's sources (its reply late or failed)
+    first: int = 0
+    levels: int = 0
 
 
 @dataclass
@@ -207,8 +203,7 @@ def likely_outcomes(tree: DraftTree, count: int) -> list[_Hypothesis]:
     hypotheses = []
     for end in np.argsort(-chance, kind="stable")[:count] - 1:  # -1: the root
         nodes = path_to(tree, int(end)) if end >= 0 else np.zeros(0, np.int64)
-        children = tree.tokens[tree.parents == end]
-        hypotheses.append(_Hypothesis(0, tuple(tree.tokens[nodes].tolist()), frozenset(children.tolist())))
+        hypotheses.append(_Hypothesis(0, tuple(tree.tokens[nodes].tolist())))
     return hypotheses
 
 
@@ -242,7 +237,6 @@ class Drafting:
             else None
         )
         self._ahead: _Ahead | None = None
-        self._requests: list = []
         self._warned = False
         self._late = 0  # speculative calls the background job gave up on
 
@@ -255,29 +249,35 @@ class Drafting:
         self._forwards.append(seconds)
 
     def trees(self, contexts: Sequence[Sequence[int]]) -> list[DraftTree]:
-        """One tree per live context: prepared ahead where the outcome was foreseen, else drafted now."""
+        """One tree per live context: from the sources fetched ahead where the outcome was
+        foreseen, else from sources fetched now."""
         if self.sources is None:
             return [DraftTree.empty()] * len(contexts)
         start = time.perf_counter()
         rows = [list(context) for context in contexts]
         ahead, self._ahead = self._ahead, None
-        trees: list[DraftTree | None] = [None] * len(rows)
+        shared: list[SourceTrees | None] = [None] * len(rows)
         remote_ok, ready = True, ahead is not None and ahead.job.done()
         if ahead is not None:
-            remote_ok = self._collect(ahead, rows, trees)
-        self._requests = self.sources.advance(rows)  # the background job has finished: safe
-        missing = [i for i, tree in enumerate(trees) if tree is None]
+            remote_ok = self._collect(ahead, rows, shared)
+        requests = self.sources.advance(rows)  # the background job has finished: safe
+        missing = [i for i, trees in enumerate(shared) if trees is None]
         if missing:
-            fresh = self._fresh([rows[i] for i in missing], [self._requests[i] for i in missing], remote_ok)
-            for i, tree in zip(missing, fresh):
-                trees[i] = tree
+            fresh = self._fresh([rows[i] for i in missing], remote_ok)
+            for i, trees in zip(missing, fresh):
+                shared[i] = trees
+        config = self.sources.candidates(self.config)
+        trees = [
+            self.sources.select(self.sources.merge(both, self.sources.request_tree(request, (), config), config))
+            for request, both in zip(requests, shared)
+        ]
         self.sources.record(trees)
         self.stats.steps += 1
         self.stats.ready_steps += ready and not missing
         self.stats.predicted += len(rows) - len(missing)
         self.stats.fresh += len(missing)
         self.stats.waits.append(time.perf_counter() - start)
-        return trees  # type: ignore[return-value]
+        return trees
 
     def speculate(self, contexts: Sequence[Sequence[int]], trees: Sequence[DraftTree]) -> None:
         """Start preparing the next step's drafts for the likely outcomes of verifying ``trees``."""
@@ -286,14 +286,16 @@ class Drafting:
         start = time.perf_counter()
         config = self.sources.candidates(self.config)
         deeper = ahead_config(config)
-        hypotheses = []
+        hypotheses, tails = [], []
         for row, tree in enumerate(trees):
             for hypothesis in likely_outcomes(tree, self.overlap.hypotheses):
-                hypotheses.append(dataclasses.replace(hypothesis, row=row))
-        tails = [[*contexts[h.row][-config.n_max :], *h.path] for h in hypotheses]  # all a source reads
+                tail = [*contexts[row][-deeper.n_max :], *hypothesis.path][-deeper.n_max :]  # all a source reads
+                bounds = [len(tail), *(n for n in SUFFIX_LADDER if n < len(tail))]
+                hypotheses.append(dataclasses.replace(hypothesis, row=row, first=len(tails), levels=len(bounds)))
+                tails += [tail[-n:] for n in bounds]
         deadline = start + self.step_seconds() * (1 + self.overlap.deadline)
         shared = self.sources.start_shared(tails, deeper, timeout=deadline - start)
-        job = self._worker.submit(self._prepare, hypotheses, self._requests, shared, deeper, deadline)
+        job = self._worker.submit(self._wait, shared, deadline)
         self._ahead = _Ahead([list(context) for context in contexts], hypotheses, shared, job)
         self.stats.launches.append(time.perf_counter() - start)
 
@@ -307,29 +309,19 @@ class Drafting:
 
     # ---------------------------------------------------------------------------------- internals
 
-    def _prepare(
-        self, hypotheses: list[_Hypothesis], requests: list, shared: Pending, config: DraftConfig, deadline: float
-    ) -> list[_Prepared] | None:
-        """Background: each hypothesis's merged tree and the trees under its likely bonus tokens;
-        None when the speculation was cancelled as stale."""
-        local = [self.sources.request_tree(requests[h.row], h.path, config) for h in hypotheses]
+    def _wait(self, shared: Pending, deadline: float) -> list[SourceTrees] | type[CancelledError] | None:
+        """Background: the hypotheses' source trees by ``deadline`` (in-process sources are drafted
+        here, beside the forward); None when the datastore was late or failed, ``CancelledError``
+        when the speculation was cancelled as stale."""
         base, gave_up = self._result(shared, deadline - time.perf_counter())
-        if base is CancelledError:
-            return None
         self._late += gave_up  # read by the decoding thread once this job is done
-        prepared = []
-        for hypothesis, request, sources in zip(hypotheses, local, base or [NO_SOURCES] * len(hypotheses)):
-            merged = self.sources.merge(sources, request, config)
-            roots = np.flatnonzero(merged.parents == -1)
-            roots = roots[[int(t) not in hypothesis.excluded for t in merged.tokens[roots]]]
-            likely = roots[np.argsort(-merged.scores[roots], kind="stable")[: self.overlap.bonus_tokens]]
-            trees = {int(merged.tokens[i]): self.sources.select(merged.after(int(merged.tokens[i]))) for i in likely}
-            prepared.append(_Prepared(merged, trees, base is None))
-        return prepared
+        return base
 
-    def _collect(self, ahead: _Ahead, rows: list[list[int]], trees: list[DraftTree | None]) -> bool:
-        """Fill ``trees`` for the rows whose outcome ``ahead`` foresaw; returns whether the
-        datastore answered in time (if not, this step does not ask it again)."""
+    def _collect(self, ahead: _Ahead, rows: list[list[int]], shared: list[SourceTrees | None]) -> bool:
+        """Fill ``shared`` for the rows whose outcome ``ahead`` foresaw, with the hypothesis's
+        trees under the bonus token (a row stays None when the index does not continue with it:
+        its tree after the token is unknown); returns whether the datastore answered in time (if
+        not, those rows draft from local sources, and this step does not ask it again)."""
         outcome: dict[int, tuple[int, int]] = {}  # row -> (hypothesis index, bonus token)
         for row, previous in enumerate(continued_rows(ahead.rows, rows)):
             if previous is None:
@@ -341,36 +333,38 @@ class Drafting:
                     break
         if not outcome and ahead.shared.cancel():  # nothing foreseen: stale, stop the server's work
             self.stats.cancelled += 1
-        prepared = ahead.job.result()  # bounded by the job's own deadline
+        fetched = ahead.job.result()  # bounded by the job's own deadline
         self.stats.cancelled, self._late = self.stats.cancelled + self._late, 0
-        if prepared is None:
+        if fetched is CancelledError:
             return True
         for row, (index, bonus) in outcome.items():
-            hit = prepared[index]
-            tree = hit.trees.get(bonus)
-            if tree is None and (after := hit.merged.after(bonus)) is not None:
-                tree = self.sources.select(after)
-            trees[row] = tree
-            self.stats.fallbacks += hit.fallback and tree is not None
-        return not any(p.fallback for p in prepared)
+            if fetched is None:
+                shared[row] = NO_SOURCES
+                self.stats.fallbacks += 1
+                continue
+            hypothesis = ahead.hypotheses[index]
+            levels = fetched[hypothesis.first : hypothesis.first + hypothesis.levels]
+            # the longest match the bonus token extends; none at all: the step's own would be empty
+            after = next((a for level in levels if (a := level.index.after(bonus)) is not None), None)
+            if after is None and not any(len(level.index) for level in levels):
+                after = DraftTree.empty()
+            if after is not None:
+                shared[row] = SourceTrees(after, levels[0].outputs.after(bonus) or DraftTree.empty())
+        return fetched is not None
 
-    def _fresh(self, rows: list[list[int]], requests: list, remote_ok: bool) -> list[DraftTree]:
-        """Trees drafted now for ``rows``, the datastore given ``deadline`` of a step to answer
-        (not asked when it just failed to)."""
+    def _fresh(self, rows: list[list[int]], remote_ok: bool) -> list[SourceTrees]:
+        """Source trees fetched now for ``rows``, the datastore given ``deadline`` of a step to
+        answer (not asked when it just failed to)."""
         config = self.sources.candidates(self.config)
-        base = None
         if remote_ok:
             timeout = self.step_seconds() * self.overlap.deadline
             shared = self.sources.start_shared([row[-config.n_max :] for row in rows], config, timeout=timeout)
             base, gave_up = self._result(shared, timeout)
             self.stats.cancelled += gave_up
-        if base is None or base is CancelledError:
-            self.stats.fallbacks += len(rows)
-            base = [NO_SOURCES] * len(rows)
-        return [
-            self.sources.select(self.sources.merge(sources, self.sources.request_tree(request, (), config), config))
-            for request, sources in zip(requests, base)
-        ]
+            if base is not None and base is not CancelledError:
+                return base
+        self.stats.fallbacks += len(rows)
+        return [NO_SOURCES] * len(rows)
 
     def _result(self, shared: Pending, timeout: float) -> tuple[object, bool]:
         """The datastore's answer -- None when it was late or failed, the ``CancelledError``
