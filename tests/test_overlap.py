@@ -28,6 +28,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from benchmarks.common import humaneval_inputs
 from benchmarks.latency_proxy import LatencyProxy
 from rest_spec.datastore.bigram import SEP, RequestMatcher
+from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
 from rest_spec.datastore.trie import top_c_tree
@@ -36,7 +37,14 @@ from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import BatchGenerationResult, generate
 from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.overlap import Drafting, DraftingStats, OverlapConfig, ahead_config, likely_outcomes
+from rest_spec.drafter.overlap import (
+    SUFFIX_LADDER,
+    Drafting,
+    DraftingStats,
+    OverlapConfig,
+    ahead_config,
+    likely_outcomes,
+)
 from rest_spec.drafter.remote import RemoteDrafter
 from tests.helpers import (
     CORPUS_VOCAB,
@@ -280,7 +288,6 @@ def test_likely_outcomes_rank_accepted_paths_by_probability():
     tree = scored_tree([(10, 11), (12,)], {(10,): 0.6, (12,): 0.3, (10, 11): 0.5})
     outcomes = likely_outcomes(tree, 4)
     assert [h.path for h in outcomes] == [(10, 11), (12,), (), (10,)]
-    assert [h.excluded for h in outcomes] == [frozenset(), frozenset(), {10, 12}, {11}]
     assert [h.path for h in likely_outcomes(tree, 2)] == [(10, 11), (12,)]
     assert [h.path for h in likely_outcomes(DraftTree.empty(), 4)] == [()]
 
@@ -312,13 +319,14 @@ class ScriptedPending:
         return True
 
 
-class ScriptedDatastore:
-    """A remote datastore as the overlap sees it (``draft_batch_future``): each context's tree is
+class ScriptedDatastore(DatastoreClient):
+    """A remote datastore as the overlap sees it (a ``DatastoreClient``: one that reads only
+    suffixes, so speculation is on; its ``draft_batch_future``): each context's tree is
     ``trees[its last token]`` (empty if none); while ``hold`` is set, calls never answer. Every
-    call is kept in ``calls`` as (contexts, config, timeout, pending)."""
+    call is kept in ``calls`` as (contexts, config, timeout, pending). Connects nowhere."""
 
     def __init__(self, trees: dict[int, DraftTree]) -> None:
-        self.trees, self.hold, self.calls = trees, False, []
+        self.address, self.trees, self.hold, self.calls = "scripted", trees, False, []
 
     def draft_batch_future(self, contexts, config, *, include_outputs=False, timeout=None) -> ScriptedPending:
         answer = [
@@ -357,7 +365,9 @@ def first_step(remote: ScriptedDatastore, drafting: Drafting) -> None:
     assert trees == [STEP_ONE]  # nothing prepared yet: drafted now
     drafting.speculate([[1, 2, 3]], trees)
     contexts, config, timeout, _ = remote.calls[-1]
-    assert contexts == [[1, 2, 3, 10, 11]]  # one hypothesis: the whole chain accepted
+    # one hypothesis, the whole chain accepted: its tail within the suffix bound (n_max - 1), then
+    # the shorter matches of the ladder
+    assert contexts == [[3, 10, 11], [10, 11], [11]]
     assert config == ahead_config(LOOP) and config.max_depth == LOOP.max_depth + 1  # the bonus token's level
     assert 0 < timeout <= 10 * 1.25
     drafting.verified(0.001)
@@ -382,7 +392,7 @@ def test_a_bonus_token_the_prepared_tree_lacks_is_drafted_fresh():
     first_step(remote, drafting)
     trees = drafting.trees([[1, 2, 3, 10, 11, 55]])  # foreseen path, but 55 is no root child of AHEAD
     assert trees == [tree_from_paths([(91,)])]
-    assert remote.calls[-1][0] == [[1, 2, 3, 10, 11, 55][-LOOP.n_max :]]
+    assert remote.calls[-1][0] == [[1, 2, 3, 10, 11, 55]]  # the whole live context
     drafting.close()
     assert (drafting.stats.predicted, drafting.stats.fresh, drafting.stats.fallbacks) == (0, 2, 0)
 
@@ -456,7 +466,7 @@ def test_close_cancels_speculation_in_flight():
     drafting.close()
     assert time.perf_counter() - start < 5  # not the 12.5 s deadline
     assert remote.calls[-1][3].cancelled and drafting.stats.cancelled == 1
-    assert len(remote.calls[-1][0]) == 2  # both hypotheses in the one call
+    assert [3, 10, 11] in remote.calls[-1][0] and [1, 2, 3] in remote.calls[-1][0]  # both hypotheses, one call
 
 
 class RecordingDrafter(ScriptedDrafter):
@@ -470,20 +480,18 @@ class RecordingDrafter(ScriptedDrafter):
         return DraftTree.empty()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="drafter/overlap.py Drafting._fresh sends [row[-config.n_max:] for row in rows] to every "
-    "source, _PlainSources included: a plain Drafter sees only the last n_max (16) tokens, with overlap "
-    "off too (before the overlap the loop passed the whole live context; OracleTreeDrafter and the 53 "
-    "tests of tests/test_generate.py that use it fail on it)",
-)
-def test_a_plain_drafter_is_given_the_whole_live_context_without_overlap():
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+def test_a_drafter_reading_whole_contexts_gets_them_and_no_speculation(overlap):
+    """Speculation sends contexts cut to their suffixes: only this project's datastores (which
+    read nothing else) get them; any other ``Drafter`` is asked for the whole live context of
+    each step, between forwards."""
     model = tiny_causal_lm("llama")
     prompt = list(range(1, 41))  # longer than n_max
     drafter = RecordingDrafter()
-    result = generate(model, prompt, drafter, max_new_tokens=6, overlap=False)
+    result = generate(model, prompt, drafter, max_new_tokens=6, overlap=overlap)
     full = prompt + result.output_ids
     assert drafter.contexts == [full[: len(prompt) + i] for i in range(6)]
+    assert result.drafting.launches == [] and result.drafting.fresh == 6
 
 
 # ---- Drafting on a real index: what a foreseen outcome gets ------------------------------------------
@@ -493,43 +501,51 @@ STEP = DraftConfig(budget=8, max_depth=4, n_max=6, n_min=2)
 
 def foreseen_steps(store: Datastore):
     """For corpus contexts: a step's tree there is verified, the likeliest outcome's accepted path
-    is accepted, and each token b that can follow that path on the index (no child of its end)
-    comes as the bonus token. Yields (deeper, b, prepared, own): ``deeper`` the tree of the
-    hypothesis context (``ahead_config``), ``prepared`` the tree ``Drafting`` hands the next step
-    from what it fetched during the forward (None when the outcome was not foreseen), ``own`` the
-    tree that step would draft itself."""
+    is accepted, and each token b that can follow that path on the index at one of the suffix
+    bounds asked ahead (and is no child of the path's end, so can be a bonus token) comes as the
+    bonus token. Yields (level, b, prepared, own): ``level`` the tree fetched ahead that b extends
+    (the longest), ``prepared`` the tree ``Drafting`` hands the next step from what it fetched
+    during the forward (None when the outcome was not foreseen), ``own`` the tree that step would
+    draft itself."""
+    deeper = ahead_config(STEP)
     for context in contexts_from(DOCS, 60, seed=31):
         drafting = Drafting(LocalDrafter(store), STEP, OverlapConfig(hypotheses=1), step_seconds=10.0)
         (tree,) = drafting.trees([context])
         drafting.speculate([context], [tree])
         (hypothesis,) = likely_outcomes(tree, 1)
-        path = list(hypothesis.path)
-        deeper = store.draft(context + path, ahead_config(STEP))
         drafting.close()
-        for top in np.flatnonzero(deeper.parents == -1):
-            bonus = int(deeper.tokens[top])
-            if bonus in hypothesis.excluded:
-                continue
+        path = list(hypothesis.path)
+        end = -1
+        for token in path:
+            end = int(np.flatnonzero((tree.parents == end) & (tree.tokens == token))[0])
+        children = set(tree.tokens[tree.parents == end].tolist())
+        tail = (context + path)[-deeper.n_max :]
+        bounds = [len(tail), *(n for n in SUFFIX_LADDER if n < len(tail))]
+        levels = [store.draft(tail[-n:], deeper) for n in bounds]
+        bonuses = sorted({int(t) for level in levels for t in level.tokens[level.parents == -1]} - children)
+        for bonus in bonuses:
+            level = next(level for level in levels if level.after(bonus) is not None)
             drafting = Drafting(LocalDrafter(store), STEP, OverlapConfig(hypotheses=1), step_seconds=10.0)
             (tree,) = drafting.trees([context])
             drafting.speculate([context], [tree])
             (prepared,) = drafting.trees([context + path + [bonus]])
             foreseen = drafting.stats.predicted == 1
             drafting.close()
-            yield deeper, bonus, prepared if foreseen else None, store.draft(context + path + [bonus], STEP)
+            yield level, bonus, prepared if foreseen else None, store.draft(context + path + [bonus], STEP)
 
 
 def test_the_prepared_tree_is_the_steps_own_tree_when_the_match_extends(store):
     """``ahead_config``'s promise: drafted one level deeper with the suffix bounds one token
     shorter, the subtree under the bonus token is the tree the step would draft after it whenever
-    the match extends by it -- and nothing was sampled, and the hypothesis tree was not cut by its
-    own budget (then the subtree of a less likely bonus token is starved: fewer nodes than the
-    step's tree)."""
+    the step's match is the fetched one extended by it -- and nothing was sampled, and the fetched
+    tree was not cut by its own budget (then the subtree of a less likely bonus token is starved:
+    fewer nodes than the step's tree). With the ladder, a bonus token that breaks the longest
+    match still finds a shorter one it extends."""
     compared = 0
-    for deeper, _, prepared, own in foreseen_steps(store):
+    for level, _, prepared, own in foreseen_steps(store):
         assert prepared is not None  # every bonus that can follow the path was foreseen
-        extends = own.match_len == deeper.match_len + 1 and deeper.num_matches <= store.max_candidates
-        uncut = len(deeper) < ahead_config(STEP).budget
+        extends = own.match_len == level.match_len + 1 and level.num_matches <= store.max_candidates
+        uncut = len(level) < ahead_config(STEP).budget
         if extends and uncut:
             assert prepared.paths() == own.paths()
             assert prepared.counts.tolist() == own.counts.tolist()
@@ -540,7 +556,7 @@ def test_the_prepared_tree_is_the_steps_own_tree_when_the_match_extends(store):
 def test_a_prepared_tree_keeps_to_the_loops_budget(store):
     """The hypothesis trees are AHEAD_WIDTH times wider than a step's: the subtree under the bonus
     token can hold more nodes than the loop's budget, and must be cut to it."""
-    sizes = [(len(deeper.after(bonus)), len(prepared)) for deeper, bonus, prepared, _ in foreseen_steps(store)]
+    sizes = [(len(level.after(bonus)), len(prepared)) for level, bonus, prepared, _ in foreseen_steps(store)]
     assert max(size for size, _ in sizes) > STEP.budget  # the cut was needed
     assert max(size for _, size in sizes) <= STEP.budget
 
