@@ -41,10 +41,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.adaptive import AdaptiveDrafter, continued_rows
 from rest_spec.drafter.base import Deferred, Drafter, Pending
 from rest_spec.drafter.cost import path_to
+from rest_spec.drafter.local import LocalDrafter
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,8 @@ DATASTORE_FAILURES = (ConnectionError, TimeoutError, RuntimeError)
 class OverlapConfig:
     """How drafting runs beside verification.
 
-    enabled        prepare step k+1's drafts during step k's forward (False: draft after it)
+    enabled        prepare step k+1's drafts during step k's forward (False: draft after it);
+                   only for this project's drafters (``reads_suffixes``)
     hypotheses     accepted-path outcomes per row drafted ahead, most likely first
     deadline       the longest a datastore reply may keep the loop waiting, as a share of the
                    step time; past it the step drafts from local sources only
@@ -181,6 +184,15 @@ class _Ahead:
     job: Future
 
 
+def reads_suffixes(drafter: Drafter | None) -> bool:
+    """Whether ``drafter`` drafts from a context's last ``n_max`` tokens alone, as this project's
+    datastores do: speculation sends hypothesis contexts cut short (``SUFFIX_LADDER``), which a
+    drafter reading whole contexts (any other ``Drafter``) would misread, so it drafts them
+    between forwards instead."""
+    base = drafter.base if isinstance(drafter, AdaptiveDrafter) else drafter
+    return isinstance(base, (LocalDrafter, DatastoreClient))
+
+
 def ahead_config(config: DraftConfig) -> DraftConfig:
     """How a hypothesis context is drafted so that its tree under the bonus token is the tree a
     step would draft after that token, whenever the match extends by it: one level deeper, the
@@ -233,7 +245,7 @@ class Drafting:
         self._forwards: deque[float] = deque([step_seconds], maxlen=16)
         self._worker = (
             ThreadPoolExecutor(1, thread_name_prefix="rest-speculate")
-            if overlap.enabled and self.sources is not None
+            if overlap.enabled and reads_suffixes(drafter)
             else None
         )
         self._ahead: _Ahead | None = None
@@ -358,7 +370,7 @@ class Drafting:
         config = self.sources.candidates(self.config)
         if remote_ok:
             timeout = self.step_seconds() * self.overlap.deadline
-            shared = self.sources.start_shared([row[-config.n_max :] for row in rows], config, timeout=timeout)
+            shared = self.sources.start_shared(rows, config, timeout=timeout)
             base, gave_up = self._result(shared, timeout)
             self.stats.cancelled += gave_up
             if base is not None and base is not CancelledError:
