@@ -23,6 +23,7 @@ _API = {
     "RemoteDrafter": "rest_spec.drafter.remote",
     "AdaptiveDrafter": "rest_spec.drafter.adaptive",
     "DraftConfig": "rest_spec.datastore.types",
+    "OverlapConfig": "rest_spec.drafter.overlap",
     "load_model": "rest_spec.drafter.model",
     "load_tokenizer": "rest_spec.datastore.tokenizer",
 }

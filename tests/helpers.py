@@ -246,3 +246,30 @@ def chunks(result) -> list[list[int]]:
         out.append(result.output_ids[at : at + accepted + 1])
         at += accepted + 1
     return out
+
+
+def request_oracle(
+    context: list[int], config: DraftConfig, max_candidates: int, extra: Sequence[int] = ()
+) -> DraftTree:
+    """Brute force of ``RequestMatcher``: the longest suffix (2..n_max tokens) of ``context +
+    extra`` occurring inside ``context`` with a successor there (the suffix itself excluded),
+    the continuations of its most recent ``max_candidates`` occurrences read up to the end of
+    ``context`` (``extra`` is matched, never indexed: ``draft_ahead``), counted by ``top_c_tree``."""
+    from rest_spec.datastore.bigram import SEP
+    from rest_spec.datastore.trie import top_c_tree
+
+    query, size = [*context, *extra], len(context)
+    for n in range(min(config.n_max, len(query)), 1, -1):
+        ends = [e for e in range(n - 1, size - 1) if context[e - n + 1 : e + 1] == query[-n:]]
+        if ends:
+            break
+    else:
+        return DraftTree.empty()
+    if n < config.n_min:
+        return DraftTree.empty()
+    counted = ends[-max_candidates:]
+    rows = np.full((len(counted), config.max_depth), SEP, dtype=np.uint32)
+    for row, e in zip(rows, counted):
+        continuation = context[e + 1 : e + 1 + config.max_depth]
+        row[: len(continuation)] = continuation
+    return DraftTree(*top_c_tree(rows, SEP, config.budget), n, len(ends), len(counted))

@@ -27,11 +27,10 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from benchmarks.common import humaneval_inputs
 from benchmarks.latency_proxy import LatencyProxy
-from rest_spec.datastore.bigram import SEP, RequestMatcher
+from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.datastore.trie import top_c_tree
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import CostKey, VerifyCost
@@ -50,6 +49,7 @@ from tests.helpers import (
     CORPUS_VOCAB,
     ScriptedDrafter,
     contexts_from,
+    request_oracle,
     synthetic_corpus,
     tiny_causal_lm,
     tree_from_paths,
@@ -182,27 +182,6 @@ def test_after_a_deeper_tree_is_the_tree_drafted_one_token_later(store, data, ma
 # ---- RequestMatcher.draft_ahead -----------------------------------------------------------------
 
 
-def ahead_oracle(context: list[int], extra: list[int], config: DraftConfig, max_candidates: int) -> DraftTree:
-    """Brute force: the longest suffix (2..n_max tokens) of ``context + extra`` occurring inside
-    ``context`` with a successor there, the continuations of its most recent ``max_candidates``
-    occurrences read up to the end of ``context`` (``extra`` is matched, never indexed)."""
-    query, size = [*context, *extra], len(context)
-    for n in range(min(config.n_max, len(query)), 1, -1):
-        ends = [e for e in range(n - 1, size - 1) if context[e - n + 1 : e + 1] == query[-n:]]
-        if ends:
-            break
-    else:
-        return DraftTree.empty()
-    if n < config.n_min:
-        return DraftTree.empty()
-    counted = ends[-max_candidates:]
-    rows = np.full((len(counted), config.max_depth), SEP, dtype=np.uint32)
-    for row, e in zip(rows, counted):
-        continuation = context[e + 1 : e + 1 + config.max_depth]
-        row[: len(continuation)] = continuation
-    return DraftTree(*top_c_tree(rows, SEP, config.budget), n, len(ends), len(counted))
-
-
 matcher_configs = st.tuples(st.integers(1, 3), st.integers(0, 4)).flatmap(
     lambda n: st.builds(
         DraftConfig, budget=st.integers(1, 30), max_depth=st.integers(1, 6), n_min=st.just(n[0]), n_max=st.just(sum(n))
@@ -225,7 +204,7 @@ def test_draft_ahead_matches_the_uncommitted_tokens_and_changes_nothing(chunks, 
         context.extend(chunk)
         matcher.draft(context, config)
         for extra in extras:  # speculation between steps: any number of drafts ahead
-            assert matcher.draft_ahead(extra, config) == ahead_oracle(context, extra, config, max_candidates)
+            assert matcher.draft_ahead(extra, config) == request_oracle(context, config, max_candidates, extra)
             assert len(matcher) == len(context)
         fresh = RequestMatcher(max_candidates)
         assert matcher.draft_ahead((), config) == fresh.draft(context, config)

@@ -15,12 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rest_spec.datastore.bigram import SEP, RequestMatcher
+from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore, OutputStoreError
-from rest_spec.datastore.trie import top_c_tree
-from rest_spec.datastore.types import DraftConfig, DraftTree
-from tests.helpers import brute_draft, synthetic_corpus, write_index
+from rest_spec.datastore.types import DraftConfig
+from tests.helpers import brute_draft, request_oracle, synthetic_corpus, write_index
 
 configs = st.tuples(st.integers(1, 3), st.integers(0, 3)).flatmap(
     lambda n: st.builds(
@@ -31,27 +30,6 @@ configs = st.tuples(st.integers(1, 3), st.integers(0, 3)).flatmap(
         n_max=st.just(n[0] + n[1]),
     )
 )
-
-
-def request_oracle(seq: list[int], config: DraftConfig, max_candidates: int) -> DraftTree:
-    """Brute force: the longest suffix (2..n_max tokens) occurring earlier in ``seq`` (the suffix
-    itself excluded), the continuations of its most recent ``max_candidates`` occurrences, counted
-    by ``top_c_tree`` (tested on its own against a counting oracle in test_index)."""
-    size = len(seq)
-    for n in range(min(config.n_max, size), 1, -1):
-        ends = [e for e in range(n - 1, size - 1) if seq[e - n + 1 : e + 1] == seq[size - n :]]
-        if ends:
-            break
-    else:
-        return DraftTree.empty()
-    if n < config.n_min:
-        return DraftTree.empty()
-    counted = ends[-max_candidates:]
-    rows = np.full((len(counted), config.max_depth), SEP, dtype=np.uint32)
-    for row, e in zip(rows, counted):
-        continuation = seq[e + 1 : e + 1 + config.max_depth]
-        row[: len(continuation)] = continuation
-    return DraftTree(*top_c_tree(rows, SEP, config.budget), n, len(ends), len(counted))
 
 
 @settings(max_examples=200, deadline=None)
