@@ -79,6 +79,7 @@ def test_greedy_sequences_equal_generate(smollm2, prompts, reference, request, w
         assert isinstance(out, GenerateDecoderOnlyOutput) and isinstance(out, RestGenerateOutput)
         assert torch.equal(out.sequences, expected)
         new_tokens, steps = new_tokens + len(out.rest.output_ids), steps + out.rest.steps
+        assert out.rest.drafting.steps == out.rest.steps  # how drafting overlapped the forwards
     assert steps < new_tokens  # drafts were accepted: fewer verifier forwards than tokens
 
 
