@@ -225,6 +225,7 @@ def fault_run(prompts, plain_outputs, index: Path, model, cost, config, args, lo
                     max_new_tokens=args.max_new_tokens,
                     config=config,
                     stopping_criteria=criteria,
+                    overlap=True,
                 )
                 per_prompt.append(
                     {

@@ -50,7 +50,7 @@ class ChatSession:
         config: DraftConfig,
         max_new_tokens: int,
         system: str | None = None,
-        overlap: bool = True,
+        overlap: bool = False,
     ) -> None:
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.config, self.max_new_tokens, self.overlap = config, max_new_tokens, overlap
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> None:
             config=args.config,
             max_new_tokens=args.max_new_tokens,
             system=args.system,
-            overlap=not args.no_overlap,
+            overlap=args.overlap,
         )
         chat(session)
     finally:

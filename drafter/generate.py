@@ -30,7 +30,7 @@ from transformers.generation.streamers import BaseStreamer
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache, select_rows
-from rest_spec.drafter.overlap import Drafting, DraftingStats, OverlapConfig
+from rest_spec.drafter.overlap import NO_OVERLAP, Drafting, DraftingStats, OverlapConfig
 from rest_spec.drafter.sampling import TokenChooser, prepare_generation_config
 from rest_spec.drafter.tree_attention import padded_prefill_mask
 from rest_spec.drafter.verify import verify_trees
@@ -236,13 +236,14 @@ def decode(
     chooser: TokenChooser,
     stop: StopConditions,
     config: DraftConfig = DraftConfig(),
-    overlap: OverlapConfig = OverlapConfig(),
+    overlap: OverlapConfig = NO_OVERLAP,
     on_step: Callable[[list[list[int]]], None] | None = None,
 ) -> BatchGenerationResult:
     """The loop behind ``generate``: one row per prompt (unpadded ids); ``chooser`` has one row per
     prompt too. ``on_step`` receives, after every step, the tokens each row committed in it
-    (empty for rows that had finished). Drafts come through ``drafter.overlap.Drafting``: the
-    next step's are prepared during each forward."""
+    (empty for rows that had finished). Drafts come through ``drafter.overlap.Drafting``
+    (deadlines, local fallback; with ``overlap`` enabled, the next step's drafts fetched during
+    each forward)."""
     start = time.perf_counter()
     contexts = [list(prompt) for prompt in prompts]  # prompt + committed tokens, per row
     prompt_lengths = [len(prompt) for prompt in prompts]
@@ -336,7 +337,7 @@ def generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     streamer: BaseStreamer | None = None,
     generator: torch.Generator | None = None,
-    overlap: OverlapConfig | bool = True,
+    overlap: OverlapConfig | bool = False,
 ) -> GenerationResult | BatchGenerationResult:
     """Decode ``input_ids`` with draft trees from ``drafter``: the output has exactly the
     distribution of ``model.generate``'s with the same arguments, and with greedy decoding it is
@@ -353,9 +354,10 @@ def generate(
     stopping_criteria   checked after every committed token (e.g. ``StopStringCriteria``)
     streamer            ``put`` with each step's committed tokens (see ``stream_to``), then ``end``
     generator           randomness of sampling, on the model's device; a fixed seed reproduces
-    overlap             prepare each step's drafts during the previous forward, with deadlines and
-                        a local fallback for remote drafts (``drafter.overlap``; an
-                        ``OverlapConfig``, True for the defaults, False to draft between forwards)
+    overlap             fetch each step's drafts during the previous forward (``drafter.overlap``;
+                        an ``OverlapConfig``, or True for its defaults). Off by default: on this
+                        project's 2-core CPU it costs more than it saves (``benchmarks/overlap.py``).
+                        Remote drafts have deadlines and a local fallback either way.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

@@ -72,7 +72,7 @@ def rest_generate(
     *,
     drafter: Drafter | None,
     draft_config: DraftConfig = DraftConfig(),
-    overlap: OverlapConfig | bool = True,
+    overlap: OverlapConfig | bool = False,
     streamer: BaseStreamer | None = None,
     **model_kwargs,
 ) -> torch.LongTensor | RestGenerateOutput:
@@ -124,7 +124,7 @@ def generate_with_drafts(
     *,
     drafter: Drafter | None,
     draft_config: DraftConfig = DraftConfig(),
-    overlap: OverlapConfig | bool = True,
+    overlap: OverlapConfig | bool = False,
     tokenizer=None,
     stop_strings: str | Sequence[str] | None = None,
     **generate_kwargs,

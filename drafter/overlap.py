@@ -82,6 +82,9 @@ class OverlapConfig:
             raise ValueError(f"hypotheses must be >= 1 and deadline > 0, got {self.hypotheses} and {self.deadline}")
 
 
+NO_OVERLAP = OverlapConfig(enabled=False)
+
+
 @dataclass
 class DraftingStats:
     """What drafting cost one generation, per step of the loop.

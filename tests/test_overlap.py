@@ -756,7 +756,7 @@ def test_a_datastore_one_second_away_costs_drafts_not_seconds(smollm2, server, p
     rtt = 1.0
     with LatencyProxy(server.address, rtt=rtt) as proxy, RemoteDrafter(proxy.address, timeout=30) as remote:
         drafter = AdaptiveDrafter(remote, cost=CPU_COST, config=CONFIG)
-        result = generate(model, prompts[0], drafter, max_new_tokens=24, config=CONFIG)
+        result = generate(model, prompts[0], drafter, max_new_tokens=24, config=CONFIG, overlap=True)
     assert result.output_ids == plain[:24]
     stats = assert_coherent(result, overlap=True)
     assert stats.fallbacks > 0 and stats.cancelled > 0
@@ -796,6 +796,7 @@ def test_sampling_with_overlap_finishes_and_a_seed_reproduces_it(smollm2, code_i
                 config=CONFIG,
                 generation_config=sampling,
                 generator=torch.Generator().manual_seed(7),
+                overlap=True,
             )
         ids = result.output_ids
         assert 0 < len(ids) <= 24 and all(0 <= t < model.config.vocab_size for t in ids)
