@@ -55,6 +55,7 @@ AHEAD_WIDTH = 4  # a hypothesis's tree holds this many step trees' worth of node
 # (a context cut to n tokens matches at most n): when the bonus token does not continue the
 # longest match, the step's own draft backs off to a shorter one that it does continue.
 SUFFIX_LADDER = (4, 2, 1)
+MIN_WAIT = 0.005  # seconds: a loopback or same-rack round trip with room to spare
 NO_SOURCES = SourceTrees(DraftTree.empty(), DraftTree.empty())
 # What a datastore that cannot answer raises: unreachable or late (ConnectionError, TimeoutError),
 # failing server-side (RuntimeError: RESOURCE_EXHAUSTED, DATA_LOSS, ...). A ValueError is a bad
@@ -70,7 +71,7 @@ class OverlapConfig:
                    only for this project's drafters (``reads_suffixes``)
     hypotheses     accepted-path outcomes per row drafted ahead, most likely first
     deadline       the longest a datastore reply may keep the loop waiting, as a share of the
-                   step time; past it the step drafts from local sources only
+                   step time (at least ``MIN_WAIT``); past it the step drafts from local sources only
     """
 
     enabled: bool = True
@@ -259,6 +260,11 @@ class Drafting:
         """The median of the recent forwards (the prefill's time before the first)."""
         return float(np.median(self._forwards))
 
+    def _patience(self) -> float:
+        """How long a datastore reply may keep the loop waiting: ``deadline`` of a step, at least
+        ``MIN_WAIT`` (a fast step must not rule out a healthy datastore's ordinary round trip)."""
+        return max(self.step_seconds() * self.overlap.deadline, MIN_WAIT)
+
     def verified(self, seconds: float) -> None:
         """A forward (verification) took ``seconds``: the deadlines follow it."""
         self._forwards.append(seconds)
@@ -308,7 +314,7 @@ class Drafting:
                 bounds = [len(tail), *(n for n in SUFFIX_LADDER if n < len(tail))]
                 hypotheses.append(dataclasses.replace(hypothesis, row=row, first=len(tails), levels=len(bounds)))
                 tails += [tail[-n:] for n in bounds]
-        deadline = start + self.step_seconds() * (1 + self.overlap.deadline)
+        deadline = start + self.step_seconds() + self._patience()
         shared = self.sources.start_shared(tails, deeper, timeout=deadline - start)
         job = self._worker.submit(self._wait, shared, deadline)
         self._ahead = _Ahead([list(context) for context in contexts], hypotheses, shared, job)
@@ -372,7 +378,7 @@ class Drafting:
         answer (not asked when it just failed to)."""
         config = self.sources.candidates(self.config)
         if remote_ok:
-            timeout = self.step_seconds() * self.overlap.deadline
+            timeout = self._patience()
             shared = self.sources.start_shared(rows, config, timeout=timeout)
             base, gave_up = self._result(shared, timeout)
             self.stats.cancelled += gave_up
