@@ -25,7 +25,7 @@ import numpy as np
 
 from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from rest_spec.drafter.base import Deferred, Drafter, Pending, SourceDrafter
+from rest_spec.drafter.base import Deferred, Drafter, Pending, SourceDrafter, drafter_trees
 from rest_spec.drafter.cost import VerifyCost, select_tree
 from rest_spec.drafter.merge import SourceCalibration, merge_trees
 
@@ -203,8 +203,7 @@ class AdaptiveDrafter:
                 return [self.base.draft_sources(rows[0], config)]
             return self.base.draft_sources_batch(rows, config)
         if "index" in self.sources:
-            index = [self.base.draft(rows[0], config)] if len(rows) == 1 else self.base.draft_batch(rows, config)
-            return [SourceTrees(tree, empty) for tree in index]
+            return [SourceTrees(tree, empty) for tree in drafter_trees(self.base, rows, config)]
         return [SourceTrees(empty, empty)] * len(rows)
 
     def add_output(self, tokens: Sequence[int]) -> int:

@@ -11,7 +11,7 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 
-__all__ = ["Deferred", "Drafter", "Pending", "SourceDrafter", "SourceTrees"]
+__all__ = ["Deferred", "Drafter", "Pending", "SourceDrafter", "SourceTrees", "drafter_trees"]
 
 T = TypeVar("T", covariant=True)
 
@@ -45,6 +45,14 @@ class SourceDrafter(Drafter, Protocol):
         """Store one generation (its new tokens) for later drafts; returns its sequence number.
         ``RuntimeError`` when the drafter keeps no outputs."""
         ...
+
+
+def drafter_trees(drafter: Drafter, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
+    """One tree per context from ``drafter``: its single-context call for one context, one batch
+    call (one RPC) for more."""
+    if len(contexts) == 1:
+        return [drafter.draft(contexts[0], config)]
+    return list(drafter.draft_batch(contexts, config))
 
 
 class Pending(Protocol[T]):

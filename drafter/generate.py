@@ -261,7 +261,7 @@ def decode(
             t0 = time.perf_counter()
             live = [contexts[row] for row in active]  # the drafter copies what it keeps
             trees = drafting.trees(live)
-            drafting.speculate(live, trees)  # the next step's drafts, during this forward
+            drafting.speculate(trees)  # the next step's drafts, during this forward
             t1 = time.perf_counter()
             verdicts = verify_trees(model, cache, rows, live, trees, chooser)
             rows = compact_cache(cache, rows, [verdict.keep for verdict in verdicts])

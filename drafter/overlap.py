@@ -44,7 +44,7 @@ import numpy as np
 from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.adaptive import AdaptiveDrafter, continued_rows
-from rest_spec.drafter.base import Deferred, Drafter, Pending
+from rest_spec.drafter.base import Deferred, Drafter, Pending, drafter_trees
 from rest_spec.drafter.cost import path_to
 from rest_spec.drafter.local import LocalDrafter
 
@@ -149,10 +149,9 @@ class _PlainSources:
         start = getattr(self.drafter, "draft_batch_future", None)
         if start is not None:
             return start(rows, config, timeout=timeout)
-        return Deferred(lambda: [SourceTrees(tree, DraftTree.empty()) for tree in self._draft(rows, config)])
-
-    def _draft(self, rows: list[list[int]], config: DraftConfig) -> list[DraftTree]:
-        return [self.drafter.draft(rows[0], config)] if len(rows) == 1 else list(self.drafter.draft_batch(rows, config))
+        return Deferred(
+            lambda: [SourceTrees(tree, DraftTree.empty()) for tree in drafter_trees(self.drafter, rows, config)]
+        )
 
     def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
         """The index tree, cut to the budget (a tree under a bonus token comes from a wider one)."""
@@ -253,6 +252,7 @@ class Drafting:
             else None
         )
         self._ahead: _Ahead | None = None
+        self._rows: list[list[int]] = []  # the contexts of the last ``trees`` call, copied
         self._warned = False
         self._late = 0  # speculative calls the background job gave up on
 
@@ -275,7 +275,8 @@ class Drafting:
         if self.sources is None:
             return [DraftTree.empty()] * len(contexts)
         start = time.perf_counter()
-        rows = [list(context) for context in contexts]
+        rows = self._rows = [list(context) for context in contexts]
+        config = self.sources.candidates(self.config)
         ahead, self._ahead = self._ahead, None
         shared: list[SourceTrees | None] = [None] * len(rows)
         remote_ok, ready = True, ahead is not None and ahead.job.done()
@@ -284,10 +285,9 @@ class Drafting:
         requests = self.sources.advance(rows)  # the background job has finished: safe
         missing = [i for i, trees in enumerate(shared) if trees is None]
         if missing:
-            fresh = self._fresh([rows[i] for i in missing], remote_ok)
+            fresh = self._fresh([rows[i] for i in missing], config, remote_ok)
             for i, trees in zip(missing, fresh):
                 shared[i] = trees
-        config = self.sources.candidates(self.config)
         trees = [
             self.sources.select(self.sources.merge(both, self.sources.request_tree(request, (), config), config))
             for request, both in zip(requests, shared)
@@ -300,8 +300,9 @@ class Drafting:
         self.stats.waits.append(time.perf_counter() - start)
         return trees
 
-    def speculate(self, contexts: Sequence[Sequence[int]], trees: Sequence[DraftTree]) -> None:
-        """Start preparing the next step's drafts for the likely outcomes of verifying ``trees``."""
+    def speculate(self, trees: Sequence[DraftTree]) -> None:
+        """Start preparing the next step's drafts for the likely outcomes of verifying ``trees``,
+        the last ``trees`` call's answer for its contexts."""
         if self._worker is None:
             return
         start = time.perf_counter()
@@ -310,14 +311,14 @@ class Drafting:
         hypotheses, tails = [], []
         for row, tree in enumerate(trees):
             for hypothesis in likely_outcomes(tree, self.overlap.hypotheses):
-                tail = [*contexts[row][-deeper.n_max :], *hypothesis.path][-deeper.n_max :]  # all a source reads
+                tail = [*self._rows[row][-deeper.n_max :], *hypothesis.path][-deeper.n_max :]  # all a source reads
                 bounds = [len(tail), *(n for n in SUFFIX_LADDER if n < len(tail))]
                 hypotheses.append(dataclasses.replace(hypothesis, row=row, first=len(tails), levels=len(bounds)))
                 tails += [tail[-n:] for n in bounds]
         deadline = start + self.step_seconds() + self._patience()
         shared = self.sources.start_shared(tails, deeper, timeout=deadline - start)
         job = self._worker.submit(self._wait, shared, deadline)
-        self._ahead = _Ahead([list(context) for context in contexts], hypotheses, shared, job)
+        self._ahead = _Ahead(self._rows, hypotheses, shared, job)
         self.stats.launches.append(time.perf_counter() - start)
 
     def close(self) -> None:
@@ -373,10 +374,9 @@ class Drafting:
                 shared[row] = SourceTrees(after, levels[0].outputs.after(bonus) or DraftTree.empty())
         return fetched is not None
 
-    def _fresh(self, rows: list[list[int]], remote_ok: bool) -> list[SourceTrees]:
+    def _fresh(self, rows: list[list[int]], config: DraftConfig, remote_ok: bool) -> list[SourceTrees]:
         """Source trees fetched now for ``rows``, the datastore given ``deadline`` of a step to
         answer (not asked when it just failed to)."""
-        config = self.sources.candidates(self.config)
         if remote_ok:
             timeout = self._patience()
             shared = self.sources.start_shared(rows, config, timeout=timeout)

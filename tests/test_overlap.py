@@ -342,7 +342,7 @@ def scripted(overlap: OverlapConfig, step_seconds: float) -> tuple[ScriptedDatas
 def first_step(remote: ScriptedDatastore, drafting: Drafting) -> None:
     trees = drafting.trees([[1, 2, 3]])
     assert trees == [STEP_ONE]  # nothing prepared yet: drafted now
-    drafting.speculate([[1, 2, 3]], trees)
+    drafting.speculate(trees)
     contexts, config, timeout, _ = remote.calls[-1]
     # one hypothesis, the whole chain accepted: its tail within the suffix bound (n_max - 1), then
     # the shorter matches of the ladder
@@ -382,7 +382,7 @@ def test_stale_speculation_is_cancelled_before_its_deadline():
     remote, drafting = scripted(OverlapConfig(hypotheses=1), step_seconds=10.0)  # deadline: 12.5 s
     trees = drafting.trees([[1, 2, 3]])
     remote.hold = True  # the speculative call never answers by itself
-    drafting.speculate([[1, 2, 3]], trees)
+    drafting.speculate(trees)
     speculation = remote.calls[-1][3]
     remote.hold = False
     start = time.perf_counter()
@@ -399,7 +399,7 @@ def test_a_late_reply_costs_one_step_its_datastore_sources_then_it_is_asked_agai
     remote, drafting = scripted(OverlapConfig(hypotheses=1, deadline=0.25), step_seconds=0.05)
     trees = drafting.trees([[1, 2, 3]])
     remote.hold = True
-    drafting.speculate([[1, 2, 3]], trees)
+    drafting.speculate(trees)
     speculation = remote.calls[-1][3]
     calls = len(remote.calls)
     start = time.perf_counter()
@@ -410,7 +410,7 @@ def test_a_late_reply_costs_one_step_its_datastore_sources_then_it_is_asked_agai
     assert len(remote.calls) == calls  # the datastore just failed: this step does not ask again
     assert (drafting.stats.fallbacks, drafting.stats.cancelled) == (1, 1)
     remote.hold = False
-    drafting.speculate([[1, 2, 3, 10, 11, 20]], trees)  # the next step asks again
+    drafting.speculate(trees)  # the next step asks again
     assert len(remote.calls) == calls + 1
     drafting.verified(0.05)
     assert drafting.trees([[1, 2, 3, 10, 11, 20, 30]]) == [DraftTree.empty()]  # fresh: nothing under 30
@@ -440,7 +440,7 @@ def test_close_cancels_speculation_in_flight():
     remote, drafting = scripted(OverlapConfig(hypotheses=2), step_seconds=10.0)
     trees = drafting.trees([[1, 2, 3]])
     remote.hold = True
-    drafting.speculate([[1, 2, 3]], trees)
+    drafting.speculate(trees)
     start = time.perf_counter()
     drafting.close()
     assert time.perf_counter() - start < 5  # not the 12.5 s deadline
@@ -490,7 +490,7 @@ def foreseen_steps(store: Datastore):
     for context in contexts_from(DOCS, 60, seed=31):
         drafting = Drafting(LocalDrafter(store), STEP, OverlapConfig(hypotheses=1), step_seconds=10.0)
         (tree,) = drafting.trees([context])
-        drafting.speculate([context], [tree])
+        drafting.speculate([tree])
         (hypothesis,) = likely_outcomes(tree, 1)
         drafting.close()
         path = list(hypothesis.path)
@@ -506,7 +506,7 @@ def foreseen_steps(store: Datastore):
             level = next(level for level in levels if level.after(bonus) is not None)
             drafting = Drafting(LocalDrafter(store), STEP, OverlapConfig(hypotheses=1), step_seconds=10.0)
             (tree,) = drafting.trees([context])
-            drafting.speculate([context], [tree])
+            drafting.speculate([tree])
             (prepared,) = drafting.trees([context + path + [bonus]])
             foreseen = drafting.stats.predicted == 1
             drafting.close()
