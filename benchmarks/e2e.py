@@ -1,6 +1,8 @@
-"""End to end, side by side: plain decoding, Hugging Face ``generate``, paper REST and the adaptive drafter.
+"""End to end, side by side: plain decoding, Hugging Face ``generate`` with and without prompt lookup, paper REST
+and the adaptive drafter.
 
-    python -m benchmarks.e2e --prompts 40 --max-new-tokens 128 --sets humaneval,sharegpt --modes plain,hf,paper,adaptive
+    python -m benchmarks.e2e --prompts 40 --max-new-tokens 128 --sets humaneval,sharegpt \
+        --modes plain,hf,pld,paper,adaptive
 
 Prompt sets, each with its index: ``humaneval``, the first N HumanEval prompts (raw code to
 complete), and ``humaneval-chat``, the same prompts as a user turn rendered with the chat template,
@@ -10,6 +12,8 @@ ShareGPT conversations (rendered with the chat template; never in the index, whi
 
 - ``plain``: the REST loop without drafts (one token per step), the reference output;
 - ``hf``: ``model.generate`` (greedy);
+- ``pld``: ``model.generate(..., prompt_lookup_num_tokens=10)``, transformers' prompt lookup decoding
+  (greedy): what a Hugging Face user tries first, with one argument;
 - ``paper``: REST as published: the static index only, a fixed tree of ``--budget`` nodes;
 - ``adaptive``: ``AdaptiveDrafter``: index + the request's own text + recent outputs, merged by
   calibrated acceptance scores, sized each step by the measured verification cost t(n). Its output
@@ -20,7 +24,9 @@ For every prompt the modes run back to back (interleaved), so drift in machine s
 them alike. Per mode: mean accepted length (new tokens / verification steps), mean verified
 tokens per step (tree nodes + 1), median per-prompt tokens/s, the median of per-prompt speed
 ratios against plain, draft time per step, and how many outputs equal plain decoding (every
-output must: the run exits with status 1 otherwise). Prints one JSON object, saves it under
+output must: the run exits with status 1 otherwise); per set, the median of per-prompt speed
+ratios of the adaptive mode against pld. The hf and pld modes count a step per model forward and
+draft no trees of their own (draft time 0). Prints one JSON object, saves it under
 benchmarks/results/, and plots accepted length and speed per mode (needs matplotlib).
 
 The verification cost t(n) comes from ``rest_spec.drafter.measure.load_or_measure`` (cached per
@@ -66,7 +72,8 @@ from rest_spec.drafter.model import load_model
 
 log = logging.getLogger("benchmarks.e2e")
 
-MODES = ("plain", "hf", "paper", "adaptive")
+MODES = ("plain", "hf", "pld", "paper", "adaptive")
+PROMPT_LOOKUP_TOKENS = 10  # the pld mode's prompt_lookup_num_tokens
 SETS = ("humaneval", "humaneval-chat", "sharegpt")
 DEFAULT_SETS = ("humaneval", "sharegpt")
 STDLIB_INDEX = (REPO / "indexes/python-stdlib", ["--corpus", "python-stdlib"])
@@ -215,18 +222,32 @@ def loop_run(model, ids: list[int], drafter: Drafter | None, max_new_tokens: int
     return Run(result.output_ids, result.seconds, result.steps, result.steps + nodes, result.draft_seconds)
 
 
-def hf_run(model, ids: list[int], max_new_tokens: int) -> Run:
+def hf_run(model, ids: list[int], max_new_tokens: int, prompt_lookup_num_tokens: int | None = None) -> Run:
+    """``model.generate``, greedy; with ``prompt_lookup_num_tokens``, transformers' prompt lookup decoding.
+    Every forward of the model is one verification step: its steps and verified tokens are counted
+    from the tokens each forward is fed (the first one also gets the prompt)."""
+    fed: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     input_ids = torch.tensor([ids], device=model.device)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    output = model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=max_new_tokens
-    )
-    sync()
-    seconds = time.perf_counter() - start
+    try:
+        sync()
+        start = time.perf_counter()
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+        )
+        sync()
+        seconds = time.perf_counter() - start
+    finally:
+        hook.remove()
     new = output[0, len(ids) :].tolist()
-    return Run(new, seconds, len(new), len(new), 0.0)
+    return Run(new, seconds, len(fed), sum(fed) - len(ids) + 1, 0.0)
 
 
 def run_set(
@@ -238,6 +259,7 @@ def run_set(
     runs: dict[str, Callable[[list[int]], Run]] = {
         "plain": lambda ids: loop_run(model, ids, None, args.max_new_tokens, config),
         "hf": lambda ids: hf_run(model, ids, args.max_new_tokens),
+        "pld": lambda ids: hf_run(model, ids, args.max_new_tokens, PROMPT_LOOKUP_TOKENS),
         "paper": lambda ids: loop_run(model, ids, base, args.max_new_tokens, config),
         "adaptive": lambda ids: loop_run(model, ids, adaptive, args.max_new_tokens, config),
     }
@@ -264,13 +286,18 @@ def run_set(
                 for mode in args.modes
             ),
         )
-    return {
+    result = {
         "index": str(base.datastore.path),
         "prompts": len(prompts),
         "modes": {mode: summarize(mode_rows) for mode, mode_rows in rows.items()},
         "adaptive_mode_source_weights": dict(zip(adaptive.sources, adaptive.calibration.weights.round(4).tolist())),
         "per_prompt": rows,
     }
+    if "pld" in rows and "adaptive" in rows:  # side by side, prompt by prompt, as the speeds against plain
+        result["median_speed_adaptive_vs_pld"] = statistics.median(
+            a["tokens_per_second"] / p["tokens_per_second"] for a, p in zip(rows["adaptive"], rows["pld"])
+        )
+    return result
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -304,6 +331,11 @@ def targets(report: dict) -> dict:
             speed = limits.get(f"median_speed_vs_plain_{name}", limits["median_speed_vs_plain"])
             out[f"{name}: adaptive median speed >= {speed['min']}x plain"] = check(
                 adaptive["median_speed_vs_plain"], speed
+            )
+        if "median_speed_adaptive_vs_pld" in result:
+            speed = limits["median_speed_vs_pld"]
+            out[f"{name}: adaptive median speed >= {speed['min']}x pld"] = check(
+                result["median_speed_adaptive_vs_pld"], speed
             )
     out["every output equals plain decoding"] = all(
         mode["same_as_plain"] == result["prompts"]

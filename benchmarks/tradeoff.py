@@ -9,12 +9,15 @@ modeled as t(1 + tree nodes) from the measured verification cost (``rest_spec.dr
 so speed is relative to plain decoding, sum of t(1) per token over sum of step times; drafting
 time is left out (``median_draft_ms`` reports it).
 
-Drafters: ``paper`` (the index only, ``--budget`` nodes), ``adaptive`` (as in e2e: every source,
-sized each step by t(n)), and ``adaptive@k`` for each k in ``--sizes`` (every source, the k
-best-scored nodes each step, no cost-based size). Each adaptive drafter has its own output
-store, fed with each greedy output after its prompt, and its own calibration.
+Drafters: ``rest`` (REST's own engine, ``draftretriever`` over the same index's documents, queried
+as REST does for ``--budget`` paths: ``benchmarks.common.DraftRetriever``), ``paper`` (the index
+only, ``--budget`` nodes), ``adaptive`` (as in e2e: every source, sized each step by t(n)), and
+``adaptive@k`` for each k in ``--sizes`` (every source, the k best-scored nodes each step, no
+cost-based size). Each adaptive drafter has its own output store, fed with each greedy output
+after its prompt, and its own calibration.
 
-Prints a table, and saves JSON under benchmarks/results/. Minutes, not the half hour of e2e, so
+Prints a table (accepted length, also relative to ``paper`` and to ``rest``) and the targets of
+benchmarks/targets.json ("tradeoff") with pass or fail, and saves JSON under benchmarks/results/. Minutes, not the half hour of e2e, so
 it is the place to try drafting changes; e2e then measures the real thing.
 """
 
@@ -23,10 +26,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ensure_index, report_header, save_report
+from benchmarks.common import RESULTS, DraftRetriever, check, ensure_index, load_targets, report_header, save_report
 from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.replay import Example, greedy_outputs, replay
 from rest_spec.datastore.tokenizer import load_tokenizer
@@ -47,9 +51,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
     )
-    p.add_argument("--sizes", default="2,4,8,16,32,64", help="fixed tree sizes to compare (default: %(default)s)")
     p.add_argument(
-        "--budget", type=int, default=64, help="paper mode's tree size; the adaptive candidates (default 64)"
+        "--sizes",
+        default="2,4,8,16,32,64",
+        help="fixed tree sizes to compare; the target compares the one equal to --budget with rest "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=64,
+        help="paper mode's tree size, rest's paths; the adaptive candidates (default 64)",
     )
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="as in benchmarks.e2e (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS / "tradeoff.json")
@@ -67,9 +79,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def run_set(examples: list[Example], index: Path, cost: VerifyCost, args: argparse.Namespace) -> dict:
+    """Every drafter replayed on ``examples``: label -> the replay's figures and the accepted length
+    relative to ``paper`` and to ``rest``."""
     config = DraftConfig(budget=args.budget)
     results = {}
-    with LocalDrafter.open(index) as base:
+    with LocalDrafter.open(index) as base, tempfile.TemporaryDirectory() as workdir:
+        results["rest"] = replay(examples, DraftRetriever(base.datastore, Path(workdir)), config, cost)
         results["paper"] = replay(examples, base, config, cost)
     for label, size in [("adaptive", None)] + [(f"adaptive@{k}", k) for k in args.sizes]:
         with LocalDrafter.open(index) as base:  # its own output store
@@ -77,7 +92,21 @@ def run_set(examples: list[Example], index: Path, cost: VerifyCost, args: argpar
             results[label] = replay(
                 examples, drafter, DraftConfig(budget=size or args.budget), cost, drafter.add_output
             )
+    for row in results.values():
+        row["accepted_vs_paper"] = row["mean_accepted"] / results["paper"]["mean_accepted"]
+        row["accepted_vs_rest"] = row["mean_accepted"] / results["rest"]["mean_accepted"]
     return results
+
+
+def targets(report: dict, budget: int) -> dict:
+    """The "tradeoff" targets of benchmarks/targets.json on this run's figures: name -> pass (left out
+    where ``adaptive@budget`` was not replayed)."""
+    limit, label = load_targets("tradeoff")["accepted_vs_rest"], f"adaptive@{budget}"
+    return {
+        f"{name}: {label} accepted length >= {limit['min']}x rest": check(results[label]["accepted_vs_rest"], limit)
+        for name, results in report["sets"].items()
+        if label in results
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -104,13 +133,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
         results = run_set(greedy_outputs(model, name, prompts, args.max_new_tokens), index, cost, args)
         report["sets"][name] = results
-        print(f"{name}: {'drafter':<14} {'accepted':>9} {'x paper':>8} {'verified':>9} {'speed':>7}")
+        print(f"{name}: {'drafter':<14} {'accepted':>9} {'x paper':>8} {'x rest':>7} {'verified':>9} {'speed':>7}")
         for label, row in results.items():
             print(
-                f"{name}: {label:<14} {row['mean_accepted']:9.3f} "
-                f"{row['mean_accepted'] / results['paper']['mean_accepted']:8.3f} "
-                f"{row['verified_per_step']:9.2f} {row['modeled_speed_vs_plain']:7.3f}"
+                f"{name}: {label:<14} {row['mean_accepted']:9.3f} {row['accepted_vs_paper']:8.3f} "
+                f"{row['accepted_vs_rest']:7.3f} {row['verified_per_step']:9.2f} {row['modeled_speed_vs_plain']:7.3f}"
             )
+    report["targets"] = targets(report, args.budget)
+    for target, passed in report["targets"].items():
+        print(f"target {target}: {'pass' if passed else 'FAIL'}")
     save_report(report, args.out, echo=False)
     print(f"saved {args.out}")
     return 0

@@ -1,6 +1,6 @@
-"""benchmarks.e2e (and benchmarks.replay) on a tiny setting: every mode on real parts (SmolLM2, the stdlib index), outputs
-checked against plain decoding, the adaptive mode's output store fed; the figures themselves are not
-checked (timings on a shared test machine mean nothing)."""
+"""benchmarks.e2e (and benchmarks.replay, benchmarks.tradeoff) on a tiny setting: every mode and drafter on real
+parts (SmolLM2, the stdlib index, REST's draftretriever), outputs checked against plain decoding, the adaptive mode's
+output store fed; the figures themselves are not checked (timings on a shared test machine mean nothing)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import tradeoff
 from benchmarks.common import chat_prompt, humaneval_inputs, humaneval_prompts
 from benchmarks.e2e import MODES, parse_args, run_set, set_prompts, targets
 from benchmarks.replay import replay
@@ -54,11 +55,17 @@ def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index):
         assert len(result["per_prompt"][mode]) == 2
         assert summary["mean_accepted"] >= 1 and summary["median_tokens_per_second"] > 0
     assert result["modes"]["plain"]["mean_verified_per_step"] == 1
+    assert result["modes"]["hf"]["mean_verified_per_step"] == result["modes"]["hf"]["mean_accepted"] == 1
+    # prompt lookup finds n-grams of the prompt's code again: its forwards verify candidates as well
+    assert result["modes"]["pld"]["mean_verified_per_step"] > 1
     assert result["modes"]["paper"]["mean_verified_per_step"] > 1
     assert set(result["adaptive_mode_source_weights"]) == {"index", "request", "outputs"}
+    assert result["median_speed_adaptive_vs_pld"] > 0
     checks = targets({"sets": {"humaneval": result}})
     assert checks["every output equals plain decoding"] is True
-    assert "humaneval: adaptive median speed >= 1.2x plain" in checks
+    assert {"humaneval: adaptive median speed >= 1.8x plain", "humaneval: adaptive median speed >= 1.3x pld"} <= set(
+        checks
+    )
 
 
 @pytest.mark.slow
@@ -87,3 +94,22 @@ def test_tradeoff_replay_accepts_what_the_real_loop_accepts(smollm2, stdlib_inde
             replayed = replay(examples, replay_drafter, config, CPU_COST, remember)
         assert replayed["mean_accepted"] == pytest.approx(tokens / steps), adaptive
         assert replayed["verified_per_step"] > 1 and replayed["modeled_speed_vs_plain"] > 0
+
+
+@pytest.mark.slow
+def test_tradeoff_replays_rest_engine_beside_paper_and_adaptive(smollm2, stdlib_index):
+    """REST's own engine (draftretriever over the index's documents) is replayed like every drafter, and the
+    accepted lengths relative to it feed the tradeoff target."""
+    model, tokenizer = smollm2
+    ids = humaneval_inputs(tokenizer, 1)[0]
+    examples = [(ids, generate(model, ids, None, max_new_tokens=16).output_ids)]
+    args = tradeoff.parse_args(["--prompts", "1", "--sizes", "64"])
+    results = tradeoff.run_set(examples, stdlib_index, CPU_COST, args)
+    assert set(results) == {"rest", "paper", "adaptive", "adaptive@64"}
+    assert results["rest"]["accepted_vs_rest"] == results["paper"]["accepted_vs_paper"] == 1
+    assert results["rest"]["verified_per_step"] > 1 and results["rest"]["mean_accepted"] >= 1
+    for row in results.values():
+        assert row["accepted_vs_rest"] == pytest.approx(row["mean_accepted"] / results["rest"]["mean_accepted"])
+    checks = tradeoff.targets({"sets": {"humaneval": results}}, args.budget)
+    assert list(checks) == ["humaneval: adaptive@64 accepted length >= 1.3x rest"]
+    assert tradeoff.targets({"sets": {"humaneval": results}}, 32) == {}  # adaptive@32 was not replayed
