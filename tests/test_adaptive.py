@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.common import humaneval_inputs
 from rest_spec.datastore.types import DraftConfig, DraftTree
-from rest_spec.drafter.adaptive import AdaptiveDrafter, accepted_nodes
+from rest_spec.drafter.adaptive import SUFFIXES, AdaptiveDrafter, accepted_nodes
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.local import LocalDrafter
@@ -122,12 +122,29 @@ def test_bad_arguments_are_refused(base):
         AdaptiveDrafter(base, cost=None, calibration=SourceCalibration(2))
 
 
-@pytest.mark.parametrize("cost", [None, CPU_COST], ids=["budget", "cost"])
-def test_batched_greedy_generation_equals_plain_decoding(base, cost):
+def test_shorter_suffixes_are_sources_where_the_context_matches_longer(base):
+    """After a 6-token match every cut (4, 2, 1 tokens) adds its shorter match as a source; where
+    the index matches one token (under n_min) only the cut to one token does, and it drafts."""
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, suffixes=SUFFIXES)
+    assert drafter.calibration.num_sources == 6  # index, request, outputs, then the cuts to 4, 2, 1
+    long = drafter.draft([20, 21, 22, 23, 24, 25], CONFIG)
+    assert long.source_probs.any(axis=0).tolist() == [True, False, False, True, True, True]
+    short = drafter.draft([30, 40, 2], CONFIG)  # "40 2" is nowhere; "2" is followed by 3 4 5 / 3 4 6 / 7 8
+    assert short.source_probs.any(axis=0).tolist() == [False, False, False, False, False, True]
+    assert {path[:1] for path in short.paths()} == {(3,), (7,)}
+    assert len(AdaptiveDrafter(base, cost=None, config=CONFIG).draft([30, 40, 2], CONFIG)) == 0
+    with pytest.raises(ValueError, match="suffixes must be distinct positive lengths"):
+        AdaptiveDrafter(base, cost=None, suffixes=(1, 2))
+
+
+@pytest.mark.parametrize(
+    "cost, suffixes", [(None, ()), (CPU_COST, ()), (CPU_COST, SUFFIXES)], ids=["budget", "cost", "suffixes"]
+)
+def test_batched_greedy_generation_equals_plain_decoding(base, cost, suffixes):
     model = tiny_causal_lm("llama")
     prompts = [[5, 6, 7, 8, 5, 6], [1, 2, 3], [20, 21, 22, 23, 24, 25, 26]]
     expected = generate(model, prompts, None, max_new_tokens=24).output_ids
-    drafter = AdaptiveDrafter(base, cost=cost, config=CONFIG)
+    drafter = AdaptiveDrafter(base, cost=cost, config=CONFIG, suffixes=suffixes)
     result = generate(model, prompts, drafter, max_new_tokens=24, config=CONFIG)
     assert result.output_ids == expected
     assert result.mean_accepted > 1  # a random tiny model repeats itself: the request source drafts it
