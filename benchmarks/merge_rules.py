@@ -10,8 +10,8 @@ the store of past outputs (each drafter its own store, fed with each output afte
 
 - ``ours``: ``AdaptiveDrafter`` as is (calibrated per-source path probabilities, noisy-OR);
 - ``ours+suffixes``: ours with the index asked again for the context cut to its last 4, 2 and 1
-  tokens (``SUFFIXES``; only the cuts whose match is shorter than the longest), each an extra
-  source with its own calibration;
+  tokens (``AdaptiveDrafter(suffixes=SUFFIXES)``; only the cuts whose match is shorter than the
+  longest), each an extra source with its own calibration;
 - ``arctic`` (ArcticInference's suffix decoding): each source's own tree, the one whose expected
   accepted tokens (sum of its node probabilities) is highest;
 - ``sglang``: a node scores its best source's prior x (specificity + confidence): specificity the
@@ -48,36 +48,31 @@ from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.replay import Drafts, Example, greedy_outputs, replay
 from rest_spec.datastore.tokenizer import load_tokenizer
 from rest_spec.datastore.types import DraftConfig, DraftTree, SourceTrees
-from rest_spec.drafter.adaptive import SOURCES, AdaptiveDrafter
+from rest_spec.drafter.adaptive import SUFFIXES, AdaptiveDrafter
 from rest_spec.drafter.cost import VerifyCost
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.measure import load_or_measure
-from rest_spec.drafter.merge import SourceCalibration, merge_trees
+from rest_spec.drafter.merge import merge_trees
 from rest_spec.drafter.model import load_model
 
-SUFFIXES = (4, 2, 1)  # the context cuts the index is asked for beside its longest match
 STATIC_SUFFIX = 2  # llama.cpp's static n-gram size (LLAMA_NGRAM_STATIC)
 SGLANG_PRIORS = {"index": 1.0, "request": 1.0, "outputs": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
-class SuffixTrees(SourceTrees):
-    """``SourceTrees`` with the index's trees for the context cut to its last k tokens, per k."""
+class StaticTrees(SourceTrees):
+    """``SourceTrees`` with llama.cpp's static tree: the index's for the last ``STATIC_SUFFIX`` tokens."""
 
-    shorter: dict[int, DraftTree] = dataclasses.field(default_factory=dict)
+    static: DraftTree = dataclasses.field(default_factory=DraftTree.empty)
 
 
-class SuffixDrafter(LocalDrafter):
-    """A ``LocalDrafter`` whose ``draft_sources`` also answers the index for each context cut
-    (``SUFFIXES`` and ``STATIC_SUFFIX``), matched down to one token."""
+class StaticDrafter(LocalDrafter):
+    """A ``LocalDrafter`` whose ``draft_sources`` also answers the static tree."""
 
-    def draft_sources(self, context: Sequence[int], config: DraftConfig) -> SuffixTrees:
+    def draft_sources(self, context: Sequence[int], config: DraftConfig) -> StaticTrees:
         trees = super().draft_sources(context, config)
-        shorter = {
-            k: self.datastore.draft(context[-k:], dataclasses.replace(config, n_min=1, n_max=k))
-            for k in sorted({*SUFFIXES, STATIC_SUFFIX})
-        }
-        return SuffixTrees(trees.index, trees.outputs, shorter)
+        static = self.datastore.draft(context[-STATIC_SUFFIX:], dataclasses.replace(config, n_min=1))
+        return StaticTrees(trees.index, trees.outputs, static)
 
 
 def path_probs(union: DraftTree) -> np.ndarray:
@@ -139,48 +134,29 @@ def llama_cpp(trees: dict[str, DraftTree], config: DraftConfig, static: DraftTre
 class RuleDrafter(AdaptiveDrafter):
     """``AdaptiveDrafter``'s sources, merged by ``rule`` instead of ``merge_trees``."""
 
-    def __init__(self, base: SuffixDrafter, rule: str, config: DraftConfig) -> None:
+    def __init__(self, base: StaticDrafter, rule: str, config: DraftConfig) -> None:
         super().__init__(base, cost=None, config=config)
         self.rule = rule
 
     def record(self, trees: Sequence[DraftTree]) -> None:
         """Nothing: the published rules learn nothing from what the verifier accepts."""
 
-    def merge(self, shared: SuffixTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
+    def merge(self, shared: StaticTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
         trees = {"index": shared.index, "request": request, "outputs": shared.outputs}
         if self.rule == "arctic":
             return arctic(trees, config)
         if self.rule == "sglang":
             return sglang(trees, config)
-        return llama_cpp(trees, config, shared.shorter[STATIC_SUFFIX])
+        return llama_cpp(trees, config, shared.static)
 
 
-class MultiSuffixDrafter(AdaptiveDrafter):
-    """Ours with the index's shorter-suffix trees as extra calibrated sources: a cut is a source
-    only where its match is shorter than every longer one's (else it repeats their evidence)."""
-
-    def __init__(self, base: SuffixDrafter, config: DraftConfig, cost: VerifyCost | None = None) -> None:
-        super().__init__(base, cost=cost, config=config)
-        self.calibration = SourceCalibration(len(SOURCES) + len(SUFFIXES))
-
-    def merge(self, shared: SuffixTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
-        by_source = {"index": shared.index, "outputs": shared.outputs, "request": request}
-        shorter, longest = [], shared.index.match_len or config.n_min
-        for k in SUFFIXES:
-            tree = shared.shorter[k]
-            fresh = 0 < tree.match_len < longest
-            shorter.append(tree if fresh else DraftTree.empty())
-            longest = tree.match_len if fresh else longest
-        return merge_trees([*(by_source[s] for s in SOURCES), *shorter], self.calibration.weights, config.budget)
-
-
-def drafters(config: DraftConfig, cost: VerifyCost) -> dict[str, Callable[[SuffixDrafter], Drafts]]:
-    """Label -> the drafter built over a freshly opened ``SuffixDrafter`` (its own output store)."""
+def drafters(config: DraftConfig, cost: VerifyCost) -> dict[str, Callable[[StaticDrafter], Drafts]]:
+    """Label -> the drafter built over a freshly opened ``StaticDrafter`` (its own output store)."""
     return {
         "ours": lambda base: AdaptiveDrafter(base, cost=None, config=config),
-        "ours+suffixes": lambda base: MultiSuffixDrafter(base, config),
+        "ours+suffixes": lambda base: AdaptiveDrafter(base, cost=None, config=config, suffixes=SUFFIXES),
         "ours sized": lambda base: AdaptiveDrafter(base, cost=cost, config=config),
-        "ours+suffixes sized": lambda base: MultiSuffixDrafter(base, config, cost),
+        "ours+suffixes sized": lambda base: AdaptiveDrafter(base, cost=cost, config=config, suffixes=SUFFIXES),
         "arctic": lambda base: RuleDrafter(base, "arctic", config),
         "sglang": lambda base: RuleDrafter(base, "sglang", config),
         "llama.cpp": lambda base: RuleDrafter(base, "llama.cpp", config),
@@ -197,13 +173,13 @@ def run_set(
     for label, build in drafters(config, cost).items():
         if only is not None and label not in only:
             continue
-        with SuffixDrafter.open(index) as base:
+        with StaticDrafter.open(index) as base:
             drafter = build(base)
             remember = drafter.add_output if isinstance(drafter, AdaptiveDrafter) else None
             results[label] = replay(examples, drafter, config, cost, remember)
         logging.info("%s: %s", label, results[label])
     if only is None or "rest" in only:
-        with SuffixDrafter.open(index) as base, tempfile.TemporaryDirectory() as tmp:
+        with StaticDrafter.open(index) as base, tempfile.TemporaryDirectory() as tmp:
             results["rest"] = replay(examples, DraftRetriever(base.datastore, Path(tmp)), config, cost)
     return results
 

@@ -78,20 +78,3 @@ def test_every_drafter_replays_on_a_real_index_within_the_budget(stdlib_index, e
         assert label == "rest" or row["verified_per_step"] <= 17, label
     # the shorter suffixes add candidates: at a fixed budget, as many or more nodes are verified
     assert results["ours+suffixes"]["verified_per_step"] >= results["ours"]["verified_per_step"]
-
-
-def test_multi_suffix_sources_are_the_cuts_matching_shorter_than_the_longest(stdlib_index, example):
-    """After a long match every cut (4, 2, 1 tokens) is a source; a cut that matches no shorter than
-    a longer one repeats its evidence and is left out."""
-    prompt, _ = example
-    config = DraftConfig(budget=1024)  # keep every node, so every proposing source shows
-    with merge_rules.SuffixDrafter.open(stdlib_index) as base:
-        drafter = merge_rules.MultiSuffixDrafter(base, config)
-        long = base.draft_sources(prompt, config)
-        short = base.draft_sources(prompt[-3:], config)
-        used_long = drafter.merge(long, DraftTree.empty(), config).source_probs.any(axis=0)
-        used_short = drafter.merge(short, DraftTree.empty(), config).source_probs.any(axis=0)
-    # sources: index, request, outputs, then the cuts to 4, 2 and 1 tokens
-    assert long.index.match_len > 4 and [long.shorter[k].match_len for k in merge_rules.SUFFIXES] == [4, 2, 1]
-    assert used_long.tolist() == [True, False, False, True, True, True]
-    assert short.index.match_len == 3 and used_short.tolist() == [True, False, False, False, True, True]
