@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from benchmarks.common import humaneval_inputs
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.server import DatastoreServer, ServerConfig
 from rest_spec.datastore.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import SUFFIXES, AdaptiveDrafter, accepted_nodes
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.merge import SourceCalibration
+from rest_spec.drafter.remote import RemoteDrafter
 from tests.helpers import MODEL_VOCAB, tiny_causal_lm, tree_from_paths, write_index
 
 KEY = CostKey("synthetic", "", 0, "test", "float32")
@@ -135,6 +138,22 @@ def test_shorter_suffixes_are_sources_where_the_context_matches_longer(base):
     assert len(AdaptiveDrafter(base, cost=None, config=CONFIG).draft([30, 40, 2], CONFIG)) == 0
     with pytest.raises(ValueError, match="suffixes must be distinct positive lengths"):
         AdaptiveDrafter(base, cost=None, suffixes=(1, 2))
+
+
+def test_a_remote_base_answers_the_cuts_as_a_local_one(index):
+    """The cuts travel in the base's one batch call (one RPC): remote and local give one tree."""
+    contexts = [[20, 21, 22, 23, 24, 25], [30, 40, 2]]
+    with (
+        Datastore.open(index) as store,
+        DatastoreServer(store, ServerConfig(port=0, workers=2)) as server,
+        RemoteDrafter(server.address) as remote,
+        LocalDrafter.open(index) as local,
+    ):
+        remote_trees, local_trees = (
+            AdaptiveDrafter(b, cost=None, config=CONFIG, suffixes=SUFFIXES).draft_batch(contexts, CONFIG)
+            for b in (remote, local)
+        )
+    assert remote_trees == local_trees and all(len(tree) for tree in local_trees)
 
 
 @pytest.mark.parametrize(
