@@ -189,6 +189,11 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max()) if len(self) else 0
 
+    def is_chain(self) -> bool:
+        """Whether every node is the previous node's only child (BFS order makes that ``parents ==
+        [-1, 0, 1, ...]``): such a tree is verified on the model's plain causal path."""
+        return bool(np.array_equal(self.parents, np.arange(-1, len(self) - 1)))
+
     def subset(self, keep: np.ndarray) -> DraftTree:
         """The tree of nodes ``keep`` (ascending indices; every kept node's parent kept too), with
         their counts, scores and source probabilities and samples; the match statistics are unchanged."""

@@ -52,15 +52,37 @@ def check_sizes(sizes: Sequence[int]) -> None:
         raise ValueError(f"sizes must start at 1 and increase strictly, got {list(sizes)}")
 
 
-def _interpolate(sizes: Sequence[int], seconds: Sequence[float], n: np.ndarray) -> np.ndarray:
-    """Running maximum of ``seconds`` at ``sizes``, interpolated linearly at ``n`` and continued
-    along the last segment past the largest size."""
-    sizes, seconds = np.asarray(sizes, np.float64), np.maximum.accumulate(np.asarray(seconds, np.float64))
-    inside = np.interp(n, sizes, seconds)
-    if sizes.size == 1:
-        return inside
-    slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
-    return np.where(n > sizes[-1], seconds[-1] + slope * (n - sizes[-1]), inside)
+def _cheapest(sizes: Sequence[int], seconds: Sequence[float], n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cheapest way to verify ``n`` tokens, and the block size it runs at: ``n`` itself
+    (``seconds`` at the measured sizes, interpolated linearly between them and continued along
+    the last segment past the largest), or ``n`` padded up to a larger measured size that costs
+    less (the curve is not monotone on a CPU: on this project's machine 4 tokens cost less than 2).
+    Returns float64 seconds and int64 block sizes, both shaped like ``n``."""
+    sizes, seconds = np.asarray(sizes, np.int64), np.asarray(seconds, np.float64)
+    as_is = np.interp(n, sizes, seconds)
+    if sizes.size > 1:
+        slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
+        as_is = np.where(n > sizes[-1], seconds[-1] + slope * (n - sizes[-1]), as_is)
+    cheapest_from = np.empty(sizes.size, np.int64)  # [i]: the cheapest measured size at i or above
+    cheapest_from[-1] = sizes.size - 1
+    for i in range(sizes.size - 2, -1, -1):
+        above = cheapest_from[i + 1]
+        cheapest_from[i] = i if seconds[i] <= seconds[above] else above
+    first = np.searchsorted(sizes, n, side="left")  # the first measured size >= n
+    padded_index = cheapest_from[np.minimum(first, sizes.size - 1)]
+    padded = np.where(first < sizes.size, seconds[padded_index], np.inf)
+    pad = padded < as_is
+    return np.where(pad, padded, as_is), np.where(pad, sizes[padded_index], np.asarray(n, np.int64))
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """How the verifier runs one step: ``size`` positions per row (the pending token, the tree,
+    then padding), with the model's linear layers computed as ``(W @ x.T).T`` (``transposed``) or
+    as PyTorch's ``x @ W.T``; see ``drafter.linear_layout``."""
+
+    size: int
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,11 +91,11 @@ class VerifyCost:
     included, so a tree of k nodes costs ``self(k + 1)``), over a KV cache of ``context_length``:
     ``seconds`` for branching trees (custom tree mask), ``chain_seconds`` for chains, which the
     verifier runs on the model's plain causal path (``tree_attention.TreeInputs.causal``); empty
-    when not measured, and chains then cost what trees cost.
+    when not measured, and chains then cost what trees cost. ``transposed[i]``: size ``sizes[i]``
+    was faster, and timed, with the linear layers transposed (``BlockShape``); empty = never.
 
-    Queries use the running maximum of the measurements (verifying more tokens never costs less;
-    a noisy dip would otherwise pull every tree to that size), interpolated linearly between
-    sizes and continued along the last segment past the largest.
+    Queries price the cheapest way to run n tokens (``_cheapest``): as they are, or padded to a
+    larger measured size that is faster; ``block_shape`` tells the verifier which it is.
     """
 
     key: CostKey
@@ -81,6 +103,7 @@ class VerifyCost:
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
     chain_seconds: tuple[float, ...] = ()
+    transposed: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes)
@@ -88,14 +111,32 @@ class VerifyCost:
             times = np.asarray(times, dtype=np.float64)
             if times.shape != (len(self.sizes),) or not np.all(np.isfinite(times) & (times > 0)):
                 raise ValueError(f"{name} must be one positive time per size, got {list(times)}")
+        if self.transposed and (
+            len(self.transposed) != len(self.sizes) or not all(isinstance(t, bool) for t in self.transposed)
+        ):
+            raise ValueError(f"transposed must be one bool per size, got {list(self.transposed)}")
 
     def __call__(self, n: int | np.ndarray) -> np.ndarray:
         """float64 seconds for a tree of ``n`` (>= 1) verified tokens; same shape as ``n``."""
-        return _interpolate(self.sizes, self.seconds, np.asarray(n, dtype=np.float64))
+        return _cheapest(self.sizes, self.seconds, np.asarray(n, dtype=np.float64))[0]
 
     def chain(self, n: int | np.ndarray) -> np.ndarray:
         """float64 seconds for a chain of ``n`` (>= 1) verified tokens; same shape as ``n``."""
-        return _interpolate(self.sizes, self.chain_seconds or self.seconds, np.asarray(n, dtype=np.float64))
+        return _cheapest(self.sizes, self.chain_seconds or self.seconds, np.asarray(n, dtype=np.float64))[0]
+
+    def block_shape(self, trees: Sequence[DraftTree]) -> BlockShape:
+        """How to verify one step of ``trees`` (one per row). One row runs at the cheapest block
+        for its size (a chain by the chain times); a batch runs its own block (the times are for
+        one row). The layout is the one measured at the largest size up to the rows the linear
+        layers see (rows x block)."""
+        size = max((len(tree) for tree in trees), default=0) + 1
+        if len(trees) == 1:
+            seconds = self.chain_seconds if self.chain_seconds and trees[0].is_chain() else self.seconds
+            size = int(_cheapest(self.sizes, seconds, np.asarray(size))[1])
+        if not self.transposed:
+            return BlockShape(size)
+        below = np.searchsorted(self.sizes, len(trees) * size, side="right") - 1
+        return BlockShape(size, self.transposed[below])
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -109,6 +150,7 @@ class VerifyCost:
             tuple(data["sizes"]),
             tuple(data["seconds"]),
             tuple(data["chain_seconds"]),
+            tuple(data["transposed"]),
         )
 
 

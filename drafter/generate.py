@@ -29,6 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.base import Drafter
+from rest_spec.drafter.cost import VerifyCost
 from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache, select_rows
 from rest_spec.drafter.overlap import NO_OVERLAP, Drafting, DraftingStats, OverlapConfig
 from rest_spec.drafter.sampling import TokenChooser, prepare_generation_config
@@ -237,13 +238,14 @@ def decode(
     stop: StopConditions,
     config: DraftConfig = DraftConfig(),
     overlap: OverlapConfig = NO_OVERLAP,
+    cost: VerifyCost | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
 ) -> BatchGenerationResult:
     """The loop behind ``generate``: one row per prompt (unpadded ids); ``chooser`` has one row per
     prompt too. ``on_step`` receives, after every step, the tokens each row committed in it
     (empty for rows that had finished). Drafts come through ``drafter.overlap.Drafting``
     (deadlines, local fallback; with ``overlap`` enabled, the next step's drafts fetched during
-    each forward)."""
+    each forward); with a ``cost``, each step runs at the block shape it says is fastest."""
     start = time.perf_counter()
     contexts = [list(prompt) for prompt in prompts]  # prompt + committed tokens, per row
     prompt_lengths = [len(prompt) for prompt in prompts]
@@ -263,7 +265,8 @@ def decode(
             trees = drafting.trees(live)
             drafting.speculate(trees)  # the next step's drafts, during this forward
             t1 = time.perf_counter()
-            verdicts = verify_trees(model, cache, rows, live, trees, chooser)
+            shape = None if cost is None else cost.block_shape(trees)
+            verdicts = verify_trees(model, cache, rows, live, trees, chooser, shape)
             rows = compact_cache(cache, rows, [verdict.keep for verdict in verdicts])
             t2 = time.perf_counter()
             drafting.verified(t2 - t1)
@@ -338,6 +341,7 @@ def generate(
     streamer: BaseStreamer | None = None,
     generator: torch.Generator | None = None,
     overlap: OverlapConfig | bool = False,
+    cost: VerifyCost | None = None,
 ) -> GenerationResult | BatchGenerationResult:
     """Decode ``input_ids`` with draft trees from ``drafter``: the output has exactly the
     distribution of ``model.generate``'s with the same arguments, and with greedy decoding it is
@@ -358,6 +362,11 @@ def generate(
                         an ``OverlapConfig``, or True for its defaults). Off by default: on this
                         project's 2-core CPU it costs more than it saves (``benchmarks/overlap.py``).
                         Remote drafts have deadlines and a local fallback either way.
+    cost                the measured verification cost (``drafter.measure.load_or_measure``): each
+                        step runs at the block size and linear-layer layout it measured fastest
+                        (``VerifyCost.block_shape``; a step may be padded up to a faster size).
+                        Default: the drafter's own ``cost`` (``AdaptiveDrafter``'s), else none:
+                        blocks as drafted, in PyTorch's layout, as ``model.generate`` runs them.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -378,8 +387,18 @@ def generate(
         on_step = stream_to(streamer, batched, None if pad is None else int(pad))
     if isinstance(overlap, bool):
         overlap = OverlapConfig(enabled=overlap)
+    if cost is None:
+        cost = getattr(drafter, "cost", None)
     result = decode(
-        model, prompts, drafter, chooser=chooser, stop=stop, config=config, overlap=overlap, on_step=on_step
+        model,
+        prompts,
+        drafter,
+        chooser=chooser,
+        stop=stop,
+        config=config,
+        overlap=overlap,
+        cost=cost,
+        on_step=on_step,
     )
     if streamer is not None:
         streamer.end()

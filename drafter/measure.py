@@ -24,14 +24,14 @@ import numpy as np
 
 from rest_spec.datastore.errors import first_line
 from rest_spec.datastore.types import DraftTree
-from rest_spec.drafter.cost import CostKey, VerifyCost, check_sizes
+from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, check_sizes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 DEFAULT_CONTEXT_LENGTH = 512
 _BRANCHING = 4  # the measured trees are complete 4-ary BFS trees (only n matters, not the shape)
 
@@ -64,7 +64,8 @@ def measure_verify_cost(
 ) -> VerifyCost:
     """Median wall time of one ``verify_trees`` step with a tree of ``n - 1`` nodes, and with a
     chain of ``n - 1`` nodes, for each n in ``sizes``, on a cache of ``context_length`` random
-    tokens that is cut back after every run."""
+    tokens that is cut back after every run. Trees are timed in both layouts of the linear layers
+    (``drafter.linear_layout``); the faster is kept, and chains are timed in it."""
     import torch
 
     from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache
@@ -84,26 +85,38 @@ def measure_verify_cost(
     contexts = context.tolist()
     synchronize = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
 
-    def median_seconds(tree: DraftTree) -> float:
+    def median_seconds(tree: DraftTree, transposed: bool) -> float:
         times = []
         for _ in range(warmup + repeats):
             synchronize()
             start = time.perf_counter()
-            verify_trees(model, cache, rows, contexts, [tree])  # ends in the step's one device->host sync
+            # ends in the step's one device->host sync
+            verify_trees(model, cache, rows, contexts, [tree], shape=BlockShape(len(tree) + 1, transposed))
             times.append(time.perf_counter() - start)
             compact_cache(cache, rows, [np.zeros(0, np.int64)])  # back to the context alone
         return statistics.median(times[warmup:])
 
-    trees, chains = [], []
+    trees, chains, layouts = [], [], []
     for n in sizes:
         index = np.arange(n - 1)
-        trees.append(median_seconds(DraftTree(index % _BRANCHING + 1, index // _BRANCHING - 1, np.ones(n - 1))))
+        tree = DraftTree(index % _BRANCHING + 1, index // _BRANCHING - 1, np.ones(n - 1))
+        plain, transposed = median_seconds(tree, False), median_seconds(tree, True)
+        layouts.append(transposed < plain)
+        trees.append(min(plain, transposed))
         # n = 1 is the empty tree either way: plain decoding's step, timed once
-        chains.append(
-            median_seconds(DraftTree(index % _BRANCHING + 1, index - 1, np.ones(n - 1))) if n > 1 else trees[0]
+        chain = DraftTree(index % _BRANCHING + 1, index - 1, np.ones(n - 1))
+        chains.append(median_seconds(chain, layouts[-1]) if n > 1 else trees[0])
+        log.info(
+            "t(%d) = %.3f ms tree (%.3f ms in PyTorch's layout, %.3f ms transposed), %.3f ms chain",
+            n,
+            1e3 * trees[-1],
+            1e3 * plain,
+            1e3 * transposed,
+            1e3 * chains[-1],
         )
-        log.info("t(%d) = %.3f ms tree, %.3f ms chain", n, 1e3 * trees[-1], 1e3 * chains[-1])
-    return VerifyCost(cost_key(model), context_length, tuple(int(n) for n in sizes), tuple(trees), tuple(chains))
+    return VerifyCost(
+        cost_key(model), context_length, tuple(int(n) for n in sizes), tuple(trees), tuple(chains), tuple(layouts)
+    )
 
 
 def cache_dir() -> Path:

@@ -10,10 +10,12 @@ pending token is every node's ancestor. Position ids are the row's token count p
 had been decoded one token at a time. A padding position sees its row's cache and itself, and no
 position sees it.
 
-When every row's tree is a chain filling the block and every row's cache is whole (no left
-padding, no holes), that mask is plain causal attention; ``TreeInputs.causal`` says so, and the
+When every row's tree is a chain and every row's cache is whole (no left padding, no holes), that
+mask is plain causal attention for every position that matters (a row's padding trails its chain,
+so no node sees it, and what padding sees is never used); ``TreeInputs.causal`` says so, and the
 verifier then lets the model build its own causal mask (its native decoding path, which fused
-attention kernels serve best) instead of passing a custom one.
+attention kernels serve best) instead of passing a custom one. A block may be padded past its
+longest tree (``size``) when the measured cost says a larger block runs faster.
 
 Everything is built on the host in numpy (the trees arrive there from the drafter) and crosses to
 the device as ONE packed int64 copy; the float mask is expanded on the device.
@@ -68,8 +70,8 @@ class TreeInputs:
     cache_start   int64 [B, 1]     the row's cached tokens are slots [cache_start, cache_end)
     cache_end     int64 [B, 1]
     past_length   int              S, slots in the KV cache (the same for every row)
-    causal        bool             the mask is plain causal attention over the whole cache: every
-                                   row is a chain of q - 1 nodes on a cache without padding or holes
+    causal        bool             causal attention is exact: every row is a chain on a cache
+                                   without padding or holes
     host          int64 [B, q, 6 + q] the same values on the host, packed (see ``paths``)
     """
 
@@ -108,12 +110,6 @@ class TreeInputs:
         return positions, ids[on_path].reshape(positions.shape[0], depth)
 
 
-def is_chain(tree: DraftTree) -> bool:
-    """Whether every node of ``tree`` is the previous node's only child (BFS order makes that
-    ``parents == [-1, 0, 1, ...]``)."""
-    return bool(np.array_equal(tree.parents, np.arange(-1, len(tree) - 1)))
-
-
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed``, ``finfo(dtype).min`` elsewhere. Additive floats work for eager
     attention (scores + mask) and SDPA (a float ``attn_mask`` is added to the scores); ``min``
@@ -143,9 +139,14 @@ def padded_prefill_mask(start: torch.Tensor, length: int, dtype: torch.dtype) ->
 
 
 def build_tree_inputs(
-    pending: Sequence[int], trees: Sequence[DraftTree], rows: CacheRows, device: torch.device | str
+    pending: Sequence[int],
+    trees: Sequence[DraftTree],
+    rows: CacheRows,
+    device: torch.device | str,
+    size: int | None = None,
 ) -> TreeInputs:
-    """Flatten ``[pending[b]] + trees[b]`` for every row into ``TreeInputs`` on ``device``.
+    """Flatten ``[pending[b]] + trees[b]`` for every row into ``TreeInputs`` on ``device``, in a
+    block of ``size`` positions per row (default and minimum: the largest tree + 1).
 
     ``rows`` says where each row's tokens are in the cache (its token count gives the positions).
     The ids, positions, parents, depths, cache spans and ancestor matrices are packed into one
@@ -154,6 +155,10 @@ def build_tree_inputs(
     if not len(pending) == len(trees) == rows.batch:
         raise ValueError(f"{len(pending)} pending tokens, {len(trees)} trees and {rows.batch} cache rows")
     q = max((len(tree) for tree in trees), default=0) + 1
+    if size is not None:
+        if size < q:
+            raise ValueError(f"a block of {size} positions cannot hold a tree of {q - 1} nodes and its pending token")
+        q = size
     packed = np.zeros((len(trees), q, _ANCESTORS + q), dtype=np.int64)
     packed[:, :, _DEPTHS] = PADDING_DEPTH
     packed[:, :, _POSITIONS] = rows.positions[:, None]
@@ -181,6 +186,6 @@ def build_tree_inputs(
         cache_end=on_device[:, :1, _CACHE_END],
         past_length=rows.length,
         causal=bool(np.all(rows.start == 0) and np.all(rows.end == rows.length))
-        and all(len(tree) == q - 1 and is_chain(tree) for tree in trees),
+        and all(tree.is_chain() for tree in trees),
         host=packed,
     )

@@ -26,7 +26,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from rest_spec.datastore.types import DraftTree
+from rest_spec.drafter.cost import BlockShape
 from rest_spec.drafter.kv_cache import CacheRows, cache_length
+from rest_spec.drafter.linear_layout import transposed_linears
 from rest_spec.drafter.tree_attention import TreeInputs, build_tree_inputs
 
 
@@ -64,17 +66,21 @@ class Verification:
         return self.accepted_tokens + (self.bonus_token,)
 
 
-def tree_logits(model: PreTrainedModel, cache: DynamicCache, inputs: TreeInputs) -> torch.Tensor:
+def tree_logits(
+    model: PreTrainedModel, cache: DynamicCache, inputs: TreeInputs, transposed: bool = False
+) -> torch.Tensor:
     """One forward over the flattened trees; appends q slots to ``cache``. float [B, q, V].
 
-    Chains on whole caches (``inputs.causal``) take the model's own causal path, no custom mask."""
-    output = model(
-        input_ids=inputs.input_ids,
-        attention_mask=None if inputs.causal else inputs.attention_mask(model.dtype),
-        position_ids=inputs.position_ids,
-        past_key_values=cache,
-        use_cache=True,
-    )
+    Chains on whole caches (``inputs.causal``) take the model's own causal path, no custom mask;
+    ``transposed`` runs the linear layers as ``(W @ x.T).T`` (``drafter.linear_layout``)."""
+    with transposed_linears(model, transposed):
+        output = model(
+            input_ids=inputs.input_ids,
+            attention_mask=None if inputs.causal else inputs.attention_mask(model.dtype),
+            position_ids=inputs.position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
     return output.logits
 
 
@@ -109,17 +115,21 @@ def verify_trees(
     contexts: Sequence[Sequence[int]],
     trees: Sequence[DraftTree],
     rule: AcceptanceRule = greedy_rule,
+    shape: BlockShape | None = None,
 ) -> list[Verification]:
     """Run ``[contexts[b][-1]] + trees[b]`` for every row through ``model`` on top of ``cache``
     (whose rows are laid out as ``rows``) and accept a path per row.
 
-    The cache grows by q = max tree size + 1 slots; pass each ``Verification.keep`` to
-    ``kv_cache.compact_cache`` to keep only the committed ones. One device->host sync.
+    ``shape`` (``VerifyCost.block_shape``) pads the block and picks the linear layers' layout;
+    default: the block is q = max tree size + 1 positions, in PyTorch's layout. The cache grows by
+    the block's size; pass each ``Verification.keep`` to ``kv_cache.compact_cache`` to keep only
+    the committed slots. One device->host sync.
     """
     if cache_length(cache) != rows.length:
         raise ValueError(f"the cache holds {cache_length(cache)} slots but its rows end at {rows.length}")
-    inputs = build_tree_inputs([context[-1] for context in contexts], trees, rows, model.device)
-    targets = rule(tree_logits(model, cache, inputs), inputs, contexts)
+    shape = shape or BlockShape(max((len(tree) for tree in trees), default=0) + 1)
+    inputs = build_tree_inputs([context[-1] for context in contexts], trees, rows, model.device, shape.size)
+    targets = rule(tree_logits(model, cache, inputs, shape.transposed), inputs, contexts)
     path, bonus = accept_path(inputs, targets)
     # The one sync per step: the path masks and the bonus tokens come back together.
     host = torch.cat([path.to(torch.int64), bonus[:, None]], dim=-1).cpu().numpy()

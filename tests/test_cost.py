@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rest_spec.datastore.types import DraftTree
-from rest_spec.drafter.cost import CostKey, VerifyCost, select_tree
+from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, select_tree
 
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
 
@@ -98,16 +98,53 @@ def test_flat_cost_keeps_every_useful_node_and_no_useless_one():
     assert select_tree(tree, cost_curve([1.0] * 8)).paths() == [(1,), (1, 3)]
 
 
-def test_cost_interpolates_extrapolates_and_never_decreases():
-    cost = VerifyCost(KEY, 0, (1, 4, 8), (1.0, 2.5, 2.0))  # a noisy dip at 8
-    np.testing.assert_allclose(cost(np.array([1, 2, 4, 6, 8, 12])), [1.0, 1.5, 2.5, 2.5, 2.5, 2.5])
-    steep = VerifyCost(KEY, 0, (1, 2), (1.0, 3.0))
-    assert float(steep(5)) == pytest.approx(9.0)  # continues the last segment
-    assert float(steep.chain(5)) == pytest.approx(9.0)  # chains not measured: they cost what trees cost
-    chains = VerifyCost(KEY, 0, (1, 4, 8), (1.0, 2.5, 2.0), (1.0, 2.0, 3.0))
-    np.testing.assert_allclose(chains.chain(np.array([2, 4, 16])), [4 / 3, 2.0, 5.0])
+def chain_of(nodes: int) -> DraftTree:
+    return DraftTree(np.arange(nodes), np.arange(-1, nodes - 1), np.ones(nodes))
+
+
+def bushy(nodes: int) -> DraftTree:
+    return DraftTree(np.arange(nodes), np.full(nodes, -1), np.ones(nodes))
+
+
+def test_cost_pads_to_a_cheaper_larger_block_interpolates_and_extrapolates():
+    cost = VerifyCost(KEY, 0, (1, 2, 4, 8), (1.0, 2.0, 1.5, 3.0))  # 4 tokens run faster than 2
+    np.testing.assert_allclose(cost(np.array([1, 2, 3, 4, 6, 8, 12])), [1.0, 1.5, 1.5, 1.5, 2.25, 3.0, 4.5])
+    assert [cost.block_shape([bushy(k - 1)]).size for k in (1, 2, 3, 4, 6, 8, 12)] == [1, 4, 4, 4, 6, 8, 12]
+    assert float(cost.chain(2)) == 1.5  # chains not measured: they cost what trees cost
+    chains = VerifyCost(KEY, 0, (1, 2, 4, 8), (1.0, 2.0, 1.5, 3.0), (1.0, 1.2, 1.5, 2.0))
+    np.testing.assert_allclose(chains.chain(np.array([2, 3, 16])), [1.2, 1.35, 3.0])
+    assert chains.block_shape([chain_of(2)]).size == 3  # a chain is sized by the chain times
+    assert chains.block_shape([bushy(2)]).size == 4
+    assert chains.block_shape([bushy(2), bushy(2)]).size == 3  # a batch runs its own block
     for each in (cost, chains):
         assert VerifyCost.from_json(each.to_json()) == each
+
+
+def test_block_shape_takes_the_layout_measured_for_the_rows_the_linear_layers_see():
+    cost = VerifyCost(KEY, 0, (1, 2, 4, 8), (1.0, 0.6, 0.8, 1.2), transposed=(False, True, True, False))
+    assert cost.block_shape([DraftTree.empty()]) == BlockShape(2, True)  # padded past the slow 1-row step
+    assert cost.block_shape([bushy(5)]) == BlockShape(6, True)  # largest measured size <= 6 rows: 4
+    assert cost.block_shape([bushy(2)] * 3) == BlockShape(3, False)  # 9 rows: as measured at 8
+    assert VerifyCost.from_json(cost.to_json()) == cost
+    assert VerifyCost(KEY, 0, (1, 2), (1.0, 0.5)).block_shape([DraftTree.empty()]) == BlockShape(2, False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(times=st.lists(st.floats(0.5, 5.0), min_size=1, max_size=8), gaps=st.lists(st.integers(1, 4), max_size=7))
+def test_cost_never_decreases_and_prices_the_block_it_runs(times, gaps):
+    """Whatever the measured curve, the priced cost grows with n (a larger tree can always run at
+    a smaller tree's padded block), and a padded block costs exactly what was measured there."""
+    sizes = tuple(int(s) for s in np.cumsum([1, *gaps[: len(times) - 1]]))
+    times = times[: len(sizes)]
+    cost = VerifyCost(KEY, 0, sizes, tuple(times))
+    n = np.arange(1, 2 * sizes[-1] + 2)
+    priced = cost(n)
+    assert np.all(np.diff(priced) >= -1e-12)
+    for k, price in zip(n, priced):
+        block = cost.block_shape([bushy(int(k) - 1)]).size
+        assert block >= k
+        if block > k:
+            assert price == times[sizes.index(block)] < float(np.interp(k, sizes, times))
 
 
 @pytest.mark.parametrize(
@@ -125,3 +162,5 @@ def test_cost_refuses_bad_measurements(sizes, seconds, message):
     if len(seconds) == len(sizes) and sizes[0] == 1 and sizes == tuple(sorted(set(sizes))):
         with pytest.raises(ValueError, match="chain_seconds must be one positive time per size"):
             VerifyCost(KEY, 0, sizes, (1.0,) * len(sizes), seconds)
+        with pytest.raises(ValueError, match="transposed must be one bool per size"):
+            VerifyCost(KEY, 0, sizes, (1.0,) * len(sizes), (), (True,) * (len(sizes) + 1))

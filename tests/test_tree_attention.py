@@ -120,8 +120,9 @@ def test_batch_inputs_pad_trees_and_hide_padding_and_holes(batch, holes: int) ->
     chains=st.booleans(),
 )
 def test_causal_exactly_when_the_mask_is_plain_causal(batch, chains: bool) -> None:
-    """``TreeInputs.causal`` (the verifier then drops the custom mask) holds iff every row's mask
-    is ordinary causal attention over the whole cache."""
+    """``TreeInputs.causal`` (the verifier then drops the custom mask) holds iff, for every
+    position that is not padding, the mask is ordinary causal attention over the whole cache (what
+    padding sees is never used, and no other position sees padding)."""
     if chains:  # make chains likely: hypothesis rarely draws them
         batch = [(tree_from_paths([[7] * len(tree)] if len(tree) else []), pad, tokens) for tree, pad, tokens in batch]
     start = np.array([pad for _, pad, _ in batch])
@@ -129,7 +130,19 @@ def test_causal_exactly_when_the_mask_is_plain_causal(batch, chains: bool) -> No
     inputs = build_tree_inputs([0] * len(batch), [tree for tree, _, _ in batch], rows, "cpu")
     q, past = inputs.input_ids.shape[1], rows.length
     causal = torch.ones(q, past + q, dtype=torch.bool).tril(diagonal=past)
-    assert inputs.causal == bool(((inputs.attention_mask(torch.float32) == 0) == causal).all())
+    agrees = (inputs.attention_mask(torch.float32)[:, 0] == 0) == causal  # [B, q, S + q]
+    assert inputs.causal == bool(agrees[inputs.depths >= 0].all())
+
+
+def test_a_block_pads_to_the_size_asked_and_refuses_a_smaller_one() -> None:
+    tree = tree_from_paths([[5, 6], [7]])
+    inputs = build_tree_inputs([1], [tree], CacheRows.full(1, 4), "cpu", size=8)
+    assert inputs.input_ids.shape == (1, 8) and inputs.depths[0, 4:].tolist() == [-1] * 4
+    assert not inputs.causal  # a branching tree keeps its mask
+    chain = build_tree_inputs([1], [tree_from_paths([[5, 6]])], CacheRows.full(1, 4), "cpu", size=6)
+    assert chain.causal  # a chain padded at its end still runs on the causal path
+    with pytest.raises(ValueError, match="cannot hold a tree of 3 nodes"):
+        build_tree_inputs([1], [tree], CacheRows.full(1, 4), "cpu", size=3)
 
 
 def test_padded_prefill_mask_is_causal_after_each_rows_start() -> None:

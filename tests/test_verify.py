@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, PreTrainedModel, StaticCache
 
 from rest_spec.datastore.types import DraftTree
+from rest_spec.drafter.cost import BlockShape
 from rest_spec.drafter.generate import prefill
 from rest_spec.drafter.kv_cache import (
     CacheRows,
@@ -164,6 +165,34 @@ def test_verify_then_compact_equals_plain_greedy(model: PreTrainedModel) -> None
     assert verdict.bonus_token == future[3]
     rows = compact_cache(cache, rows, [verdict.keep])
     assert_row_cache(cache, rows, 0, prefilled(model, prefix + future[:3]))
+
+
+@pytest.mark.parametrize("shape", [BlockShape(6, False), BlockShape(4, True), BlockShape(8, True)])
+@pytest.mark.parametrize("chain", [False, True])
+@torch.inference_mode()
+def test_a_padded_or_transposed_block_verifies_as_the_plain_one(
+    model: PreTrainedModel, shape: BlockShape, chain: bool
+) -> None:
+    """The shapes the cost model may pick (padding, the other linear layout) accept the same path
+    and bonus and leave the same cache as the block the tree fills."""
+    prefix = [11, 22, 33, 44, 55]
+    greedy = list(prefix)
+    for _ in range(3):
+        greedy.append(int(model(input_ids=torch.tensor([greedy])).logits[0, -1].argmax()))
+    future = greedy[len(prefix) :]
+    tree = tree_from_paths([future[:3]] if chain else [future[:2], [(future[0] + 1) % VOCAB]])
+    verdicts, caches = [], []
+    for each in (None, shape):
+        cache = prefilled(model, prefix[:-1])
+        rows = CacheRows.full(1, len(prefix) - 1)
+        (verdict,) = verify_trees(model, cache, rows, [prefix], [tree], shape=each)
+        assert cache_length(cache) == rows.length + (len(tree) + 1 if each is None else each.size)
+        compact_cache(cache, rows, [verdict.keep])
+        verdicts.append(verdict)
+        caches.append(cache)
+    assert verdicts[0].accepted_tokens == verdicts[1].accepted_tokens == tuple(future[: 3 if chain else 2])
+    assert verdicts[0].bonus_token == verdicts[1].bonus_token and verdicts[0].keep.tolist() == verdicts[1].keep.tolist()
+    assert_row_cache(caches[1], CacheRows.full(1, cache_length(caches[0])), 0, caches[0])
 
 
 @torch.inference_mode()
