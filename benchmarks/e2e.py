@@ -217,7 +217,8 @@ class Run:
 
 def loop_run(model, ids: list[int], drafter: Drafter | None, max_new_tokens: int, config: DraftConfig) -> Run:
     recorder = TreeSizes(drafter) if drafter is not None else None
-    result: GenerationResult = generate(model, ids, recorder, max_new_tokens=max_new_tokens, config=config)
+    cost = getattr(drafter, "cost", None)  # the recorder hides it: the verifier's shapes come from it
+    result: GenerationResult = generate(model, ids, recorder, max_new_tokens=max_new_tokens, config=config, cost=cost)
     nodes = sum(recorder.sizes) if recorder is not None else 0
     return Run(result.output_ids, result.seconds, result.steps, result.steps + nodes, result.draft_seconds)
 

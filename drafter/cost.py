@@ -1,15 +1,18 @@
 """What verifying n tokens costs, and the draft tree that pays off most: used every decoding step.
 
 Sequoia: verification time t(n) is not constant -- nearly flat up to tens of tokens on a GPU for a
-small model, but several times t(1) at 64 on a CPU -- so the best tree size depends on the machine. With node scores that estimate acceptance probabilities (``drafter.merge``),
+small model, but several times t(1) at 64 on a CPU -- so the best tree size depends on the machine.
+With node scores that estimate acceptance probabilities (``drafter.merge``),
 keeping nodes K yields 1 + sum_K score tokens per step (the accepted ones plus the model's own
 bonus token) in t(1 + |K|) seconds. For each size the best prefix-closed set is the top |K| nodes
 by score, since scores never grow down a path; scanning the size is exact. Chains are verified on
 the model's plain causal path, without the tree mask, and have their own measured cost; the
 selection weighs the best chain against the best tree.
 
-t(n) itself is measured once per model, device and dtype by ``drafter.measure``; this module
-needs neither torch nor transformers.
+t(n) is priced as the cheapest way to run n tokens: as they are, or padded to a larger measured
+block that runs faster (``BlockShape``, which the verifier follows), so a curve that dips (a CPU's
+kernel choice by shape) is used, not smoothed away. It is measured once per model, device and
+dtype by ``drafter.measure``; this module needs neither torch nor transformers.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 DEFAULT_CONTEXT_LENGTH = 512
-_BRANCHING = 4  # the measured trees are complete 4-ary BFS trees (only n matters, not the shape)
+_BRANCHING = 4
 
 
 def cost_key(model: PreTrainedModel) -> CostKey:
@@ -54,24 +54,17 @@ def cost_key(model: PreTrainedModel) -> CostKey:
     )
 
 
-def measure_verify_cost(
-    model: PreTrainedModel,
-    *,
-    sizes: Sequence[int] = DEFAULT_SIZES,
-    context_length: int = DEFAULT_CONTEXT_LENGTH,
-    repeats: int = 5,
-    warmup: int = 2,
-) -> VerifyCost:
-    """Median wall time of one ``verify_trees`` step with a tree of ``n - 1`` nodes, and with a
-    chain of ``n - 1`` nodes, for each n in ``sizes``, on a cache of ``context_length`` random
-    tokens that is cut back after every run. Trees are timed in both layouts of the linear layers
-    (``drafter.linear_layout``); the faster is kept, and chains are timed in it."""
+def verify_timer(
+    model: PreTrainedModel, context_length: int = DEFAULT_CONTEXT_LENGTH, repeats: int = 5, warmup: int = 2
+) -> Callable[[DraftTree, bool], float]:
+    """A function timing one ``verify_trees`` step of a tree (median wall seconds of ``repeats``
+    runs after ``warmup``), in PyTorch's layout or transposed, on a cache of ``context_length``
+    random tokens that is cut back after every run."""
     import torch
 
     from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache
     from rest_spec.drafter.verify import verify_trees
 
-    check_sizes(sizes)
     if repeats < 1 or warmup < 0 or context_length < 1:
         raise ValueError(
             f"need repeats >= 1, warmup >= 0, context_length >= 1; got {repeats}, {warmup}, {context_length}"
@@ -96,16 +89,38 @@ def measure_verify_cost(
             compact_cache(cache, rows, [np.zeros(0, np.int64)])  # back to the context alone
         return statistics.median(times[warmup:])
 
+    return median_seconds
+
+
+def measured_tree(n: int, chain: bool = False) -> DraftTree:
+    """The tree timed for n verified tokens: n - 1 nodes, a complete 4-ary BFS tree or a chain
+    (only n matters, not the shape)."""
+    index = np.arange(n - 1)
+    return DraftTree(index % _BRANCHING + 1, index - 1 if chain else index // _BRANCHING - 1, np.ones(n - 1))
+
+
+def measure_verify_cost(
+    model: PreTrainedModel,
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    context_length: int = DEFAULT_CONTEXT_LENGTH,
+    repeats: int = 5,
+    warmup: int = 2,
+) -> VerifyCost:
+    """Median wall time of one ``verify_trees`` step with a tree of ``n - 1`` nodes, and with a
+    chain of ``n - 1`` nodes, for each n in ``sizes`` (``verify_timer``). Trees are timed in both
+    layouts of the linear layers (``drafter.linear_layout``); the faster is kept, and chains are
+    timed in it."""
+    check_sizes(sizes)
+    median_seconds = verify_timer(model, context_length, repeats, warmup)
     trees, chains, layouts = [], [], []
     for n in sizes:
-        index = np.arange(n - 1)
-        tree = DraftTree(index % _BRANCHING + 1, index // _BRANCHING - 1, np.ones(n - 1))
+        tree = measured_tree(n)
         plain, transposed = median_seconds(tree, False), median_seconds(tree, True)
         layouts.append(transposed < plain)
         trees.append(min(plain, transposed))
         # n = 1 is the empty tree either way: plain decoding's step, timed once
-        chain = DraftTree(index % _BRANCHING + 1, index - 1, np.ones(n - 1))
-        chains.append(median_seconds(chain, layouts[-1]) if n > 1 else trees[0])
+        chains.append(median_seconds(measured_tree(n, chain=True), layouts[-1]) if n > 1 else trees[0])
         log.info(
             "t(%d) = %.3f ms tree (%.3f ms in PyTorch's layout, %.3f ms transposed), %.3f ms chain",
             n,

@@ -1,0 +1,99 @@
+"""What verifying n tokens costs, before and after the verifier's shape choice, and where the time goes.
+
+    python -m benchmarks.verify_cost --rounds 3
+
+For each n, one ``verify_trees`` step of a tree of n - 1 nodes on a 512-token cache
+(``rest_spec.drafter.measure.verify_timer``), in PyTorch's layout of the linear layers ("before")
+and transposed ("transposed"), rounds interleaved, medians over rounds; "after" is what the cost
+model prices once padding to a cheaper larger block is allowed (``VerifyCost``). Everything is
+relative to one plain token in PyTorch's layout: the step ``model.generate`` runs. A per-op
+profile (torch.profiler, self CPU time) of a step of each size in each layout says where the time
+goes. Prints a table and saves JSON under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.common import RESULTS, report_header, save_report
+from rest_spec.drafter.cost import VerifyCost
+from rest_spec.drafter.measure import cost_key, measured_tree, verify_timer
+from rest_spec.drafter.model import load_model
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)
+PROFILED = (1, 2, 4, 8, 16)
+
+
+def op_profile(model, n: int, transposed: bool, top: int = 6) -> dict[str, float]:
+    """Milliseconds of self CPU time per op over one step of n tokens, the ``top`` largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time_step = verify_timer(model, repeats=1, warmup=1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        time_step(measured_tree(n), transposed)
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return {op.key: round(op.self_cpu_time_total / 2e3, 2) for op in ops}  # two steps ran: warmup + 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over every size (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per size per round (default: %(default)s)")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="n to time, from 1 (default: %(default)s)")
+    p.add_argument("--profile", default=",".join(map(str, PROFILED)), help="n to profile (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=RESULTS / "verify_cost.json")
+    args = p.parse_args(argv)
+    try:
+        sizes, profiled = (tuple(int(n) for n in text.split(",") if n) for text in (args.sizes, args.profile))
+    except ValueError:
+        p.error(f"--sizes and --profile must be comma-separated integers, got {args.sizes!r}, {args.profile!r}")
+    model = load_model(None)
+    time_step = verify_timer(model, repeats=args.repeats)
+    runs: dict[tuple[int, bool], list[float]] = {}
+    for _ in range(args.rounds):
+        for n in sizes:
+            for transposed in (False, True):
+                runs.setdefault((n, transposed), []).append(time_step(measured_tree(n), transposed))
+    before = [statistics.median(runs[n, False]) for n in sizes]
+    transposed = [statistics.median(runs[n, True]) for n in sizes]
+    best = [min(a, b) for a, b in zip(before, transposed)]
+    after = VerifyCost(cost_key(model), 512, sizes, tuple(best), (), tuple(b < a for a, b in zip(before, transposed)))
+    one = before[0]
+    rows = [
+        {
+            "n": n,
+            "before": before[i] / one,
+            "transposed": transposed[i] / one,
+            "after": float(after(n)) / one,
+            "block": after.block_shape([measured_tree(n)]).size,
+        }
+        for i, n in enumerate(sizes)
+    ]
+    print(f"t(1) in PyTorch's layout: {1e3 * one:.1f} ms (model.generate's step)")
+    print(f"{'n':>4} {'before':>7} {'transp.':>7} {'after':>7} {'block':>6}")
+    for row in rows:
+        print(f"{row['n']:4d} {row['before']:7.2f} {row['transposed']:7.2f} {row['after']:7.2f} {row['block']:6d}")
+    profiles = {
+        f"{n} {'transposed' if layout else 'before'}": op_profile(model, n, layout)
+        for n in profiled
+        for layout in (False, True)
+    }
+    for label, ops in profiles.items():
+        print(f"profile n={label}: " + ", ".join(f"{op} {ms} ms" for op, ms in ops.items()))
+    report = {
+        **report_header("verify_cost", argv),
+        "one_token_ms": 1e3 * one,
+        "relative_to_one_plain_token": rows,
+        "profiles_ms": profiles,
+    }
+    save_report(report, args.out, echo=False)
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
