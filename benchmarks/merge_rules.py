@@ -43,9 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, DraftRetriever, ensure_index, report_header, save_report
-from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
-from benchmarks.replay import Drafts, Example, greedy_outputs, replay
+from benchmarks.common import RESULTS, DraftRetriever, report_header, save_report
+from benchmarks.e2e import DEFAULT_SETS, SETS
+from benchmarks.replay import Drafts, Example, replay
+from benchmarks.tradeoff import set_examples
 from rest_spec.datastore.tokenizer import load_tokenizer
 from rest_spec.datastore.types import DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.adaptive import SUFFIXES, AdaptiveDrafter
@@ -207,9 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sets": {},
     }
     for name in sets:
-        index = ensure_index(*INDEXES[name])
-        prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
-        results = run_set(greedy_outputs(model, name, prompts, args.max_new_tokens), index, config, cost)
+        index, examples = set_examples(name, model, tokenizer, args)
+        results = run_set(examples, index, config, cost)
         report["sets"][name] = results
         print(f"{name}: {'drafter':<20} {'accepted':>9} {'x rest':>7} {'verified':>9} {'speed':>6} {'draft ms':>9}")
         for label, row in results.items():

@@ -78,6 +78,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def set_examples(name: str, model, tokenizer, args: argparse.Namespace) -> tuple[Path, list[Example]]:
+    """The index of set ``name`` (built when missing) and its prompts with the model's greedy
+    outputs, as ``args`` (prompts, max_new_tokens, max_prompt_tokens) ask."""
+    index = ensure_index(*INDEXES[name])
+    prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
+    return index, greedy_outputs(model, name, prompts, args.max_new_tokens)
+
+
 def run_set(examples: list[Example], index: Path, cost: VerifyCost, args: argparse.Namespace) -> dict:
     """Every drafter replayed on ``examples``: label -> the replay's figures and the accepted length
     relative to ``paper`` and to ``rest``."""
@@ -129,9 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sets": {},
     }
     for name in args.sets:
-        index = ensure_index(INDEXES[name][0], INDEXES[name][1])
-        prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
-        results = run_set(greedy_outputs(model, name, prompts, args.max_new_tokens), index, cost, args)
+        index, examples = set_examples(name, model, tokenizer, args)
+        results = run_set(examples, index, cost, args)
         report["sets"][name] = results
         print(f"{name}: {'drafter':<14} {'accepted':>9} {'x paper':>8} {'x rest':>7} {'verified':>9} {'speed':>7}")
         for label, row in results.items():
