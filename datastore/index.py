@@ -12,6 +12,12 @@ Search: each shard stores the suffix array of its *reversed* token array, so the
 the last ``j`` context tokens occur form one rank range, and matching one more token further back
 narrows that range. One pass over at most ``n_max`` tokens finds the longest match in every shard.
 
+A draft is three steps, each with one implementation, so a router over shard servers
+(``datastore.router``) computes exactly what one process with every shard does: each shard's
+longest match (``Datastore.match``), the global choice of what to count (``plan_draft``: the
+longest match over all shards, the hit shards in manifest order, the seeded sample above the cap),
+and the tree of the counted rows (``tree_from_rows``).
+
 The binary searches, the continuation gather and the trie (``datastore.trie``) are numba-compiled
 kernels that release the GIL: a draft costs a few Python-level calls, and a server's threads
 draft in parallel on every core. They bounds-check every value read from disk, so a damaged index
@@ -21,10 +27,13 @@ answers ``IndexCorruptError`` instead of crashing the process; ``Datastore.warm_
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,13 +185,135 @@ class _Shard:
         )
 
 
-class Datastore:
-    """An opened index: answers draft trees for token contexts. Thread-safe and read-only."""
+@dataclass(frozen=True)
+class ShardMatch:
+    """One shard's longest match of a query: ``match_len`` tokens at suffix-array ranks
+    [``lo``, ``lo + count``) of shard ``shard`` (its number in the manifest)."""
 
-    def __init__(self, path: Path, manifest: fmt.Manifest, shards: list[_Shard], max_candidates: int) -> None:
+    shard: int
+    match_len: int
+    lo: int
+    count: int
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """The global choice once every shard has matched: the longest match over all shards, how
+    many positions match it, and per hit shard (manifest order) the ranks whose rows are counted."""
+
+    match_len: int
+    num_matches: int
+    picks: tuple[tuple[ShardMatch, np.ndarray], ...]  # (hit shard, int64 ranks in [lo, lo + count))
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(ranks.size for _, ranks in self.picks)
+
+    def rows(
+        self, fetch: Callable[[ShardMatch, np.ndarray], np.ndarray], max_depth: int, dtype: np.dtype
+    ) -> np.ndarray:
+        """[num_sampled, max_depth] rows, hit shard after hit shard: ``fetch(match, ranks)`` answers
+        one shard's rows (its tokens after each rank's match, separator-padded)."""
+        rows = np.empty((self.num_sampled, max_depth), dtype=dtype)
+        at = 0
+        for match, ranks in self.picks:
+            rows[at : at + ranks.size] = fetch(match, ranks)
+            at += ranks.size
+        return rows
+
+
+def query_tokens(context: Sequence[int] | np.ndarray, n_max: int, vocab_size: int) -> np.ndarray:
+    """The last ``n_max`` context tokens, newest first, as int64 (validated): what every shard
+    matches and what seeds the sample."""
+    tail = token_ids(context, "context", vocab_size, last=n_max)
+    if tail.size == 0:
+        raise ValueError("context must be a non-empty 1-D sequence of token ids")
+    return tail[::-1].astype(np.int64)
+
+
+def longest_matches(matches: Iterable[ShardMatch]) -> list[ShardMatch]:
+    """The matches of the longest length (the only ones that can count), in manifest order."""
+    matches = list(matches)
+    longest = max((m.match_len for m in matches), default=0)
+    return sorted((m for m in matches if m.match_len == longest and longest > 0), key=lambda m: m.shard)
+
+
+def plan_draft(matches: Iterable[ShardMatch], query: np.ndarray, n_min: int, max_candidates: int) -> DraftPlan | None:
+    """The global choice over every shard's match (``query`` from ``query_tokens``): None when the
+    longest match is shorter than ``n_min`` (the empty tree), else the plan of what to count."""
+    hits = longest_matches(matches)
+    if not hits or hits[0].match_len < n_min:
+        return None
+    match_len = hits[0].match_len
+    sizes = np.array([m.count for m in hits], dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    picked = sample(int(offsets[-1]), query[:match_len], max_candidates)
+    bounds = np.searchsorted(picked, offsets)
+    picks = tuple((m, picked[bounds[i] : bounds[i + 1]] - offsets[i] + m.lo) for i, m in enumerate(hits))
+    return DraftPlan(match_len, int(offsets[-1]), picks)
+
+
+def sample(num_matches: int, matched_reversed: np.ndarray, max_candidates: int) -> np.ndarray:
+    """Indices into the concatenated match ranges to count: all of them, or a uniform sample
+    of ``max_candidates`` seeded by the matched tokens (same query, same sample)."""
+    if num_matches <= max_candidates:
+        return np.arange(num_matches, dtype=np.int64)
+    seed = zlib.crc32(matched_reversed.tobytes())
+    picked = np.random.default_rng(seed).choice(num_matches, max_candidates, replace=False)
+    picked.sort()
+    return picked
+
+
+def tree_from_rows(rows: np.ndarray, sep: int, budget: int, plan: DraftPlan) -> DraftTree:
+    """The draft tree of the counted rows (their order does not matter: the trie is of the multiset)."""
+    tokens, parents, counts = top_c_tree(rows, sep, budget)
+    return DraftTree(tokens, parents, counts, plan.match_len, plan.num_matches, rows.shape[0])
+
+
+def check_shard_numbers(shards: Iterable[int], num_shards: int) -> tuple[int, ...]:
+    """``shards`` as ascending manifest shard numbers, each in [0, ``num_shards``) and given once;
+    raises ``ValueError`` naming the first that is not."""
+    seen: set[int] = set()
+    for shard in shards:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} is not in the index (its shards are 0..{num_shards - 1})")
+        if shard in seen:
+            raise ValueError(f"shard {shard} is given twice")
+        seen.add(shard)
+    if not seen:
+        raise ValueError("no shards given")
+    return tuple(sorted(seen))
+
+
+def index_id(manifest: fmt.Manifest) -> str:
+    """ "sha256:<hex>" of the manifest's shard list (names, sizes, file digests): servers that report
+    the same id answer suffix-array ranks of the same files."""
+    shards = json.dumps([dataclasses.asdict(s) for s in manifest.shards], sort_keys=True)
+    return "sha256:" + hashlib.sha256(shards.encode()).hexdigest()
+
+
+def index_info(manifest: fmt.Manifest) -> IndexInfo:
+    """What ``Info`` says about the index of ``manifest`` (all its shards)."""
+    m = manifest
+    return IndexInfo(
+        format_version=m.format_version,
+        tokenizer_name=m.tokenizer.name,
+        tokenizer_fingerprint=m.tokenizer.fingerprint,
+        vocab_size=m.tokenizer.vocab_size,
+        num_tokens=m.num_tokens,
+        num_documents=m.num_documents,
+        shards=tuple(ShardInfo(s.name, s.num_tokens, s.num_documents) for s in m.shards),
+    )
+
+
+class Datastore:
+    """An opened index, or some of its shards: answers draft trees for token contexts (over the
+    shards it opened), their shards' matches and rows. Thread-safe and read-only."""
+
+    def __init__(self, path: Path, manifest: fmt.Manifest, shards: dict[int, _Shard], max_candidates: int) -> None:
         self.path = path
         self.manifest = manifest
-        self._shards = shards
+        self._shards = shards  # manifest shard number -> shard, ascending
         self.max_candidates = max_candidates
         self._sep = manifest.separator
         self._token_dtype = np.dtype(manifest.token_dtype)
@@ -196,108 +327,119 @@ class Datastore:
         verify: bool = False,
         check: bool = False,
         max_candidates: int = DEFAULT_MAX_CANDIDATES,
+        shards: Iterable[int] | None = None,
     ) -> Datastore:
-        """Memory-map the index at ``path``, checking its manifest, file sizes, headers and spot
+        """Memory-map the index at ``path`` -- only the manifest's shards numbered ``shards`` if
+        given (a shard server's part) -- checking its manifest, file sizes, headers and spot
         digests. ``check`` adds the structural check of every array (``fmt.check_shard``, O(n));
         ``verify`` hashes every file in full as well (slow on big indexes). Raises
-        ``IndexFormatError`` (``IndexCorruptError`` for damaged content)."""
+        ``IndexFormatError`` (``IndexCorruptError`` for damaged content), ``ValueError`` for
+        shard numbers the index does not have."""
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be positive, got {max_candidates}")
         path = Path(path)
         manifest = fmt.read_manifest(path)
-        shards = [
-            _Shard(
+        numbers = range(len(manifest.shards)) if shards is None else check_shard_numbers(shards, len(manifest.shards))
+        opened = {}
+        for number in numbers:
+            entry = manifest.shards[number]
+            opened[number] = _Shard(
                 *fmt.open_shard(path, entry, manifest, full_check=verify, check=verify or check),
                 # zeroed pages cost no memory until a first token's range is stored in them
                 single_token_ranges=np.zeros(manifest.tokenizer.vocab_size, dtype=np.int64),
                 tokens_path=path / entry.files["tokens"].name,
                 sa_path=path / entry.files["sa"].name,
             )
-            for entry in manifest.shards
-        ]
-        log.info("opened %s: %d tokens in %d shards", path, manifest.num_tokens, len(shards))
-        return cls(path, manifest, shards, max_candidates)
+        log.info(
+            "opened %s: %d of %d shards, %d tokens",
+            path,
+            len(opened),
+            len(manifest.shards),
+            sum(manifest.shards[n].num_tokens for n in opened),
+        )
+        return cls(path, manifest, opened, max_candidates)
 
     def warm_up(self) -> float:
         """Compile (or load from numba's on-disk cache) every kernel a draft from this index uses,
         for its dtypes, and ``top_c_tree`` for the uint32 rows of the output store and the request
         matcher, so the first draft is as fast as any other; returns the seconds it took."""
         start = time.perf_counter()
-        for shard in self._shards:
+        for shard in self._shards.values():
             _warm_up_shard(shard, self._sep, self.vocab_size)
-        _warm_up_top_c_tree(np.dtype("<u4"))
+        warm_up_top_c_tree(np.dtype("<u4"))
         return time.perf_counter() - start
 
     @property
     def vocab_size(self) -> int:
         return self.manifest.tokenizer.vocab_size
 
+    @property
+    def shard_numbers(self) -> tuple[int, ...]:
+        """The manifest numbers of the opened shards, ascending."""
+        return tuple(self._shards)
+
     def info(self) -> IndexInfo:
-        m = self.manifest
-        return IndexInfo(
-            format_version=m.format_version,
-            tokenizer_name=m.tokenizer.name,
-            tokenizer_fingerprint=m.tokenizer.fingerprint,
-            vocab_size=m.tokenizer.vocab_size,
-            num_tokens=m.num_tokens,
-            num_documents=m.num_documents,
-            shards=tuple(ShardInfo(s.name, s.num_tokens, s.num_documents) for s in m.shards),
-        )
+        return index_info(self.manifest)
 
     def documents(self) -> Iterator[np.ndarray]:
         """Every indexed document's tokens, in build order (for exports and engine comparisons)."""
-        for shard in self._shards:
+        for shard in self._shards.values():
             seps = np.flatnonzero(shard.tokens == self._sep).tolist()
             for start, end in zip(seps[:-1], seps[1:]):
                 yield shard.tokens[start + 1 : end]
 
-    def _query(self, context: Sequence[int] | np.ndarray, n_max: int) -> np.ndarray:
-        """The last ``n_max`` context tokens, newest first, as int64 (validated)."""
-        tail = token_ids(context, "context", self.vocab_size, last=n_max)
-        if tail.size == 0:
-            raise ValueError("context must be a non-empty 1-D sequence of token ids")
-        return tail[::-1].astype(np.int64)
+    def match(self, query: np.ndarray, n_min: int = 1) -> list[ShardMatch]:
+        """The opened shards' matches of ``query`` (from ``query_tokens``) at their longest length,
+        if that is at least ``n_min`` (others can never be counted), in manifest order."""
+        if self._closed:
+            raise RuntimeError("datastore is closed")
+        matches = []
+        for number, shard in self._shards.items():
+            ranges = shard.match_ranges(query)
+            if len(ranges):
+                lo, hi = ranges[-1].tolist()
+                matches.append(ShardMatch(number, len(ranges), lo, hi - lo))
+        return [m for m in longest_matches(matches) if m.match_len >= n_min]
+
+    def sa_length(self, shard: int) -> int:
+        """Suffix-array entries (ranks) of shard ``shard`` (one this datastore opened)."""
+        return int(self._shards[shard].sa.shape[0])
+
+    def rows(self, shard: int, ranks: np.ndarray, max_depth: int) -> np.ndarray:
+        """[len(ranks), max_depth] token rows following the matches at ``ranks`` (int64, each in
+        [0, ``sa_length(shard)``): the caller checks) of shard ``shard``."""
+        if self._closed:
+            raise RuntimeError("datastore is closed")
+        out = np.empty((ranks.size, max_depth), dtype=self._token_dtype)
+        self._shards[shard].continuations(ranks, self._sep, self.vocab_size, out)
+        return out
 
     def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:
         """The draft tree continuing ``context`` (token ids; only the last ``n_max`` are used)."""
         if self._closed:
             raise RuntimeError("datastore is closed")
-        query = self._query(context, config.n_max)
-        per_shard = [shard.match_ranges(query) for shard in self._shards]
-        match_len = max(len(r) for r in per_shard)
-        if match_len < config.n_min:
+        query = query_tokens(context, config.n_max, self.vocab_size)
+        plan = plan_draft(self.match(query, config.n_min), query, config.n_min, self.max_candidates)
+        if plan is None:
             return DraftTree.empty()
-        hits = [(shard, r[match_len - 1]) for shard, r in zip(self._shards, per_shard) if len(r) == match_len]
-        sizes = np.array([hi - lo for _, (lo, hi) in hits], dtype=np.int64)
-        num_matches = int(sizes.sum())
-        picked = self._sample(num_matches, query[:match_len])
-        continuations = np.empty((picked.size, config.max_depth), dtype=self._token_dtype)
-        offsets = np.concatenate(([0], np.cumsum(sizes)))
-        for i, (shard, (lo, _)) in enumerate(hits):
-            first, last = np.searchsorted(picked, offsets[i : i + 2])
-            shard.continuations(
-                picked[first:last] - offsets[i] + lo, self._sep, self.vocab_size, continuations[first:last]
-            )
-        tokens, parents, counts = top_c_tree(continuations, self._sep, config.budget)
-        return DraftTree(tokens, parents, counts, match_len, num_matches, picked.size)
+        rows = plan.rows(
+            lambda match, ranks: self.rows(match.shard, ranks, config.max_depth), config.max_depth, self._token_dtype
+        )
+        return tree_from_rows(rows, self._sep, config.budget, plan)
 
-    def _sample(self, num_matches: int, matched_reversed: np.ndarray) -> np.ndarray:
-        """Indices into the concatenated match ranges to count: all of them, or a uniform sample
-        of ``max_candidates`` seeded by the matched tokens (same query, same sample)."""
-        if num_matches <= self.max_candidates:
-            return np.arange(num_matches, dtype=np.int64)
-        seed = zlib.crc32(matched_reversed.tobytes())
-        picked = np.random.default_rng(seed).choice(num_matches, self.max_candidates, replace=False)
-        picked.sort()
-        return picked
+    def drafts(self, contexts: Iterable[Sequence[int] | np.ndarray], config: DraftConfig) -> Iterator[DraftTree]:
+        """The trees of ``contexts`` one by one, each drafted only when asked for (a server stops
+        asking once a reply is too large or its client is gone)."""
+        for context in contexts:
+            yield self.draft(context, config)
 
     def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig = DraftConfig()) -> list[DraftTree]:
-        return [self.draft(context, config) for context in contexts]
+        return list(self.drafts(contexts, config))
 
     def close(self) -> None:
         """Drop the memory maps (the OS unmaps once no array refers to them)."""
         self._closed = True
-        self._shards = []
+        self._shards = {}
 
     def __enter__(self) -> Datastore:
         return self
@@ -306,7 +448,7 @@ class Datastore:
         self.close()
 
 
-def _warm_up_top_c_tree(dtype: np.dtype) -> None:
+def warm_up_top_c_tree(dtype: np.dtype) -> None:
     """Compile ``top_c_tree`` for rows of ``dtype`` (trees of one node)."""
     sep = fmt.separator(dtype)
     top_c_tree(np.full((1, 1), sep, dtype), sep, 1)
@@ -317,7 +459,7 @@ def _warm_up_shard(shard: _Shard, sep: int, vocab_size: int) -> None:
     argument types: numba compiles one specialization per type, read-only arrays included)."""
     shard.match_ranges(np.zeros(1, dtype=np.int64))  # token 0 is in every vocabulary
     shard.continuations(np.zeros(0, dtype=np.int64), sep, vocab_size, np.empty((0, 1), shard.tokens.dtype))
-    _warm_up_top_c_tree(shard.tokens.dtype)
+    warm_up_top_c_tree(shard.tokens.dtype)
 
 
 def compile_kernels() -> float:
