@@ -1,7 +1,7 @@
-"""Regenerate the committed Python code for the .proto contract: ``python -m rest_spec.proto.generate``.
+"""Regenerate the committed Python code for the .proto contracts: ``python -m rest_spec.proto.generate``.
 
-protoc names generated modules after the .proto's path under its include root, so the contract is
-staged as ``rest_spec/proto/v1/datastore.proto`` in a temporary root: the generated modules then
+protoc names generated modules after the .proto's path under its include root, so each contract is
+staged as ``rest_spec/proto/v1/<name>.proto`` in a temporary root: the generated modules then
 import each other as ``rest_spec.proto.v1...``, the name they are installed under (never a bare
 ``proto``, the import name of proto-plus). Pass an output directory to write the generated files
 elsewhere, e.g. to check that the committed ones are up to date.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent  # this folder: rest_spec.proto
 PACKAGE = Path("rest_spec/proto")  # where protoc must see the contract to name the modules right
-PROTOS = ("v1/datastore.proto",)
+PROTOS = ("v1/datastore.proto", "v1/shard.proto")
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 
