@@ -20,9 +20,13 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.logs import JsonFormatter, configure_logging
 from rest_spec.datastore.metrics import LATENCY_BUCKETS, ServerMetrics, start_metrics_server
 from rest_spec.datastore.outputs import OutputStore
+from rest_spec.datastore.server import SERVICE_NAME, DatastoreServicer, ServerConfig
+from rest_spec.proto.v1 import datastore_pb2 as pb
+from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
 
 SLOW_SECONDS = 0.03
 
@@ -222,6 +226,34 @@ def test_start_metrics_server_on_a_given_registry():
         server.stop()
     with pytest.raises(ConnectionError), socket.create_connection(("127.0.0.1", server.port), timeout=5):
         pass
+
+
+def test_datastore_servicer_calls_and_refusals(metrics, tmp_path):
+    """The real datastore handlers behind the interceptor: a draft, a malformed request and a
+    token outside the vocabulary (refused with abort) are each counted under their status."""
+    index = write_index(tmp_path / "idx", synthetic_corpus(), CORPUS_VOCAB, shard_tokens=10_000)
+    with Datastore.open(index) as store:
+        server = grpc.server(ThreadPoolExecutor(max_workers=2), interceptors=[metrics.interceptor()])
+        server.add_registered_method_handlers(SERVICE_NAME, DatastoreServicer(store, ServerConfig()).handlers())
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                draft = f"/{SERVICE_NAME}/Draft"
+                good = pb.DraftRequest(context=pb.Context(tokens=synthetic_corpus()[0][:8])).SerializeToString()
+                assert channel.unary_unary(draft)(good, timeout=5)
+                with pytest.raises(grpc.RpcError) as malformed:
+                    channel.unary_unary(draft)(b"\xff\xff\xff", timeout=5)
+                outside = pb.DraftRequest(context=pb.Context(tokens=[CORPUS_VOCAB + 7])).SerializeToString()
+                with pytest.raises(grpc.RpcError) as out_of_vocab:
+                    channel.unary_unary(draft)(outside, timeout=5)
+        finally:
+            server.stop(None).wait()
+    assert malformed.value.code() == out_of_vocab.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    samples = scrape(metrics.serve("127.0.0.1", 0))
+    assert sample(samples, "rest_datastore_requests_total", role="shard", method=draft, code="OK") == 1
+    assert sample(samples, "rest_datastore_requests_total", role="shard", method=draft, code="INVALID_ARGUMENT") == 2
+    assert sample(samples, "rest_datastore_request_seconds_count", role="shard", method=draft) == 3
 
 
 def test_unknown_role_is_refused():
