@@ -1,5 +1,7 @@
-"""The gRPC datastore service: a thin servicer over an opened ``Datastore`` and an optional
-``OutputStore`` of recent generations, and ``serve``.
+"""The gRPC datastore service: a thin servicer over a retrieval ``Engine`` -- an opened
+``Datastore``, or a ``Router`` over shard servers (``datastore.router``) -- and an optional
+``OutputStore`` of recent generations, and ``serve``; the bounded, authenticated handlers and the
+server around them (health, reflection, TLS, limits), which the shard service reuses.
 
 The servicer only converts (``datastore.wire``) and calls the engines; the index is opened once at
 start and shared by all worker threads (drafting is read-only; the output store locks itself).
@@ -24,12 +26,14 @@ import signal
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
+import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
@@ -45,7 +49,7 @@ from rest_spec.datastore.outputs import (
     check_outputs_options,
     open_output_store,
 )
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.proto.v1 import datastore_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -141,6 +145,11 @@ class CallRefused(Exception):
         self.code = code
 
 
+class EngineUnavailable(ConnectionError):
+    """The engine cannot answer now: a shard server behind a router is down, late or answered
+    nonsense (UNAVAILABLE on the wire; retrying later may succeed)."""
+
+
 class CallEnded(Exception):
     """The client stopped waiting (deadline passed or cancelled): stop working, answer nothing."""
 
@@ -150,6 +159,8 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     bad or excessive request), "server" (a corrupt index, a full or failing disk) or "bug"."""
     if isinstance(exc, CallRefused):
         return exc.code, "client"
+    if isinstance(exc, EngineUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, "server"
     if isinstance(exc, IndexCorruptError):  # a ValueError, but not the client's
         return grpc.StatusCode.DATA_LOSS, "server"
     if isinstance(exc, ValueError):
@@ -201,64 +212,39 @@ def _authorization_values(context: grpc.ServicerContext) -> list[bytes]:
     return [value.encode() for key, value in context.invocation_metadata() or () if key == wire.AUTHORIZATION]
 
 
-class DatastoreServicer:
-    """Message -> engine -> message, nothing else. ``outputs`` None: the server keeps no outputs.
-    Each method takes a parsed request and returns a reply message; ``handlers`` wraps them into
-    the bounded, authenticated, raw-bytes handlers the server registers."""
+class Engine(Protocol):
+    """What the datastore service drafts from: an opened ``Datastore``, or a ``Router`` that
+    fans out to shard servers and merges their answers into the same trees."""
 
-    def __init__(self, store: Datastore, config: ServerConfig, outputs: OutputStore | None = None) -> None:
-        self._store = store
-        self._outputs = outputs
+    @property
+    def vocab_size(self) -> int: ...
+
+    def info(self) -> IndexInfo: ...
+
+    def warm_up(self) -> float:
+        """Get ready to answer at full speed (compile kernels); returns the seconds it took."""
+        ...
+
+    def drafts(self, contexts: Iterable[np.ndarray], config: DraftConfig) -> Iterator[DraftTree]:
+        """The trees of ``contexts``, in order; the caller may stop asking at any one."""
+        ...
+
+
+class BoundedServicer:
+    """The handlers of one gRPC service, taking requests as raw bytes: each stops if the call
+    already ended, authenticates (``needs_token``), parses, runs the method of this object named
+    after the RPC, and turns any failure into a status (``status_of``) and at most one
+    rate-limited log line. Subclasses add the methods."""
+
+    def __init__(self, service, config: ServerConfig) -> None:
+        self._service = service  # a ServiceDescriptor
         self._config = config
-        self._vocab_size = store.vocab_size
-        self._info = wire.info_to_message(store.info())
         self._bearer = None if config.auth_token is None else wire.bearer_metadata(config.auth_token)[1].encode()
         self._refusal_log, self._failure_log = LogBudget(), LogBudget()
 
-    def _output_tree(self, include: bool, context, config: DraftConfig) -> pb.DraftTree | None:
-        """The output store's tree for ``context`` when asked for and kept; else None (read as empty)."""
-        if not include or self._outputs is None:
-            return None
-        return wire.tree_to_message(self._outputs.draft(context, config))
-
-    def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftReply:
-        tokens, config = wire.parse_draft_request(request, self._vocab_size, self._config.max_context_tokens)
-        return pb.DraftReply(
-            tree=wire.tree_to_message(self._store.draft(tokens, config)),
-            outputs=self._output_tree(request.include_outputs, tokens, config),
-        )
-
-    def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.ServicerContext) -> pb.DraftBatchReply:
-        """Context by context, stopping as soon as the client is gone or the reply would exceed
-        ``max_reply_bytes``: a hostile batch costs bounded work."""
-        limit = self._config.max_reply_bytes
-        contexts, config = wire.parse_draft_batch_request(
-            request, self._vocab_size, self._config.max_context_tokens, max_contexts=self._config.max_batch_contexts
-        )
-        trees, outputs, size = [], [], 0
-        for i, tokens in enumerate(contexts):
-            _stop_if_ended(context)
-            trees.append(wire.tree_to_message(self._store.draft(tokens, config)))
-            size += wire.field_size(trees[-1])
-            output = self._output_tree(request.include_outputs, tokens, config)
-            if output is not None:
-                outputs.append(output)
-                size += wire.field_size(output)
-            if size > limit:
-                raise CallRefused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"the reply to {len(contexts)} contexts exceeds this server's limit of {limit} bytes after "
-                    f"{i + 1} (--max-reply-bytes): send fewer contexts or ask for smaller trees",
-                )
-        return pb.DraftBatchReply(trees=trees, outputs=outputs)
-
-    def AddOutput(self, request: pb.AddOutputRequest, context: grpc.ServicerContext) -> pb.AddOutputReply:
-        if self._outputs is None:
-            raise NoOutputStoreError("this server keeps no outputs (it was started with --outputs-max-tokens 0)")
-        return pb.AddOutputReply(seq=self._outputs.add(wire.output_from_message(request)))
-
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
-        return self._info
+    def needs_token(self, method: str) -> bool:
+        """Whether calls of ``method`` need the bearer token (when the server has one)."""
+        return True
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         """One handler per method of the service descriptor, taking the request as raw bytes."""
@@ -267,16 +253,14 @@ class DatastoreServicer:
                 self._handler(method),
                 response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
             )
-            for method in SERVICE.methods
+            for method in self._service.methods
         }
 
     def _handler(self, method) -> Callable:
-        """The handler of one method: stop if the call already ended, authenticate, parse, run;
-        any failure becomes a status (``status_of``) and at most one rate-limited log line."""
         name = method.name
         request_type = message_factory.GetMessageClass(method.input_type)
         run = getattr(self, name)
-        needs_token = self._bearer is not None and (self._config.auth_scope == "all" or name == "AddOutput")
+        needs_token = self._bearer is not None and self.needs_token(name)
 
         def handle(data: bytes, context: grpc.ServicerContext):
             try:
@@ -326,6 +310,68 @@ class DatastoreServicer:
             log.error("%s failed: %s: %s%s", name, code.name, reason, note)
         else:
             log.error("%s failed%s", name, note, exc_info=exc)
+
+
+class DatastoreServicer(BoundedServicer):
+    """Message -> engine -> message, nothing else. ``outputs`` None: the server keeps no outputs.
+    Each method takes a parsed request and returns a reply message; ``handlers`` wraps them into
+    the bounded, authenticated, raw-bytes handlers the server registers."""
+
+    def __init__(self, store: Engine, config: ServerConfig, outputs: OutputStore | None = None) -> None:
+        super().__init__(SERVICE, config)
+        self._store = store
+        self._outputs = outputs
+        self._vocab_size = store.vocab_size
+        self._info = wire.info_to_message(store.info())
+
+    def needs_token(self, method: str) -> bool:
+        return self._config.auth_scope == "all" or method == "AddOutput"
+
+    def _output_tree(self, include: bool, context, config: DraftConfig) -> pb.DraftTree | None:
+        """The output store's tree for ``context`` when asked for and kept; else None (read as empty)."""
+        if not include or self._outputs is None:
+            return None
+        return wire.tree_to_message(self._outputs.draft(context, config))
+
+    def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftReply:
+        tokens, config = wire.parse_draft_request(request, self._vocab_size, self._config.max_context_tokens)
+        return pb.DraftReply(
+            tree=wire.tree_to_message(next(self._store.drafts([tokens], config))),
+            outputs=self._output_tree(request.include_outputs, tokens, config),
+        )
+
+    def DraftBatch(self, request: pb.DraftBatchRequest, context: grpc.ServicerContext) -> pb.DraftBatchReply:
+        """Context by context, stopping as soon as the client is gone or the reply would exceed
+        ``max_reply_bytes``: a hostile batch costs bounded work."""
+        limit = self._config.max_reply_bytes
+        contexts, config = wire.parse_draft_batch_request(
+            request, self._vocab_size, self._config.max_context_tokens, max_contexts=self._config.max_batch_contexts
+        )
+        trees, outputs, size = [], [], 0
+        drafted = self._store.drafts(contexts, config)
+        for i, tokens in enumerate(contexts):
+            _stop_if_ended(context)
+            trees.append(wire.tree_to_message(next(drafted)))
+            size += wire.field_size(trees[-1])
+            output = self._output_tree(request.include_outputs, tokens, config)
+            if output is not None:
+                outputs.append(output)
+                size += wire.field_size(output)
+            if size > limit:
+                raise CallRefused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the reply to {len(contexts)} contexts exceeds this server's limit of {limit} bytes after "
+                    f"{i + 1} (--max-reply-bytes): send fewer contexts or ask for smaller trees",
+                )
+        return pb.DraftBatchReply(trees=trees, outputs=outputs)
+
+    def AddOutput(self, request: pb.AddOutputRequest, context: grpc.ServicerContext) -> pb.AddOutputReply:
+        if self._outputs is None:
+            raise NoOutputStoreError("this server keeps no outputs (it was started with --outputs-max-tokens 0)")
+        return pb.AddOutputReply(seq=self._outputs.add(wire.output_from_message(request)))
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
+        return self._info
 
 
 def format_address(host: str, port: int) -> str:
@@ -417,20 +463,19 @@ def enable_reflection(service_names: tuple[str, ...], server: grpc.Server) -> No
     )
 
 
-class DatastoreServer:
-    """A running gRPC server answering from ``store`` and ``outputs`` (which the caller keeps and
-    closes; None: no output store, whatever ``config.outputs_max_tokens`` says).
-
-    Compiles the retrieval kernels, then binds and starts on construction, so it answers at full
-    speed once constructed; ``port`` is the port actually bound (useful with port 0). Raises
-    ``OSError`` when the address cannot be bound, ``ValueError`` for unusable TLS files."""
+class GrpcServer:
+    """A running gRPC server of one service (``service_name``, answered by ``handlers``: a
+    ``BoundedServicer``'s) with the standard health service and reflection, the limits, TLS and
+    the bind of ``config``. Binds and starts on construction; ``port`` is the port actually bound
+    (useful with port 0). Raises ``OSError`` when the address cannot be bound, ``ValueError`` for
+    unusable TLS files. ``what`` describes the server in its log lines."""
 
     def __init__(
-        self, store: Datastore, config: ServerConfig = ServerConfig(), outputs: OutputStore | None = None
+        self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler], config: ServerConfig, what: str
     ) -> None:
         self.config = config
+        self._what = what
         credentials = None if config.tls_cert is None else server_credentials(config.tls_cert, config.tls_key)
-        log.info("retrieval kernels ready in %.2f s", store.warm_up())
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="datastore"),
             options=[
@@ -440,10 +485,10 @@ class DatastoreServer:
             ],
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )
-        self._server.add_registered_method_handlers(SERVICE_NAME, DatastoreServicer(store, config, outputs).handlers())
+        self._server.add_registered_method_handlers(service_name, handlers)
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        enable_reflection((SERVICE_NAME, health.SERVICE_NAME), self._server)
+        enable_reflection((service_name, health.SERVICE_NAME), self._server)
         target = format_address(config.host, config.port)
         try:
             if credentials is None:
@@ -455,15 +500,15 @@ class DatastoreServer:
                 f"cannot listen on {target}: the port is in use or the host is not an address of this machine"
             ) from None
         self._server.start()
-        for service in ("", SERVICE_NAME):
+        for service in ("", service_name):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.address = format_address(config.host, self.port)
         log.info(
-            "datastore service listening on %s (%s, %d workers, %s)",
+            "%s listening on %s (%s, %d workers)",
+            what,
             self.address,
             "TLS" if credentials else "plaintext",
             config.workers,
-            "no output store" if outputs is None else f"output store of {outputs.max_tokens} tokens",
         )
         warning = exposure_warning(config.host, tls=credentials is not None, token=config.auth_token is not None)
         if warning:
@@ -474,13 +519,61 @@ class DatastoreServer:
         (default: the config's), then return."""
         self._health.enter_graceful_shutdown()
         self._server.stop(self.config.grace_seconds if grace is None else grace).wait()
-        log.info("datastore service on %s stopped", self.address)
+        log.info("%s on %s stopped", self._what, self.address)
 
-    def __enter__(self) -> DatastoreServer:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class DatastoreServer(GrpcServer):
+    """A running datastore service answering from ``store`` (an ``Engine``) and ``outputs`` (which
+    the caller keeps and closes; None: no output store, whatever ``config.outputs_max_tokens``
+    says). Readies the engine (compiles the retrieval kernels), then binds and starts, so it
+    answers at full speed once constructed."""
+
+    def __init__(
+        self, store: Engine, config: ServerConfig = ServerConfig(), outputs: OutputStore | None = None
+    ) -> None:
+        log.info("retrieval kernels ready in %.2f s", store.warm_up())
+        kept = "no output store" if outputs is None else f"output store of {outputs.max_tokens} tokens"
+        super().__init__(
+            SERVICE_NAME, DatastoreServicer(store, config, outputs).handlers(), config, f"datastore service ({kept})"
+        )
+
+
+def run_until_signalled(
+    start: Callable[[contextlib.ExitStack], GrpcServer], ready: Callable[[str], None] | None = None
+) -> None:
+    """``start(resources)``: open what a server needs into ``resources`` and return the started
+    server; then ``ready(address)``, then wait for SIGTERM or SIGINT and close everything in
+    reverse (the server first, stopping gracefully). Must run in the main thread (signal
+    handlers)."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with contextlib.ExitStack() as resources:
+            server = start(resources)
+            if ready is not None:
+                ready(server.address)
+            stop.wait()
+            log.info("signal received: stopping (grace %.1f s)", server.config.grace_seconds)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def start_datastore(resources: contextlib.ExitStack, store: Engine, config: ServerConfig) -> DatastoreServer:
+    """The datastore service over ``store`` with the output store ``config`` asks for, both
+    entered into ``resources``. Raises ``OutputStoreError``, ``OSError``, ``ValueError``."""
+    outputs = open_output_store(
+        config.outputs_max_tokens, config.outputs_dir, vocab_size=store.vocab_size, salvage=config.outputs_salvage
+    )
+    if outputs is not None:
+        resources.enter_context(outputs)
+    return resources.enter_context(DatastoreServer(store, config, outputs))
 
 
 def serve(
@@ -493,24 +586,9 @@ def serve(
     ``ready`` is called with the bound ``host:port`` once the server accepts calls at full speed
     (kernels compiled). Must run in the main thread (signal handlers). Raises
     ``IndexFormatError``, ``OutputStoreError``, ``OSError`` or ``ValueError`` (TLS files)."""
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with contextlib.ExitStack() as resources:  # closed in reverse: server, outputs, index
-            store = resources.enter_context(Datastore.open(index_path, check=config.check_index))
-            outputs = open_output_store(
-                config.outputs_max_tokens,
-                config.outputs_dir,
-                vocab_size=store.vocab_size,
-                salvage=config.outputs_salvage,
-            )
-            if outputs is not None:
-                resources.enter_context(outputs)
-            server = resources.enter_context(DatastoreServer(store, config, outputs))
-            if ready is not None:
-                ready(server.address)
-            stop.wait()
-            log.info("signal received: stopping (grace %.1f s)", config.grace_seconds)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    run_until_signalled(
+        lambda resources: start_datastore(
+            resources, resources.enter_context(Datastore.open(index_path, check=config.check_index)), config
+        ),
+        ready,
+    )
