@@ -217,8 +217,9 @@ class DraftPlan:
         rows = np.empty((self.num_sampled, max_depth), dtype=dtype)
         at = 0
         for match, ranks in self.picks:
-            rows[at : at + ranks.size] = fetch(match, ranks)
-            at += ranks.size
+            if ranks.size:  # a hit shard none of whose positions was sampled is never asked
+                rows[at : at + ranks.size] = fetch(match, ranks)
+                at += ranks.size
         return rows
 
 

@@ -201,7 +201,7 @@ class LogBudget:
 _LOG_LINE_CHARS = 200  # a client's values never make a long log line
 
 
-def _stop_if_ended(context: grpc.ServicerContext) -> None:
+def stop_if_ended(context: grpc.ServicerContext) -> None:
     """Raise ``CallEnded`` once the client's deadline has passed or it cancelled."""
     if not context.is_active():
         raise CallEnded()
@@ -264,7 +264,7 @@ class BoundedServicer:
 
         def handle(data: bytes, context: grpc.ServicerContext):
             try:
-                _stop_if_ended(context)  # a call that waited for a worker past its deadline
+                stop_if_ended(context)  # a call that waited for a worker past its deadline
                 if needs_token:
                     self._authenticate(context)
                 try:
@@ -350,7 +350,7 @@ class DatastoreServicer(BoundedServicer):
         trees, outputs, size = [], [], 0
         drafted = self._store.drafts(contexts, config)
         for i, tokens in enumerate(contexts):
-            _stop_if_ended(context)
+            stop_if_ended(context)
             trees.append(wire.tree_to_message(next(drafted)))
             size += wire.field_size(trees[-1])
             output = self._output_tree(request.include_outputs, tokens, config)
