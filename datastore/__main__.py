@@ -6,6 +6,10 @@
                           [--max-reply-bytes N] [--max-concurrent-rpcs N]
                           [--tls-cert PEM --tls-key PEM] [--auth-token T | --auth-token-file F]
                           [--auth-scope add-output|all]
+    rest-datastore serve  --index DIR --shards 0-3,7 [...]    (a shard server: the internal shard service only)
+    rest-datastore route  --manifest DIR/manifest.json --shard-servers H:P,H:P [--shard-timeout S]
+                          [--allow-partial] [--shard-tls-ca PEM] [--shard-auth-token T] [serve's flags but
+                          --index, --check-index, --shards]
     rest-datastore info   --index DIR | --server HOST:PORT [--tls-ca PEM] [--auth-token T]
     rest-datastore verify --index DIR
     rest-datastore draft  --index DIR | --server HOST:PORT  --tokens 1,2,3 | --text "..." [--tokenizer SPEC]
@@ -32,11 +36,14 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 from rest_spec.datastore.client import DatastoreClient, add_connection_arguments  # noqa: E402
 from rest_spec.datastore.errors import first_line  # noqa: E402
 from rest_spec.datastore.index import Datastore  # noqa: E402
+from rest_spec.datastore.router import RouterConfig, route  # noqa: E402
 from rest_spec.datastore.server import AUTH_SCOPES, ServerConfig, serve  # noqa: E402
+from rest_spec.datastore.shards import parse_shard_spec, serve_shards  # noqa: E402
 from rest_spec.datastore.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
 from rest_spec.datastore.types import DEFAULT_CONFIG, DraftConfig, DraftTree  # noqa: E402
 
 DEFAULT_SERVER = ServerConfig()
+DEFAULT_ROUTER = RouterConfig(shard_servers=("-",))
 EXIT_STATUSES = (
     "exit status: 0 done; 2 usage error (an unknown flag, a missing --index, a value out of range); "
     "1 failure (index missing or corrupt, server unreachable, call refused, port in use); 130 Ctrl-C."
@@ -80,42 +87,27 @@ def _add_source(parser: argparse.ArgumentParser) -> None:
     add_connection_arguments(parser, "--server")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_server_arguments(cmd: argparse.ArgumentParser) -> None:
+    """The flags of every server command: where to listen, limits, exposure, the output store."""
     env = os.environ.get
-    parser = argparse.ArgumentParser(
-        prog="rest-datastore",
-        description="Serve, inspect and query a REST suffix-array datastore.",
-        epilog=f"gRPC's own log is silenced unless GRPC_VERBOSITY is set (e.g. GRPC_VERBOSITY=debug). {EXIT_STATUSES}",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve_cmd = sub.add_parser("serve", help="serve an index over gRPC until SIGTERM/SIGINT", epilog=EXIT_STATUSES)
-    serve_cmd.add_argument("--index", default=env("REST_INDEX"), help="index directory (default: $REST_INDEX)")
-    serve_cmd.add_argument(
+    cmd.add_argument(
         "--host",
         default=env("REST_HOST", DEFAULT_SERVER.host),
         help="address to bind (default: $REST_HOST or %(default)s)",
     )
-    serve_cmd.add_argument(
+    cmd.add_argument(
         "--port",
         type=int,
         default=env("REST_PORT", str(DEFAULT_SERVER.port)),
         help="0 picks a free port (default: $REST_PORT or %(default)s)",
     )
-    serve_cmd.add_argument(
+    cmd.add_argument(
         "--workers",
         type=int,
         default=env("REST_WORKERS", str(DEFAULT_SERVER.workers)),
         help="request threads (default: $REST_WORKERS or %(default)s)",
     )
-    serve_cmd.add_argument(
-        "--check-index",
-        action="store_true",
-        default=_env_flag("REST_CHECK_INDEX"),
-        help="check every index array at open (suffix-array entries in range, token ids "
-        "below the vocabulary): reads the whole index once (default: $REST_CHECK_INDEX)",
-    )
-    limits = serve_cmd.add_argument_group(
+    limits = cmd.add_argument_group(
         "limits per call",
         "what one call may ask for; beyond them it is refused with INVALID_ARGUMENT or "
         "RESOURCE_EXHAUSTED naming the limit. The defaults keep a small machine responsive under hostile clients.",
@@ -140,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=env(env_name, str(getattr(DEFAULT_SERVER, name))),
             help=f"{help_text} (default: ${env_name} or %(default)s)",
         )
-    exposure = serve_cmd.add_argument_group(
+    exposure = cmd.add_argument_group(
         "exposure",
         "the server binds 127.0.0.1 unless --host says otherwise; beyond this machine, serve over TLS "
         "and require a token",
@@ -181,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="calls that need the token: AddOutput only, or every Datastore call (health and "
         "reflection stay open) (default: $REST_AUTH_SCOPE or %(default)s)",
     )
-    serve_cmd.add_argument(
+    cmd.add_argument(
         "--outputs-max-tokens",
         type=int,
         metavar="N",
@@ -190,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "drafts like the index; the oldest outputs are evicted beyond it; 0 keeps none "
         "(default: $REST_OUTPUTS_MAX_TOKENS or %(default)s)",
     )
-    serve_cmd.add_argument(
+    cmd.add_argument(
         "--outputs-dir",
         type=Path,
         metavar="DIR",
@@ -199,14 +191,104 @@ def build_parser() -> argparse.ArgumentParser:
         "before each AddOutput is answered) so it survives restarts (default: "
         "$REST_OUTPUTS_DIR, else in memory only)",
     )
-    serve_cmd.add_argument(
+    cmd.add_argument(
         "--outputs-salvage",
         action="store_true",
         help="open an --outputs-dir log that has damaged records by keeping every valid "
         "record and dropping the damaged bytes (a warning says how many); without it such a "
         "log is refused",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="rest-datastore",
+        description="Serve, inspect and query a REST suffix-array datastore.",
+        epilog=f"gRPC's own log is silenced unless GRPC_VERBOSITY is set (e.g. GRPC_VERBOSITY=debug). {EXIT_STATUSES}",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve_cmd = sub.add_parser(
+        "serve",
+        help="serve an index (or, with --shards, some of its shards to a router) over gRPC until SIGTERM/SIGINT",
+        epilog=EXIT_STATUSES,
+    )
+    serve_cmd.add_argument("--index", default=env("REST_INDEX"), help="index directory (default: $REST_INDEX)")
+    serve_cmd.add_argument(
+        "--shards",
+        metavar="SPEC",
+        default=env("REST_SHARDS"),
+        help="serve only these shards of the index (manifest numbers, e.g. 0-3,7) over the internal shard "
+        "service, for `rest-datastore route`; the output store options do not apply (default: $REST_SHARDS)",
+    )
+    serve_cmd.add_argument(
+        "--check-index",
+        action="store_true",
+        default=_env_flag("REST_CHECK_INDEX"),
+        help="check every index array at open (suffix-array entries in range, token ids "
+        "below the vocabulary): reads the whole index once (default: $REST_CHECK_INDEX)",
+    )
+    _add_server_arguments(serve_cmd)
     serve_cmd.set_defaults(run=run_serve, parser=serve_cmd)
+
+    route_cmd = sub.add_parser(
+        "route",
+        help="serve the datastore service from shard servers (`serve --shards`) until SIGTERM/SIGINT",
+        description="Answer the public datastore service, tree for tree as one server with the whole index, by "
+        "asking the shard servers of the index and merging; the output store lives here.",
+        epilog=EXIT_STATUSES,
+    )
+    route_cmd.add_argument(
+        "--manifest",
+        default=env("REST_MANIFEST"),
+        help="the index's manifest.json (or its directory; the shard files need not be here) (default: $REST_MANIFEST)",
+    )
+    route_cmd.add_argument(
+        "--shard-servers",
+        metavar="H:P,H:P",
+        default=env("REST_SHARD_SERVERS"),
+        help="every shard server of the index; together they must serve each shard exactly once "
+        "(default: $REST_SHARD_SERVERS)",
+    )
+    route_cmd.add_argument(
+        "--shard-timeout",
+        type=float,
+        metavar="S",
+        default=env("REST_SHARD_TIMEOUT", str(DEFAULT_ROUTER.timeout)),
+        help="seconds a call to a shard server may take before it counts as down (default: $REST_SHARD_TIMEOUT "
+        "or %(default)s)",
+    )
+    route_cmd.add_argument(
+        "--connect-timeout",
+        type=float,
+        metavar="S",
+        default=env("REST_CONNECT_TIMEOUT", str(DEFAULT_ROUTER.connect_timeout)),
+        help="seconds to wait at start for every shard server to answer (default: $REST_CONNECT_TIMEOUT or "
+        "%(default)s)",
+    )
+    route_cmd.add_argument(
+        "--allow-partial",
+        action="store_true",
+        default=_env_flag("REST_ALLOW_PARTIAL"),
+        help="when a shard server is down or late, answer from the others (drafts from fewer shards; "
+        "generation stays lossless) instead of UNAVAILABLE (default: $REST_ALLOW_PARTIAL)",
+    )
+    route_cmd.add_argument(
+        "--shard-tls-ca",
+        metavar="PEM",
+        type=Path,
+        default=env("REST_SHARD_TLS_CA"),
+        help="reach the shard servers over TLS, trusting this CA certificate (default: $REST_SHARD_TLS_CA)",
+    )
+    route_cmd.add_argument(
+        "--shard-auth-token",
+        metavar="TOKEN",
+        default=env("REST_SHARD_AUTH_TOKEN"),
+        help="bearer token of shard servers started with --auth-token (default: $REST_SHARD_AUTH_TOKEN)",
+    )
+    _add_server_arguments(route_cmd)
+    route_cmd.set_defaults(run=run_route, parser=route_cmd)
 
     info_cmd = sub.add_parser("info", help="print the index summary as JSON", epilog=EXIT_STATUSES)
     _add_source(info_cmd)
@@ -255,9 +337,9 @@ def _auth_token(args: argparse.Namespace) -> str | None:
         raise ValueError(f"cannot read --auth-token-file {args.auth_token_file}: {first_line(exc)}") from None
 
 
-def run_serve(args: argparse.Namespace) -> None:
-    index, auth_token = _need_index(args), _auth_token(args)
-    config = _flag_values(
+def _server_config(args: argparse.Namespace, **extra) -> ServerConfig:
+    """The ``ServerConfig`` of a server command's flags (``_add_server_arguments``)."""
+    return _flag_values(
         ServerConfig,
         host=args.host,
         port=args.port,
@@ -270,14 +352,48 @@ def run_serve(args: argparse.Namespace) -> None:
         max_request_bytes=args.max_request_bytes,
         max_reply_bytes=args.max_reply_bytes,
         max_concurrent_rpcs=args.max_concurrent_rpcs,
-        check_index=args.check_index,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        auth_token=auth_token,
+        auth_token=_auth_token(args),
         auth_scope=args.auth_scope,
+        **extra,
     )
+
+
+def _print_address(address: str) -> None:
     # the one stdout line: scripts (and tests) wait for it to learn the bound port
-    serve(index, config, ready=lambda address: print(f"listening on {address}", flush=True))
+    print(f"listening on {address}", flush=True)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    index = _need_index(args)
+    config = _server_config(args, check_index=args.check_index)
+    if args.shards is None:
+        serve(index, config, ready=_print_address)
+        return
+    if args.outputs_dir is not None or args.outputs_salvage:
+        raise UsageError(
+            "--outputs-dir and --outputs-salvage do not apply to --shards: the output store lives in the router"
+        )
+    shards = _flag_values(parse_shard_spec, spec=args.shards)
+    serve_shards(index, shards, config, ready=_print_address)
+
+
+def run_route(args: argparse.Namespace) -> None:
+    if not args.manifest:
+        raise UsageError("no manifest given: pass --manifest DIR/manifest.json (or set REST_MANIFEST)")
+    if not args.shard_servers:
+        raise UsageError("no shard servers given: pass --shard-servers HOST:PORT,... (or set REST_SHARD_SERVERS)")
+    router_config = _flag_values(
+        RouterConfig,
+        shard_servers=tuple(a for a in args.shard_servers.replace(" ", "").split(",") if a),
+        timeout=args.shard_timeout,
+        connect_timeout=args.connect_timeout,
+        allow_partial=args.allow_partial,
+        tls_ca=args.shard_tls_ca,
+        auth_token=args.shard_auth_token,
+    )
+    route(args.manifest, router_config, _server_config(args), ready=_print_address)
 
 
 def run_info(args: argparse.Namespace) -> None:
@@ -335,7 +451,7 @@ def format_tree(tree: DraftTree, tokenizer=None) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.command == "serve" else logging.WARNING,
+        level=logging.INFO if args.command in ("serve", "route") else logging.WARNING,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
