@@ -6,20 +6,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rest_spec.build_index.corpora import Corpus, CorpusSpec, open_corpus
+from rest_spec.build_index.corpora import Corpus, CorpusSpec, Record, open_corpus
 from rest_spec.build_index.signals import STOP_SIGNALS
 from rest_spec.build_index.tokenize import BatchTokenizer, TokenizeConfig
 from rest_spec.build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
 from rest_spec.datastore.errors import first_line
 from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +90,15 @@ class BuildConfig:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     overwrite: bool = False
     progress: bool = True  # a progress bar over records on stderr
+    ray: str | None = None  # build on Ray: "auto", "ray://HOST:PORT", "local" or "local:N"; None = here
 
     def __post_init__(self) -> None:
         if self.shard_tokens < 1:
             raise BuildInputError(f"shard_tokens must be positive, got {self.shard_tokens}")
+        if self.ray is not None:
+            from rest_spec.build_index.ray_build import RayTarget
+
+            RayTarget.parse(self.ray)  # a ValueError naming the forms
 
     def build_args(self) -> dict:
         """The settings for the manifest's ``build`` entry (the corpus spec goes under ``corpus``)."""
@@ -154,24 +165,30 @@ def build(config: BuildConfig) -> BuildReport:
     ``IndexWriteError`` when the index cannot be written and ``BuildInterrupted`` on SIGINT,
     SIGTERM or SIGHUP (see ``_StopSignals``)."""
     start = time.perf_counter()
+    if config.ray is not None:
+        from rest_spec.build_index.ray_build import require_ray
+
+        require_ray()  # before any work
     with _StopSignals() as stop:
         corpus = open_corpus(config.corpus)
         stop.out = out = config.out or Path("indexes") / corpus.slug
         IndexWriter.check_target(out, config.overwrite)  # before the tokenizer load and the whole read
         tokenizer = _load_tokenizer(config.tokenizer)
-        with IndexWriter(
-            out,
-            tokenizer_name=tokenizer_name(config.tokenizer),
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-            vocab_size=vocab_size(tokenizer),
-            shard_tokens=config.shard_tokens,
-            overwrite=config.overwrite,
-        ) as writer:
+        with (
+            _engine(config, tokenizer) as engine,
+            engine.writer(
+                out,
+                tokenizer_name=tokenizer_name(config.tokenizer),
+                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                vocab_size=vocab_size(tokenizer),
+                shard_tokens=config.shard_tokens,
+                overwrite=config.overwrite,
+            ) as writer,
+        ):
             stop.writer = writer
-            with BatchTokenizer(tokenizer, config.tokenize) as encoder:
-                tokenize_start = time.perf_counter()
-                tokens = _index_records(corpus, encoder, writer, config.progress)
-                tokenize_seconds = time.perf_counter() - tokenize_start
+            tokenize_start = time.perf_counter()
+            tokens = engine.index(corpus, writer, config.progress)
+            tokenize_seconds = time.perf_counter() - tokenize_start
             if tokens == 0:
                 raise BuildInputError(
                     f"corpus {config.corpus.corpus!r} gave no text to index ({corpus.stats.records} records; "
@@ -200,21 +217,58 @@ def build(config: BuildConfig) -> BuildReport:
     )
 
 
-def _index_records(corpus: Corpus, encoder: BatchTokenizer, writer: IndexWriter, progress: bool) -> int:
-    """Stream records -> documents -> token arrays -> writer; returns the number of tokens."""
+def _engine(config: BuildConfig, tokenizer):
+    """The engine that tokenizes and writes: worker processes here, or a Ray cluster (``--ray``)."""
+    if config.ray is None:
+        return _LocalEngine(tokenizer, config.tokenize)
+    from rest_spec.build_index.ray_build import RayEngine
+
+    return RayEngine(config.ray, tokenizer, config.tokenize)
+
+
+class _LocalEngine:
+    """Tokenizes over ``config.workers`` processes of this machine and writes every shard here.
+
+    An engine is a context manager (it owns its workers) with ``writer(out, **args)``, the
+    ``IndexWriter`` to use, and ``index(corpus, writer, progress)``, which streams the corpus's
+    documents, in order, as token arrays into ``writer.add_document`` and returns the tokens."""
+
+    def __init__(self, tokenizer, config: TokenizeConfig) -> None:
+        self._encoder = BatchTokenizer(tokenizer, config)
+
+    def __enter__(self) -> _LocalEngine:
+        self._encoder.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._encoder.__exit__(exc_type, exc, tb)
+
+    writer = IndexWriter
+
+    def index(self, corpus: Corpus, writer: IndexWriter, progress: bool) -> int:
+        tokens = 0
+        with progress_bar(corpus, progress, corpus.records()) as records:
+            for ids in self._encoder.encode(documents(records, corpus.spec.turns)):
+                writer.add_document(ids)
+                tokens += ids.size
+        return tokens
+
+
+def documents(records: Iterable[Record], turns: str) -> Iterator[str]:
+    """The texts to index from ``records``, in order (every engine reads a corpus through this)."""
+    return (text for record in records for text in record.documents(turns))
+
+
+@contextlib.contextmanager
+def progress_bar(corpus: Corpus, progress: bool, records: Iterable[Record] | None = None) -> Iterator[tqdm]:
+    """A bar counting the corpus's records on stderr (only on a terminal), iterating ``records``
+    if given (else counted with ``update``); log lines go above it, not through it."""
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    records = tqdm(
-        corpus.records(), desc=corpus.slug, unit=" records", file=sys.stderr, disable=None if progress else True
-    )  # None: only on a terminal
-    turns = corpus.spec.turns
-    tokens = 0
-    with logging_redirect_tqdm(), records:  # log lines go above the bar instead of through it
-        for ids in encoder.encode(text for record in records for text in record.documents(turns)):
-            writer.add_document(ids)
-            tokens += ids.size
-    return tokens
+    bar = tqdm(records, desc=corpus.slug, unit=" records", file=sys.stderr, disable=None if progress else True)
+    with logging_redirect_tqdm(), bar:
+        yield bar
 
 
 def _load_tokenizer(spec: str | None):

@@ -48,7 +48,9 @@ def backend_json(tokenizer) -> str:
     return getattr(tokenizer, "backend_tokenizer", tokenizer).to_str()
 
 
-def _rebuild(tokenizer_json: str) -> Tokenizer:
+def rebuild_tokenizer(tokenizer_json: str) -> Tokenizer:
+    """The Rust tokenizer from ``backend_json``, set to encode documents whole (in a worker process,
+    here or on a Ray node)."""
     tokenizer = Tokenizer.from_str(tokenizer_json)
     # A serialized tokenizer may carry the padding/truncation a caller last used; documents are
     # encoded whole and unpadded.
@@ -57,7 +59,7 @@ def _rebuild(tokenizer_json: str) -> Tokenizer:
     return tokenizer
 
 
-def _encode(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def encode_texts(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """One batch -> (all ids concatenated, uint32; per-document lengths, int64): two arrays
     pickle far faster than one list per document."""
     ids = [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
@@ -79,11 +81,11 @@ def _init_worker(tokenizer_json: str) -> None:
     # which is how the parent stops them, and how anyone can stop a worker left alone.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _worker_tokenizer = _rebuild(tokenizer_json)
+    _worker_tokenizer = rebuild_tokenizer(tokenizer_json)
 
 
 def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return _encode(_worker_tokenizer, texts)
+    return encode_texts(_worker_tokenizer, texts)
 
 
 def _terminate(pool: ProcessPoolExecutor) -> None:
@@ -127,7 +129,7 @@ class BatchTokenizer:
 
     def __enter__(self) -> BatchTokenizer:
         if self.config.workers == 1:
-            self._local = _rebuild(self._json)
+            self._local = rebuild_tokenizer(self._json)
         else:
             # spawn, not fork: the parent may hold threads (progress bar, dataset streaming) and
             # Rust thread pools, which a fork would copy in an undefined state. An executor, not
@@ -165,7 +167,7 @@ class BatchTokenizer:
         batches = _batches(texts, self.config.batch_size)
         if self._pool is None and self._local is None:
             raise RuntimeError("BatchTokenizer.encode() outside its `with` block")
-        results = map(lambda b: _encode(self._local, b), batches) if self._pool is None else self._ordered(batches)
+        results = map(lambda b: encode_texts(self._local, b), batches) if self._pool is None else self._ordered(batches)
         for flat, lengths in results:
             yield from np.split(flat, np.cumsum(lengths[:-1]))
 

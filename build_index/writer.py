@@ -87,7 +87,8 @@ class IndexWriter:
         self._tokenizer = fmt.TokenizerEntry(tokenizer_name, tokenizer_fingerprint, vocab_size)
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
-        self._shards: list[fmt.ShardEntry] = []
+        self._shards: list[fmt.ShardEntry] = []  # the shards written, in order
+        self._next_shard = 0  # the number of the next shard to write
         self._sa_seconds = 0.0
         self.published = False  # the new index is at out_dir (set inside the publishing section)
         self._closed = False
@@ -170,20 +171,26 @@ class IndexWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        lengths = np.fromiter((d.size for d in self._pending), dtype=np.int64, count=len(self._pending))
-        doc_seps = np.zeros(lengths.size + 1, dtype=np.int64)
-        np.cumsum(lengths + 1, out=doc_seps[1:])  # each document is followed by its separator
-        tokens = np.full(int(doc_seps[-1]) + 1, self.sep, dtype=self.dtype)
-        for doc, sep_pos in zip(self._pending, doc_seps[:-1]):
-            tokens[sep_pos + 1 : sep_pos + 1 + doc.size] = doc
-        t0 = time.perf_counter()
-        sa = fmt.suffix_array(tokens)
-        self._sa_seconds += time.perf_counter() - t0
-        with self._writing():
-            entry = fmt.write_shard(self._tmp, len(self._shards), tokens, sa, vocab_size=self.vocab_size)
-        self._shards.append(entry)
-        log.info("wrote %s: %d documents, %d tokens", entry.name, entry.num_documents, entry.num_tokens)
+        tokens = layout_shard(self._pending, self.sep)
         self._pending, self._pending_tokens = [], 0
+        self._write_shard(self._next_shard, tokens)
+        self._next_shard += 1
+
+    def _write_shard(self, shard: int, tokens: np.ndarray) -> None:
+        """Build and write shard number ``shard`` from its token array, then ``_shard_written``.
+        Shards are written in order; a subclass may build them elsewhere (``ray_build``), as long
+        as ``_shard_written`` sees them in order by the end of ``_wait_for_shards``."""
+        with self._writing():
+            entry, sa_seconds = build_shard(self._tmp, shard, tokens, self.vocab_size)
+        self._shard_written(entry, sa_seconds)
+
+    def _shard_written(self, entry: fmt.ShardEntry, sa_seconds: float) -> None:
+        self._shards.append(entry)
+        self._sa_seconds += sa_seconds
+        log.info("wrote %s: %d documents, %d tokens", entry.name, entry.num_documents, entry.num_tokens)
+
+    def _wait_for_shards(self) -> None:
+        """Return once every shard given to ``_write_shard`` is written (here: at once)."""
 
     def finish(self, corpus: dict | None = None, build: dict | None = None) -> BuildSummary:
         """Write the last shard and the manifest, then move the index into place atomically.
@@ -191,6 +198,7 @@ class IndexWriter:
         ``corpus`` (provenance) and ``build`` (arguments, timings) go into the manifest as given;
         the writer adds its own ``suffix_array_seconds`` to ``build``."""
         self._flush()
+        self._wait_for_shards()
         if not self._shards:
             raise ValueError("no documents to index: every document was empty or none was given")
         manifest = fmt.Manifest(
@@ -243,6 +251,27 @@ class IndexWriter:
         """Drop everything written so far; the target is untouched."""
         shutil.rmtree(self._tmp, ignore_errors=True)
         self._closed = True
+
+
+def layout_shard(docs: Sequence[np.ndarray], sep: int) -> np.ndarray:
+    """A shard's token array: ``SEP doc_0 SEP doc_1 ... SEP``, in the documents' dtype."""
+    lengths = np.fromiter((d.size for d in docs), dtype=np.int64, count=len(docs))
+    doc_seps = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths + 1, out=doc_seps[1:])  # each document is followed by its separator
+    tokens = np.full(int(doc_seps[-1]) + 1, sep, dtype=docs[0].dtype)
+    for doc, sep_pos in zip(docs, doc_seps[:-1]):
+        tokens[sep_pos + 1 : sep_pos + 1 + doc.size] = doc
+    return tokens
+
+
+def build_shard(directory: Path, shard: int, tokens: np.ndarray, vocab_size: int) -> tuple[fmt.ShardEntry, float]:
+    """Build the suffix array of one laid-out shard and write the shard into ``directory``;
+    returns its manifest entry and the seconds the suffix array took. Raises ``OSError`` and
+    ``IndexFormatError`` (a shard that reads back wrong) as they come."""
+    t0 = time.perf_counter()
+    sa = fmt.suffix_array(tokens)
+    sa_seconds = time.perf_counter() - t0
+    return fmt.write_shard(directory, shard, tokens, sa, vocab_size=vocab_size), sa_seconds
 
 
 def _not_an_index(path: Path, target: os.stat_result) -> str | None:
