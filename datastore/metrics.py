@@ -5,7 +5,9 @@ Each ``ServerMetrics`` keeps its own ``CollectorRegistry``, so several servers i
 tests) never share or collide on a metric. Every metric carries a ``role`` label, so one scrape
 configuration and one dashboard serve the three kinds of process:
 
-    rest_datastore_requests_total{role,method,code}     calls answered, by final gRPC status
+    rest_datastore_requests_received_total{role,method}  calls received
+    rest_datastore_requests_total{role,method,code}     calls answered by a handler, by final gRPC status
+    rest_datastore_requests_in_flight{role}              calls in a handler now
     rest_datastore_request_seconds{role,method}          handler latency (50 us .. 5 s buckets)
     rest_datastore_shards{role}                          shards this process serves
     rest_datastore_indexed_tokens{role}                  corpus tokens in those shards
@@ -13,10 +15,12 @@ configuration and one dashboard serve the three kinds of process:
 
 plus the process's own CPU, memory and file descriptors (``process_*``).
 
-Only unary-unary calls to registered methods are counted (the label values are the server's own
-method names, never a client's bytes); streaming calls (reflection, health ``Watch``) pass
-through untouched. Calls gRPC refuses before any handler runs (``--max-concurrent-rpcs``, an
-unknown method) are not seen by interceptors and so not counted.
+``method`` is the full gRPC method name (``/rest.datastore.v1.Datastore/Draft``), ``code`` the
+status code's name (``OK``, ``INVALID_ARGUMENT``, ...). Only unary-unary calls to registered
+methods are counted (the label values are the server's own method names, never a client's
+bytes); streaming calls (reflection, health ``Watch``) pass through untouched. gRPC refuses calls
+beyond ``--max-concurrent-rpcs`` (RESOURCE_EXHAUSTED) before their handler runs: they are
+received but never answered, so received - answered - in flight counts them.
 """
 
 from __future__ import annotations
@@ -86,26 +90,29 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
     (``set_code``, or ``abort``, which sets it and raises), else OK when it returned and UNKNOWN
     when it raised (what gRPC answers then)."""
 
-    def __init__(self, requests: Counter, latency: Histogram, role: str) -> None:
-        self._requests, self._latency, self._role = requests, latency, role
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
-        method, behavior = handler_call_details.method, handler.unary_unary
-        requests, latency = self._requests, self._latency.labels(self._role, method)
+        m, role, method, behavior = self._metrics, self._metrics.role, handler_call_details.method, handler.unary_unary
+        m._received.labels(role, method).inc()
+        latency, in_flight = m._latency.labels(role, method), m._in_flight.labels(role)
 
         def timed(request, context: grpc.ServicerContext):
             start = time.perf_counter()
             code = grpc.StatusCode.UNKNOWN
+            in_flight.inc()
             try:
                 response = behavior(request, context)
                 code = grpc.StatusCode.OK
                 return response
             finally:
+                in_flight.dec()
                 latency.observe(time.perf_counter() - start)
-                requests.labels(self._role, method, (context.code() or code).name).inc()
+                m._answered.labels(role, method, (context.code() or code).name).inc()
 
         return grpc.unary_unary_rpc_method_handler(
             timed,
@@ -125,12 +132,22 @@ class ServerMetrics:
         self.role = role
         self.registry = CollectorRegistry() if registry is None else registry
         ProcessCollector(registry=self.registry)
-        self._requests = Counter(
+        self._received = Counter(
+            "rest_datastore_requests_received",
+            "gRPC calls received, by method",
+            ("role", "method"),
+            registry=self.registry,
+        )
+        self._answered = Counter(
             "rest_datastore_requests",
-            "gRPC calls answered, by method and final status code",
+            "gRPC calls answered by a handler, by method and final status code",
             ("role", "method", "code"),
             registry=self.registry,
         )
+        self._in_flight = Gauge(
+            "rest_datastore_requests_in_flight", "gRPC calls in a handler now", ("role",), registry=self.registry
+        )
+        self._in_flight.labels(role).set(0)  # exposed from the start, like the counters' first call
         self._latency = Histogram(
             "rest_datastore_request_seconds",
             "time in the handler of a gRPC call, by method",
@@ -153,7 +170,7 @@ class ServerMetrics:
 
     def interceptor(self) -> grpc.ServerInterceptor:
         """A server interceptor that counts and times every unary-unary call."""
-        return _MetricsInterceptor(self._requests, self._latency, self.role)
+        return _MetricsInterceptor(self)
 
     def set_shards(self, shards: int, tokens: int) -> None:
         """This process serves ``shards`` shards holding ``tokens`` corpus tokens."""

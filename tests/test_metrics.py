@@ -4,12 +4,14 @@ JSON log format in a fresh interpreter."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -54,6 +56,14 @@ def _slow(request: bytes, context) -> bytes:
     return request
 
 
+RELEASE = threading.Event()
+
+
+def _block(request: bytes, context) -> bytes:
+    RELEASE.wait(30)
+    return request
+
+
 def _stream(request: bytes, context):
     yield request
     yield request
@@ -61,7 +71,14 @@ def _stream(request: bytes, context):
 
 REGISTERED = {
     name: grpc.unary_unary_rpc_method_handler(fn)
-    for name, fn in (("Ok", _ok), ("Invalid", _invalid), ("Raise", _raise), ("SetCode", _set_code), ("Slow", _slow))
+    for name, fn in (
+        ("Ok", _ok),
+        ("Invalid", _invalid),
+        ("Raise", _raise),
+        ("SetCode", _set_code),
+        ("Slow", _slow),
+        ("Block", _block),
+    )
 }
 REGISTERED["Stream"] = grpc.unary_stream_rpc_method_handler(_stream)
 
@@ -73,18 +90,26 @@ def metrics():
     metrics.stop()
 
 
-@pytest.fixture
-def server(metrics):
+@contextlib.contextmanager
+def serving(metrics: ServerMetrics, **options):
     """A gRPC server with the interceptor: ``test.Echo`` registered as the datastore registers its
-    service, ``test.Generic`` through a generic handler, and the health service."""
-    server = grpc.server(ThreadPoolExecutor(max_workers=4), interceptors=[metrics.interceptor()])
+    service, ``test.Generic`` through a generic handler, and the health service; yields its address."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=4), interceptors=[metrics.interceptor()], **options)
     server.add_registered_method_handlers("test.Echo", REGISTERED)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Generic", {"Ok": REGISTERED["Ok"]}),))
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(None).wait()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait()
+
+
+@pytest.fixture
+def server(metrics):
+    with serving(metrics) as address:
+        yield address
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -141,6 +166,13 @@ def test_requests_counted_by_method_and_final_code(metrics, server):
         ("/test.Generic/Ok", "OK"): 1,
         ("/grpc.health.v1.Health/Check", "OK"): 1,
     }  # the streaming call and the unknown method are not counted
+    received = {
+        dict(labels)["method"]: value
+        for (name, labels), value in samples.items()
+        if name == "rest_datastore_requests_received_total"
+    }
+    assert received == {method: sum(v for (m, _), v in requests.items() if m == method) for method, _ in requests}
+    assert sample(samples, "rest_datastore_requests_in_flight", role="shard") == 0
     assert all(dict(labels)["role"] == "shard" for (name, labels) in samples if name.startswith("rest_datastore_"))
     ok = {"role": "shard", "method": "/test.Echo/Ok"}
     assert sample(samples, "rest_datastore_request_seconds_count", **ok) == 2
@@ -148,6 +180,32 @@ def test_requests_counted_by_method_and_final_code(metrics, server):
     assert 0 < sample(samples, "rest_datastore_request_seconds_sum", **ok) < 5
     raised = {"role": "shard", "method": "/test.Echo/Raise"}
     assert sample(samples, "rest_datastore_request_seconds_count", **raised) == 1
+
+
+def test_calls_refused_over_the_concurrency_limit_are_received_not_answered(metrics):
+    """gRPC refuses a call beyond maximum_concurrent_rpcs before its handler runs."""
+    in_flight = {"name": "rest_datastore_requests_in_flight", "labels": {"role": "shard"}}
+    RELEASE.clear()
+    with serving(metrics, maximum_concurrent_rpcs=1) as address, grpc.insecure_channel(address) as channel:
+        try:
+            blocked = channel.unary_unary("/test.Echo/Block").future(b"first", timeout=30)
+            deadline = time.monotonic() + 10
+            while metrics.registry.get_sample_value(**in_flight) != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert metrics.registry.get_sample_value(**in_flight) == 1
+            assert call(channel, "/test.Echo/Block") == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            RELEASE.set()
+        assert blocked.result() == b"first"
+    samples = scrape(metrics.serve("127.0.0.1", 0))
+    block = {"role": "shard", "method": "/test.Echo/Block"}
+    assert sample(samples, "rest_datastore_requests_received_total", **block) == 2
+    assert sample(samples, "rest_datastore_requests_total", **block, code="OK") == 1
+    assert (
+        "rest_datastore_requests_total",
+        tuple(sorted({**block, "code": "RESOURCE_EXHAUSTED"}.items())),
+    ) not in samples
+    assert sample(samples, "rest_datastore_requests_in_flight", role="shard") == 0
 
 
 def test_latency_lands_in_its_bucket(metrics, server):
