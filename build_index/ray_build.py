@@ -173,9 +173,10 @@ class RayEngine:
         spec = json.dumps(corpus.spec.to_dict())
         dataset = (
             ray.data.from_items([{"spec": spec}])
-            # the read and the tokenizers ask for different CPUs, so Ray Data never fuses them
-            # into one task; the read is mostly waiting on I/O and the tokenizers
-            .flat_map(_read_corpus, num_cpus=0.25)
+            # The read asks for no CPU: it is light beside the tokenizers and mostly waits for
+            # them, which get every CPU. The different asks also keep Ray Data from fusing the
+            # two steps into one task, which would tokenize in the read task alone.
+            .flat_map(_read_corpus, num_cpus=0)
             .map_batches(
                 _tokenize,
                 batch_size=self.config.batch_size,
