@@ -20,17 +20,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rest_spec.build_index.__main__ import _parser as build_index_parser
 from rest_spec.datastore.__main__ import build_parser as datastore_parser
+from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.format import MANIFEST, read_manifest
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import SERVICE_NAME
 from rest_spec.datastore.shards import SERVICE_NAME as SHARD_SERVICE_NAME
 from rest_spec.datastore.shards import parse_shard_spec
-from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
+from tests.helpers import CORPUS_VOCAB, DatastoreProcess, contexts_from, synthetic_corpus, write_index
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -325,6 +328,87 @@ def test_image_and_dockerfile():
     }
     sources = [src for line in dockerfile.splitlines() if line.startswith("COPY ") for src in line.split()[1:-1]]
     assert sources and all(src in allowed for src in sources), set(sources) - allowed
+
+
+# ---- the deployment, run on this machine -------------------------------------------------------
+
+
+def local_path(path: str, container: dict, pod: Pod, pod_name: str, root: Path) -> Path:
+    """Where ``path`` of ``container`` lies on this machine: each volume is a directory under
+    ``root`` -- a claim one directory for every pod that mounts it, a claim template one per pod."""
+    volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if PurePosixPath(path).is_relative_to(mount["mountPath"]):
+            claim = volumes.get(mount["name"], {}).get("persistentVolumeClaim")
+            volume = root / "claims" / claim["claimName"] if claim else root / "pods" / pod_name / mount["name"]
+            return volume / PurePosixPath(path).relative_to(mount["mountPath"])
+    raise AssertionError(f"{pod_name}/{container['name']}: {path} is on no volume")
+
+
+def on_loopback(argv: list[str], container: dict, pod: Pod, pod_name: str, root: Path) -> list[str]:
+    """``argv`` as this machine runs it: loopback, free ports, volumes as directories under ``root``."""
+    local = {"--host": "127.0.0.1", "--port": "0", "--metrics-port": "0"}
+    out = []
+    for i, arg in enumerate(argv):
+        before = argv[i - 1] if i else ""
+        if before in local:
+            arg = local[before]
+        elif before in ("--index", "--manifest", "--source", "--dest"):
+            arg = str(local_path(arg, container, pod, pod_name, root))
+        out.append(arg)
+    return out
+
+
+def test_the_deployment_runs_on_loopback(all_commands, tmp_path):
+    """The files' own commands, run as processes here: the build's output on the shared volume,
+    each shard server's init container syncing its shards to its own disk and the server serving
+    them, a router over all of them; every probe's health service answers SERVING and the router
+    drafts what the whole index drafts."""
+    (statefulset,) = of_kind("StatefulSet")
+    shard_argvs = [(pod, c, name, argv) for pod, c, name, argv in all_commands if pod and pod.kind == "StatefulSet"]
+    num_shards = sum(len(parse_shard_spec(flag(a, "--shards"))) for _, _, _, a in shard_argvs if a[0] != "python")
+    (job,) = of_kind("RayJob")
+    build_out = PurePosixPath(flag(shlex.split(job["spec"]["entrypoint"]), "--out"))
+    (router_pod,) = [p for p in POD_TEMPLATES if p.kind == "Deployment"]
+    router_container = router_pod.spec["containers"][0]
+    # what the build leaves on the shared volume (the router reads it where it mounts the claim)
+    docs = synthetic_corpus()
+    shard_tokens = -(-sum(map(len, docs)) // num_shards) + max(map(len, docs))
+    published = local_path(str(build_out), router_container, router_pod, "router", tmp_path)
+    write_index(published, docs, CORPUS_VOCAB, shard_tokens=shard_tokens)
+    assert len(read_manifest(published).shards) == num_shards
+
+    servers = []
+    try:
+        for pod, container, pod_name, argv in shard_argvs:
+            argv = on_loopback(argv, container, pod, pod_name, tmp_path)
+            if argv[0] == "python":  # the init container, which runs to completion first
+                proc = subprocess.run([sys.executable, str(SYNC_SCRIPT), *argv[2:]], capture_output=True, text=True)
+                assert proc.returncode == 0, f"{pod_name}/{container['name']}: {proc.stderr}"
+            else:
+                servers.append((container, DatastoreProcess(*argv[1:])))
+        for _, server in servers:
+            assert server.wait().address, server.output
+        (router_argv,) = {tuple(a) for p, c, _, a in all_commands if c is router_container}
+        router_argv = on_loopback(list(router_argv), router_container, router_pod, "router", tmp_path)
+        router_argv[router_argv.index("--shard-servers") + 1] = ",".join(s.address for _, s in servers)
+        router = DatastoreProcess(*router_argv[1:])
+        servers.append((router_container, router))
+        assert router.wait().address, router.output
+
+        for container, server in servers:
+            with grpc.insecure_channel(server.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    request = health_pb2.HealthCheckRequest(service=container[probe]["grpc"].get("service", ""))
+                    assert stub.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        contexts = contexts_from(docs, 20)
+        with DatastoreClient(router.address) as client, Datastore.open(published) as whole:
+            assert client.draft_batch(contexts) == [whole.draft(c) for c in contexts]
+    finally:
+        for _, server in servers:
+            server.stop()
+    assert len(servers) == statefulset["spec"]["replicas"] + 1
 
 
 # ---- deploy/sync_shards.py ----------------------------------------------------------------------
