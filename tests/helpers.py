@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import random
+import signal
+import subprocess
+import sys
+import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -273,3 +277,61 @@ def request_oracle(
         continuation = context[e + 1 : e + 1 + config.max_depth]
         row[: len(continuation)] = continuation
     return DraftTree(*top_c_tree(rows, SEP, config.budget), n, len(ends), len(counted))
+
+
+# ---- server processes -------------------------------------------------------------------------
+
+
+class DatastoreProcess:
+    """``python -m rest_spec.datastore COMMAND ARGS`` (``serve``, ``route``) with its merged stdout
+    and stderr drained into ``lines`` (so its log never blocks it). Start several, then ``wait``
+    for each: ``address`` once it printed "listening on", None if it exited first."""
+
+    def __init__(self, command: str, *args) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rest_spec.datastore", command, *map(str, args)],
+            cwd=Path(__file__).resolve().parents[1],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.address: str | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("listening on "):
+                self.address = line.split()[-1]
+                self._done.set()
+        self._done.set()  # exited without listening
+
+    def wait(self, seconds: float = 120) -> DatastoreProcess:
+        """Until it listens or exits; asserts it did one of them in time."""
+        assert self._done.wait(seconds), f"neither listening nor exited after {seconds} s:\n{self.output}"
+        return self
+
+    def exit_status(self, seconds: float = 60) -> int:
+        return self.proc.wait(timeout=seconds)
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye to its clients."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> int:
+        """SIGTERM; its exit status (killed after 30 s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
