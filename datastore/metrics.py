@@ -25,11 +25,13 @@ received but never answered, so received - answered - in flight counts them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
@@ -63,7 +65,7 @@ class MetricsServer:
     """A running ``/metrics`` endpoint (``start_metrics_server``); ``port`` is the port actually
     bound (useful with port 0)."""
 
-    def __init__(self, httpd, thread: threading.Thread) -> None:
+    def __init__(self, httpd: WSGIServer, thread: threading.Thread) -> None:
         self._httpd, self._thread = httpd, thread
         self.port: int = httpd.server_port
 
@@ -88,18 +90,26 @@ def start_metrics_server(port: int, host: str, registry: CollectorRegistry) -> M
 class _MetricsInterceptor(grpc.ServerInterceptor):
     """Times each unary-unary call and counts it by its final status: the code the handler set
     (``set_code``, or ``abort``, which sets it and raises), else OK when it returned and UNKNOWN
-    when it raised (what gRPC answers then)."""
+    when it raised (what gRPC answers then). The labelled children are looked up once per method
+    and code (a ``labels`` call costs more than the update): about 10 us per call in all on a
+    2-core machine."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
-        self._metrics = metrics
+        role = metrics.role
+        self._in_flight = metrics._in_flight.labels(role)
+        self._per_method = functools.cache(
+            lambda method: (metrics._received.labels(role, method), metrics._latency.labels(role, method))
+        )
+        self._answered = functools.cache(lambda method, code: metrics._answered.labels(role, method, code.name))
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
-        m, role, method, behavior = self._metrics, self._metrics.role, handler_call_details.method, handler.unary_unary
-        m._received.labels(role, method).inc()
-        latency, in_flight = m._latency.labels(role, method), m._in_flight.labels(role)
+        method, behavior = handler_call_details.method, handler.unary_unary
+        received, latency = self._per_method(method)
+        received.inc()
+        in_flight = self._in_flight
 
         def timed(request, context: grpc.ServicerContext):
             start = time.perf_counter()
@@ -112,7 +122,7 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
             finally:
                 in_flight.dec()
                 latency.observe(time.perf_counter() - start)
-                m._answered.labels(role, method, (context.code() or code).name).inc()
+                self._answered(method, context.code() or code).inc()
 
         return grpc.unary_unary_rpc_method_handler(
             timed,
@@ -147,7 +157,7 @@ class ServerMetrics:
         self._in_flight = Gauge(
             "rest_datastore_requests_in_flight", "gRPC calls in a handler now", ("role",), registry=self.registry
         )
-        self._in_flight.labels(role).set(0)  # exposed from the start, like the counters' first call
+        self._in_flight.labels(role).set(0)  # a 0 from the start, not absent until the first call
         self._latency = Histogram(
             "rest_datastore_request_seconds",
             "time in the handler of a gRPC call, by method",
