@@ -62,9 +62,8 @@ DOCS = documents()
 
 @dataclass
 class Pod:
-    """A pod template of a workload: where it comes from, its spec, labels and annotations."""
+    """A pod template of a workload (``kind``, ``name``): its spec, labels and annotations."""
 
-    source: str
     kind: str
     name: str
     spec: dict
@@ -75,7 +74,7 @@ class Pod:
 
 def pods() -> list[Pod]:
     found = []
-    for source, doc in DOCS:
+    for _, doc in DOCS:
         kind, name = doc["kind"], doc["metadata"]["name"]
         if kind in ("Deployment", "StatefulSet"):
             templates = [doc["spec"]["template"]]
@@ -86,9 +85,7 @@ def pods() -> list[Pod]:
             continue
         for template in templates:
             meta = template.get("metadata", {})
-            found.append(
-                Pod(source, kind, name, template["spec"], meta.get("labels", {}), meta.get("annotations", {}), doc)
-            )
+            found.append(Pod(kind, name, template["spec"], meta.get("labels", {}), meta.get("annotations", {}), doc))
     return found
 
 
