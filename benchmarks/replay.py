@@ -15,6 +15,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from rest_spec.datastore.types import DraftConfig, DraftTree
@@ -34,20 +35,33 @@ class Drafts(Protocol):
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree: ...
 
 
-def greedy_outputs(model, name: str, prompts: list[list[int]], max_new_tokens: int) -> list[Example]:
-    """Each prompt with the model's plain greedy output, from the cache (``$REST_CACHE_DIR/greedy``)
-    when this model already decoded exactly these prompts."""
+def greedy_path(model, name: str, prompts: list[list[int]], max_new_tokens: int) -> Path:
+    """Where the greedy outputs of this model on exactly these prompts are cached
+    (``$REST_CACHE_DIR/greedy``)."""
     key = cost_key(model)
     digest = hashlib.sha256(json.dumps([key.model, key.parameters, max_new_tokens, prompts]).encode()).hexdigest()[:16]
-    path = cache_dir() / "greedy" / f"{name}-{len(prompts)}-{digest}.json"
+    return cache_dir() / "greedy" / f"{name}-{len(prompts)}-{digest}.json"
+
+
+def save_greedy_outputs(path: Path, examples: list[Example]) -> None:
+    """Cache ``examples`` at ``path`` (from ``greedy_path``), written whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(examples))
+    partial.replace(path)
+
+
+def greedy_outputs(model, name: str, prompts: list[list[int]], max_new_tokens: int) -> list[Example]:
+    """Each prompt with the model's plain greedy output, from the cache when this model already
+    decoded exactly these prompts (here, or as ``benchmarks.e2e``'s plain mode)."""
+    path = greedy_path(model, name, prompts, max_new_tokens)
     if path.exists():
         return [(prompt, output) for prompt, output in json.loads(path.read_text())]
     examples = []
     for i, ids in enumerate(prompts):
         examples.append((ids, generate(model, ids, None, max_new_tokens=max_new_tokens).output_ids))
         log.info("%s: greedy output %d/%d", name, i + 1, len(prompts))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(examples))
+    save_greedy_outputs(path, examples)
     return examples
 
 

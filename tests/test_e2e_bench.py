@@ -4,6 +4,7 @@ output store fed; the figures themselves are not checked (timings on a shared te
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from benchmarks import tradeoff
 from benchmarks.common import chat_prompt, humaneval_inputs, humaneval_prompts
 from benchmarks.e2e import MODES, parse_args, run_set, set_prompts, targets
-from benchmarks.replay import replay
+from benchmarks.replay import greedy_path, replay
 from rest_spec.datastore.tokenizer import load_tokenizer
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
@@ -42,7 +43,8 @@ def test_humaneval_sets_are_the_raw_code_and_the_same_prompts_as_a_chat_turn():
 
 
 @pytest.mark.slow
-def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index):
+def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index, monkeypatch, tmp_path):
+    monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
     model, tokenizer = smollm2
     args = parse_args(["--prompts", "2", "--max-new-tokens", "8"])
     prompts = humaneval_inputs(tokenizer, 2)
@@ -61,6 +63,9 @@ def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index):
     assert result["modes"]["paper"]["mean_verified_per_step"] > 1
     assert set(result["adaptive_mode_source_weights"]) == {"index", "request", "outputs"}
     assert result["median_speed_adaptive_vs_pld"] > 0
+    # plain mode's outputs are the replay benchmarks' greedy reference, cached for them
+    cached = json.loads(greedy_path(model, "humaneval", prompts, 8).read_text())
+    assert cached == [[ids, generate(model, ids, None, max_new_tokens=8).output_ids] for ids in prompts]
     checks = targets({"sets": {"humaneval": result}})
     assert checks["every output equals plain decoding"] is True
     assert {"humaneval: adaptive median speed >= 1.8x plain", "humaneval: adaptive median speed >= 1.3x pld"} <= set(
