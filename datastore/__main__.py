@@ -43,7 +43,6 @@ from rest_spec.datastore.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_to
 from rest_spec.datastore.types import DEFAULT_CONFIG, DraftConfig, DraftTree  # noqa: E402
 
 DEFAULT_SERVER = ServerConfig()
-DEFAULT_ROUTER = RouterConfig(shard_servers=("-",))
 EXIT_STATUSES = (
     "exit status: 0 done; 2 usage error (an unknown flag, a missing --index, a value out of range); "
     "1 failure (index missing or corrupt, server unreachable, call refused, port in use); 130 Ctrl-C."
@@ -220,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         default=env("REST_SHARDS"),
         help="serve only these shards of the index (manifest numbers, e.g. 0-3,7) over the internal shard "
-        "service, for `rest-datastore route`; the output store options do not apply (default: $REST_SHARDS)",
+        "service, for `rest-datastore route`; the output store options do not apply, and with --auth-token "
+        "every call needs the token (default: $REST_SHARDS)",
     )
     serve_cmd.add_argument(
         "--check-index",
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard-timeout",
         type=float,
         metavar="S",
-        default=env("REST_SHARD_TIMEOUT", str(DEFAULT_ROUTER.timeout)),
+        default=env("REST_SHARD_TIMEOUT", str(RouterConfig.timeout)),
         help="seconds a call to a shard server may take before it counts as down (default: $REST_SHARD_TIMEOUT "
         "or %(default)s)",
     )
@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--connect-timeout",
         type=float,
         metavar="S",
-        default=env("REST_CONNECT_TIMEOUT", str(DEFAULT_ROUTER.connect_timeout)),
+        default=env("REST_CONNECT_TIMEOUT", str(RouterConfig.connect_timeout)),
         help="seconds to wait at start for every shard server to answer (default: $REST_CONNECT_TIMEOUT or "
         "%(default)s)",
     )

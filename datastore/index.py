@@ -402,13 +402,9 @@ class Datastore:
                 matches.append(ShardMatch(number, len(ranges), lo, hi - lo))
         return [m for m in longest_matches(matches) if m.match_len >= n_min]
 
-    def sa_length(self, shard: int) -> int:
-        """Suffix-array entries (ranks) of shard ``shard`` (one this datastore opened)."""
-        return int(self._shards[shard].sa.shape[0])
-
     def rows(self, shard: int, ranks: np.ndarray, max_depth: int) -> np.ndarray:
-        """[len(ranks), max_depth] token rows following the matches at ``ranks`` (int64, each in
-        [0, ``sa_length(shard)``): the caller checks) of shard ``shard``."""
+        """[len(ranks), max_depth] token rows following the matches at ``ranks`` (int64, each a rank
+        of the shard's suffix array: the caller checks) of shard ``shard``."""
         if self._closed:
             raise RuntimeError("datastore is closed")
         out = np.empty((ranks.size, max_depth), dtype=self._token_dtype)

@@ -148,7 +148,7 @@ class ShardServicer(BoundedServicer):
         if request.inline_rows > MAX_ROWS:
             raise ValueError(f"inline_rows must be in [0, {MAX_ROWS}], got {request.inline_rows}")
         queries = self._queries(request, config.n_max)
-        room = self._config.max_reply_bytes
+        room = self._config.max_reply_bytes - 8 * len(queries)  # 8: one ContextHits' framing, at most
         reply = spb.MatchReply()
         for query in queries:
             stop_if_ended(context)

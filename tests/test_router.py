@@ -24,7 +24,7 @@ SERVER = ServerConfig(port=0, workers=2, grace_seconds=0)
 
 
 @contextlib.contextmanager
-def shard_servers(path, assignment: list[list[int]], servicer=ShardServicer):
+def shard_servers(path, assignment: list[list[int]], servicer=ShardServicer, config: ServerConfig = SERVER):
     """One real shard server on a loopback port per list of shard numbers, answering through
     ``servicer`` (a hostile subclass, or the real one); their addresses."""
     with contextlib.ExitStack() as stack:
@@ -32,7 +32,7 @@ def shard_servers(path, assignment: list[list[int]], servicer=ShardServicer):
         for shards in assignment:
             store = stack.enter_context(Datastore.open(path, shards=shards))
             store.warm_up()
-            server = GrpcServer(SERVICE_NAME, servicer(store, SERVER).handlers(), SERVER, "shard service")
+            server = GrpcServer(SERVICE_NAME, servicer(store, config).handlers(), config, "shard service")
             addresses.append(stack.enter_context(server).address)
         yield tuple(addresses)
 
@@ -208,3 +208,17 @@ def test_a_server_answering_nonsense_is_unavailable_or_left_out(index):
             Datastore.open(path, shards=[0]) as survivor,
         ):
             assert list(router.drafts(contexts, DraftConfig())) == survivor.draft_batch(contexts, DraftConfig())
+
+
+def test_shard_servers_with_a_token_need_the_router_to_send_it(index):
+    path, docs, num_shards = index
+    config = ServerConfig(port=0, workers=2, grace_seconds=0, auth_token="s3cr3t")
+    contexts = contexts_from(docs, 10, seed=5)
+    with shard_servers(path, [list(range(num_shards))], config=config) as addresses:
+        with pytest.raises(ConnectionError, match="UNAUTHENTICATED"):
+            Router.connect(path / "manifest.json", RouterConfig(addresses))
+        with (
+            Router.connect(path / "manifest.json", RouterConfig(addresses, auth_token="s3cr3t")) as router,
+            Datastore.open(path) as store,
+        ):
+            assert list(router.drafts(contexts, DraftConfig())) == store.draft_batch(contexts, DraftConfig())
