@@ -111,6 +111,12 @@ def ray_session(target: RayTarget) -> Iterator[None]:
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
         with stop_signals_deferred():
+            if target.kind == "local":
+                # A terminal's hang-up reaches the whole process group, and a cluster process that
+                # died of it would take this one down before its handler removes the partial
+                # index: the cluster's processes (which keep ignored signals) leave it to this one,
+                # which shuts them down. (SIGINT they handle themselves.)
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
             try:
                 # (its warning that it chose token auth for a local cluster: it is this build's own)
                 with _quiet("ray._private.authentication.authentication_token_setup"):
@@ -170,9 +176,12 @@ class RayEngine:
         from the read task's counts."""
         import ray.data
 
-        spec = json.dumps(corpus.spec.to_dict())
+        read = {
+            "spec": json.dumps(corpus.spec.to_dict()),
+            "log_level": logging.getLogger("rest_spec").getEffectiveLevel(),
+        }
         dataset = (
-            ray.data.from_items([{"spec": spec}])
+            ray.data.from_items([read])
             # The read asks for no CPU: it is light beside the tokenizers and mostly waits for
             # them, which get every CPU. The different asks also keep Ray Data from fusing the
             # two steps into one task, which would tokenize in the read task alone.
@@ -248,9 +257,12 @@ def _cause(exc: BaseException) -> BaseException:
 # ---- in Ray tasks ---------------------------------------------------------------------------------
 
 
-def _read_corpus(item: dict) -> Iterator[dict]:
-    """The read task: one row per record to index (its documents), then one row of the read's counts."""
-    corpus = open_corpus(CorpusSpec.from_dict(json.loads(item["spec"])))
+def _read_corpus(read: dict) -> Iterator[dict]:
+    """The read task: one row per record to index (its documents), then one row of the read's
+    counts. The readers' warnings (files skipped, a file cut off) reach the driver's stderr
+    through Ray at the driver's level (none with ``--quiet``)."""
+    logging.getLogger("rest_spec").setLevel(read["log_level"])
+    corpus = open_corpus(CorpusSpec.from_dict(json.loads(read["spec"])))
     for record in corpus.records():
         yield {"texts": list(documents((record,), corpus.spec.turns)), "stats": None}
     yield {"texts": [], "stats": json.dumps(asdict(corpus.stats))}
