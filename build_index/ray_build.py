@@ -220,11 +220,12 @@ class RayEngine:
 
 @contextlib.contextmanager
 def _quiet(name: str) -> Iterator[None]:
-    """Only errors from Ray's logger ``name`` in the block, unless this module logs debug (``-vv``)."""
+    """Nothing from Ray's logger ``name`` in the block unless this module logs debug (``-vv``): what
+    it would say the build says itself, in one line (a failed task's error, its own progress bar)."""
     logger = logging.getLogger(name)
     level = logger.level
     if not log.isEnabledFor(logging.DEBUG):
-        logger.setLevel(logging.ERROR)
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
@@ -241,12 +242,16 @@ def _unwrapped(batches: Iterator) -> Iterator:
 
 
 def _cause(exc: BaseException) -> BaseException:
-    """The error a Ray task raised, unwrapped from Ray's wrappers: a ``CorpusError``, a
-    ``BuildInputError`` or an ``OSError`` as itself, anything else as a ``RayBuildError``."""
+    """The error a Ray task raised, unwrapped from Ray's wrappers: an ``OSError`` as itself, a
+    ``CorpusError`` or ``BuildInputError`` as its first line (Ray Data appends notes on retries),
+    anything else as a ``RayBuildError``."""
     seen = exc
     for _ in range(8):  # RayTaskError(UserCodeException(cause)) and the like
-        if isinstance(seen, (CorpusError, BuildInputError, OSError)) and type(seen).__module__ != "ray.exceptions":
-            return seen
+        if type(seen).__module__ != "ray.exceptions":
+            if isinstance(seen, (CorpusError, BuildInputError)):
+                return type(seen)(first_line(seen))
+            if isinstance(seen, OSError):
+                return seen
         inner = getattr(seen, "cause", None) or seen.__cause__
         if inner is None:
             break

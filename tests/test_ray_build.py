@@ -152,3 +152,27 @@ def test_a_stop_signal_during_a_ray_build_leaves_the_previous_index(tmp_path, ra
 
     _build(*common, "--overwrite")  # the session survived the interruption
     assert fmt.read_manifest(tmp_path / "out").build["args"]["ray"] == "local:2"
+
+
+@pytest.mark.slow
+def test_a_corpus_error_in_the_read_task_is_the_plain_builds_one_line(tmp_path, ray_cluster, capsys):
+    rows = [{"conversations": [{"from": "gpt", "value": f"answer {i}"}]} for i in range(50)]
+    rows[30] = {"conversations": 5}  # found only mid-stream, by the read task
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    errors = []
+    for ray in ([], ["--ray", "local:2"]):
+        assert (
+            main(["--quiet", "--corpus", str(chats), "--field", "conversations", "--out", str(tmp_path / "out"), *ray])
+            == 1
+        )
+        errors.append(capsys.readouterr().err)
+    assert (
+        errors[0]
+        == errors[1]
+        == (
+            f"build_index: error: {chats}: field 'conversations' holds int; "
+            "expected a string, a list of strings or a list of role/content messages\n"
+        )
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]
