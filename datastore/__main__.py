@@ -36,6 +36,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 from rest_spec.datastore.client import DatastoreClient, add_connection_arguments  # noqa: E402
 from rest_spec.datastore.errors import first_line  # noqa: E402
 from rest_spec.datastore.index import Datastore  # noqa: E402
+from rest_spec.datastore.logs import LOG_FORMATS, configure_logging  # noqa: E402
 from rest_spec.datastore.router import RouterConfig, route  # noqa: E402
 from rest_spec.datastore.server import AUTH_SCOPES, ServerConfig, serve  # noqa: E402
 from rest_spec.datastore.shards import parse_shard_spec, serve_shards  # noqa: E402
@@ -197,6 +198,22 @@ def _add_server_arguments(cmd: argparse.ArgumentParser) -> None:
         "record and dropping the damaged bytes (a warning says how many); without it such a "
         "log is refused",
     )
+    operations = cmd.add_argument_group("operations")
+    operations.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        default=env("REST_METRICS_PORT"),
+        help="serve Prometheus metrics at http://HOST:PORT/metrics on --host (requests by method and "
+        "status, latencies, shards, output-store size); 0 picks a free port (default: "
+        "$REST_METRICS_PORT, else none)",
+    )
+    operations.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=env("REST_LOG_FORMAT", "text"),
+        help="log lines as text or one JSON object per line (default: $REST_LOG_FORMAT or %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,6 +373,7 @@ def _server_config(args: argparse.Namespace, **extra) -> ServerConfig:
         tls_key=args.tls_key,
         auth_token=_auth_token(args),
         auth_scope=args.auth_scope,
+        metrics_port=args.metrics_port,
         **extra,
     )
 
@@ -450,10 +468,9 @@ def format_tree(tree: DraftTree, tokenizer=None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.command in ("serve", "route") else logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    configure_logging(
+        logging.INFO if args.command in ("serve", "route") else logging.WARNING,
+        getattr(args, "log_format", "text"),  # a server flag
     )
     try:
         args.run(args)

@@ -435,6 +435,6 @@ def route(
 
     def start(resources: contextlib.ExitStack) -> DatastoreServer:
         router = resources.enter_context(Router.connect(manifest_path, router_config))
-        return start_datastore(resources, router, config)
+        return start_datastore(resources, router, config, role="route")
 
     run_until_signalled(start, ready)

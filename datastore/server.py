@@ -42,6 +42,7 @@ from rest_spec.datastore import wire
 from rest_spec.datastore.errors import first_line
 from rest_spec.datastore.format import IndexCorruptError
 from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.metrics import ServerMetrics
 from rest_spec.datastore.outputs import (
     DEFAULT_OUTPUTS_MAX_TOKENS,
     OutputStore,
@@ -83,7 +84,10 @@ class ServerConfig:
 
     Exposure: ``tls_cert``/``tls_key`` (PEM files, both or neither) serve over TLS; with
     ``auth_token``, calls in ``auth_scope`` ("add-output": AddOutput only, "all": every Datastore
-    call; health and reflection stay open) need the metadata ``authorization: Bearer <token>``."""
+    call; health and reflection stay open) need the metadata ``authorization: Bearer <token>``.
+
+    ``metrics_port``: serve Prometheus metrics (``datastore.metrics``) over HTTP on ``host`` at
+    that port (0: a free one); None: no metrics."""
 
     host: str = "127.0.0.1"
     port: int = 50051
@@ -102,10 +106,13 @@ class ServerConfig:
     tls_key: Path | None = None
     auth_token: str | None = field(default=None, repr=False)  # never in a logged repr
     auth_scope: str = "add-output"
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.max_context_tokens < wire.MIN_CONTEXT_LIMIT:
@@ -471,13 +478,21 @@ class GrpcServer:
     unusable TLS files. ``what`` describes the server in its log lines."""
 
     def __init__(
-        self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler], config: ServerConfig, what: str
+        self,
+        service_name: str,
+        handlers: dict[str, grpc.RpcMethodHandler],
+        config: ServerConfig,
+        what: str,
+        role: str,
     ) -> None:
         self.config = config
         self._what = what
+        # ``role`` (serve, shard, route) labels the metrics; subclasses report what they serve in them
+        self.metrics = None if config.metrics_port is None else ServerMetrics(role)
         credentials = None if config.tls_cert is None else server_credentials(config.tls_cert, config.tls_key)
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="datastore"),
+            interceptors=[] if self.metrics is None else [self.metrics.interceptor()],
             options=[
                 ("grpc.so_reuseport", 0),  # a second server on a busy port must fail, not silently share it
                 ("grpc.max_receive_message_length", config.max_request_bytes),
@@ -499,6 +514,13 @@ class GrpcServer:
             raise OSError(
                 f"cannot listen on {target}: the port is in use or the host is not an address of this machine"
             ) from None
+        if self.metrics is not None:
+            try:
+                self.metrics_port = self.metrics.serve(config.host, config.metrics_port)
+            except OSError:
+                self._server.stop(None)
+                raise
+            log.info("metrics on http://%s/metrics", format_address(config.host, self.metrics_port))
         self._server.start()
         for service in ("", service_name):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -519,6 +541,8 @@ class GrpcServer:
         (default: the config's), then return."""
         self._health.enter_graceful_shutdown()
         self._server.stop(self.config.grace_seconds if grace is None else grace).wait()
+        if self.metrics is not None:
+            self.metrics.stop()
         log.info("%s on %s stopped", self._what, self.address)
 
     def __enter__(self):
@@ -535,13 +559,26 @@ class DatastoreServer(GrpcServer):
     answers at full speed once constructed."""
 
     def __init__(
-        self, store: Engine, config: ServerConfig = ServerConfig(), outputs: OutputStore | None = None
+        self,
+        store: Engine,
+        config: ServerConfig = ServerConfig(),
+        outputs: OutputStore | None = None,
+        role: str = "serve",
     ) -> None:
         log.info("retrieval kernels ready in %.2f s", store.warm_up())
         kept = "no output store" if outputs is None else f"output store of {outputs.max_tokens} tokens"
         super().__init__(
-            SERVICE_NAME, DatastoreServicer(store, config, outputs).handlers(), config, f"datastore service ({kept})"
+            SERVICE_NAME,
+            DatastoreServicer(store, config, outputs).handlers(),
+            config,
+            f"datastore service ({kept})",
+            role,
         )
+        if self.metrics is not None:
+            info = store.info()
+            self.metrics.set_shards(len(info.shards), info.num_tokens)
+            if outputs is not None:
+                self.metrics.track_output_store(lambda: outputs.num_tokens)
 
 
 def run_until_signalled(
@@ -565,15 +602,18 @@ def run_until_signalled(
             signal.signal(sig, handler)
 
 
-def start_datastore(resources: contextlib.ExitStack, store: Engine, config: ServerConfig) -> DatastoreServer:
+def start_datastore(
+    resources: contextlib.ExitStack, store: Engine, config: ServerConfig, role: str = "serve"
+) -> DatastoreServer:
     """The datastore service over ``store`` with the output store ``config`` asks for, both
-    entered into ``resources``. Raises ``OutputStoreError``, ``OSError``, ``ValueError``."""
+    entered into ``resources`` (``role`` as ``DatastoreServer``'s). Raises ``OutputStoreError``,
+    ``OSError``, ``ValueError``."""
     outputs = open_output_store(
         config.outputs_max_tokens, config.outputs_dir, vocab_size=store.vocab_size, salvage=config.outputs_salvage
     )
     if outputs is not None:
         resources.enter_context(outputs)
-    return resources.enter_context(DatastoreServer(store, config, outputs))
+    return resources.enter_context(DatastoreServer(store, config, outputs, role))
 
 
 def serve(

@@ -222,7 +222,11 @@ class ShardServer(GrpcServer):
             ShardServicer(store, config).handlers(),
             config,
             f"shard service (shards {spec} of {len(store.manifest.shards)})",
+            "shard",
         )
+        if self.metrics is not None:
+            served = [store.manifest.shards[number] for number in store.shard_numbers]
+            self.metrics.set_shards(len(served), sum(shard.num_tokens for shard in served))
 
 
 def serve_shards(

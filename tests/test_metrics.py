@@ -26,7 +26,7 @@ from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.logs import JsonFormatter, configure_logging
 from rest_spec.datastore.metrics import LATENCY_BUCKETS, ServerMetrics, start_metrics_server
 from rest_spec.datastore.outputs import OutputStore
-from rest_spec.datastore.server import SERVICE_NAME, DatastoreServicer, ServerConfig
+from rest_spec.datastore.server import SERVICE_NAME, DatastoreServer, DatastoreServicer, ServerConfig
 from rest_spec.proto.v1 import datastore_pb2 as pb
 from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
 
@@ -312,6 +312,34 @@ def test_datastore_servicer_calls_and_refusals(metrics, tmp_path):
     assert sample(samples, "rest_datastore_requests_total", role="shard", method=draft, code="OK") == 1
     assert sample(samples, "rest_datastore_requests_total", role="shard", method=draft, code="INVALID_ARGUMENT") == 2
     assert sample(samples, "rest_datastore_request_seconds_count", role="shard", method=draft) == 3
+
+
+def test_datastore_server_with_a_metrics_port(tmp_path):
+    """``ServerConfig(metrics_port=0)``: the server itself counts its calls and reports its index
+    and output store on its own metrics port, and stops serving them when it stops."""
+    index = write_index(tmp_path / "idx", synthetic_corpus(), CORPUS_VOCAB, shard_tokens=2_000)
+    config = ServerConfig(port=0, metrics_port=0)
+    with Datastore.open(index) as store, OutputStore(10_000, vocab_size=CORPUS_VOCAB) as outputs:
+        server = DatastoreServer(store, config, outputs)
+        try:
+            with grpc.insecure_channel(server.address) as channel:
+                good = pb.DraftRequest(context=pb.Context(tokens=synthetic_corpus()[0][:8])).SerializeToString()
+                channel.unary_unary(f"/{SERVICE_NAME}/Draft")(good, timeout=5)
+                added = pb.AddOutputRequest(tokens=[1, 2, 3, 4]).SerializeToString()
+                channel.unary_unary(f"/{SERVICE_NAME}/AddOutput")(added, timeout=5)
+            samples = scrape(server.metrics_port)
+        finally:
+            server.stop(0)
+        info = store.info()
+    assert len(info.shards) > 1
+    assert (
+        sample(samples, "rest_datastore_requests_total", role="serve", method=f"/{SERVICE_NAME}/Draft", code="OK") == 1
+    )
+    assert sample(samples, "rest_datastore_shards", role="serve") == len(info.shards)
+    assert sample(samples, "rest_datastore_indexed_tokens", role="serve") == info.num_tokens
+    assert sample(samples, "rest_datastore_output_store_tokens", role="serve") == 4
+    with pytest.raises(urllib.error.URLError):
+        scrape(server.metrics_port)
 
 
 def test_unknown_role_is_refused():

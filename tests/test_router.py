@@ -32,7 +32,7 @@ def shard_servers(path, assignment: list[list[int]], servicer=ShardServicer, con
         for shards in assignment:
             store = stack.enter_context(Datastore.open(path, shards=shards))
             store.warm_up()
-            server = GrpcServer(SERVICE_NAME, servicer(store, config).handlers(), config, "shard service")
+            server = GrpcServer(SERVICE_NAME, servicer(store, config).handlers(), config, "shard service", "shard")
             addresses.append(stack.enter_context(server).address)
         yield tuple(addresses)
 
