@@ -424,9 +424,12 @@ class Datastore:
         )
         return tree_from_rows(rows, self._sep, config.budget, plan)
 
-    def drafts(self, contexts: Iterable[Sequence[int] | np.ndarray], config: DraftConfig) -> Iterator[DraftTree]:
+    def drafts(
+        self, contexts: Iterable[Sequence[int] | np.ndarray], config: DraftConfig, timeout: float | None = None
+    ) -> Iterator[DraftTree]:
         """The trees of ``contexts`` one by one, each drafted only when asked for (a server stops
-        asking once a reply is too large or its client is gone)."""
+        asking once a reply is too large or its client is gone; ``timeout`` does not apply: a
+        draft is local work of well under a millisecond)."""
         for context in contexts:
             yield self.draft(context, config)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections import Counter, defaultdict
@@ -241,15 +242,18 @@ class Router:
         warm_up_top_c_tree(np.dtype("<u4"))
         return time.perf_counter() - start
 
-    def drafts(self, contexts: Iterable, config: DraftConfig) -> Iterator[DraftTree]:
+    def drafts(self, contexts: Iterable, config: DraftConfig, timeout: float | None = None) -> Iterator[DraftTree]:
         """The trees of ``contexts``: one ``Match`` per server for all of them, one ``Gather`` per
-        server if any sample needs rows that were not inlined, then the trees one by one."""
+        server if any sample needs rows that were not inlined, then the trees one by one. Both
+        rounds together take at most ``timeout`` seconds (the client's deadline) where that is
+        shorter than the config's per-call timeout."""
         queries = [query_tokens(c, config.n_max, self.vocab_size) for c in contexts]
         if not queries:
             return
-        hits = self._match(queries, config)
+        deadline = time.monotonic() + min(self._config.timeout, math.inf if timeout is None else timeout)
+        hits = self._match(queries, config, deadline)
         plans = [plan_draft((m for m, _ in h), q, config.n_min, self._cap) for q, h in zip(queries, hits)]
-        gathered = self._gather(queries, config, hits, plans)
+        gathered = self._gather(queries, config, hits, plans, deadline)
         for i, plan in enumerate(plans):
             if plan is None or i not in gathered:
                 yield DraftTree.empty()
@@ -265,7 +269,7 @@ class Router:
     def _tokens(self, query: np.ndarray) -> spb.Tokens:
         return spb.Tokens(tokens=query[::-1].tolist())  # the context's last n_max tokens, oldest first
 
-    def _match(self, queries: list[np.ndarray], config: DraftConfig) -> list[_Hits]:
+    def _match(self, queries: list[np.ndarray], config: DraftConfig, deadline: float) -> list[_Hits]:
         """Every context's hits over every server that answered (checked)."""
         request = spb.MatchRequest(
             index_id=self._index_id,
@@ -276,7 +280,7 @@ class Router:
             inline_rows=self._inline_rows,
         )
         hits: list[_Hits] = [[] for _ in queries]
-        for server, reply in self._call_all("Match", {server: request for server in self._servers}).items():
+        for server, reply in self._call_all("Match", {server: request for server in self._servers}, deadline).items():
             try:
                 parsed = self._parse_match(server, reply, queries, config)
             except _BadReply as exc:
@@ -320,7 +324,12 @@ class Router:
         return parsed
 
     def _gather(
-        self, queries: list[np.ndarray], config: DraftConfig, hits: list[_Hits], plans: list[DraftPlan | None]
+        self,
+        queries: list[np.ndarray],
+        config: DraftConfig,
+        hits: list[_Hits],
+        plans: list[DraftPlan | None],
+        deadline: float,
     ) -> dict[int, dict[int, np.ndarray]]:
         """Per context with a plan, the sampled rows of its hit shards that did not inline them
         (shard -> rows); a context whose rows were lost (``allow_partial``) is left out."""
@@ -344,7 +353,7 @@ class Router:
                 items=[spb.GatherItem(context=local[i], shard=s, ranks=r.tolist()) for i, s, r in items],
             )
         gathered: dict[int, dict[int, np.ndarray]] = {i: {} for i, plan in enumerate(plans) if plan is not None}
-        replies = self._call_all("Gather", requests)
+        replies = self._call_all("Gather", requests, deadline)
         for server, items in wanted.items():
             rows = self._parse_gather(server, replies[server], items, config) if server in replies else None
             for k, (i, shard, _) in enumerate(items):
@@ -372,16 +381,17 @@ class Router:
             return None
         return rows
 
-    def _call_all(self, method: str, requests: dict[_Server, object]) -> dict[_Server, object]:
+    def _call_all(self, method: str, requests: dict[_Server, object], deadline: float) -> dict[_Server, object]:
         """``method`` on every server of ``requests`` at once; the replies of those that answered
-        in time. A failure raises ``EngineUnavailable`` (the other calls are cancelled) unless
-        ``allow_partial``."""
+        before ``deadline`` (``time.monotonic()``). A failure raises ``EngineUnavailable`` (the
+        other calls are cancelled) unless ``allow_partial``."""
         if not requests:
             return {}
         with self._calls_lock:
             self.calls[method] += 1
+        timeout = max(0.0, deadline - time.monotonic())
         calls = {
-            server: getattr(server.stub, method).future(request, timeout=self._config.timeout, metadata=self._metadata)
+            server: getattr(server.stub, method).future(request, timeout=timeout, metadata=self._metadata)
             for server, request in requests.items()
         }
         replies = {}

@@ -232,8 +232,12 @@ class Engine(Protocol):
         """Get ready to answer at full speed (compile kernels); returns the seconds it took."""
         ...
 
-    def drafts(self, contexts: Iterable[np.ndarray], config: DraftConfig) -> Iterator[DraftTree]:
-        """The trees of ``contexts``, in order; the caller may stop asking at any one."""
+    def drafts(
+        self, contexts: Iterable[np.ndarray], config: DraftConfig, timeout: float | None = None
+    ) -> Iterator[DraftTree]:
+        """The trees of ``contexts``, in order; the caller may stop asking at any one. ``timeout``:
+        the seconds the client still waits (its deadline; None: none), which bounds what an engine
+        that calls other servers waits for them."""
         ...
 
 
@@ -343,7 +347,7 @@ class DatastoreServicer(BoundedServicer):
     def Draft(self, request: pb.DraftRequest, context: grpc.ServicerContext) -> pb.DraftReply:
         tokens, config = wire.parse_draft_request(request, self._vocab_size, self._config.max_context_tokens)
         return pb.DraftReply(
-            tree=wire.tree_to_message(next(self._store.drafts([tokens], config))),
+            tree=wire.tree_to_message(next(self._store.drafts([tokens], config, context.time_remaining()))),
             outputs=self._output_tree(request.include_outputs, tokens, config),
         )
 
@@ -355,7 +359,7 @@ class DatastoreServicer(BoundedServicer):
             request, self._vocab_size, self._config.max_context_tokens, max_contexts=self._config.max_batch_contexts
         )
         trees, outputs, size = [], [], 0
-        drafted = self._store.drafts(contexts, config)
+        drafted = self._store.drafts(contexts, config, context.time_remaining())
         for i, tokens in enumerate(contexts):
             stop_if_ended(context)
             trees.append(wire.tree_to_message(next(drafted)))

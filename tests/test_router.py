@@ -6,6 +6,7 @@ and a server that is down or answers nonsense is UNAVAILABLE (or, opt-in, left o
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 
 import numpy as np
@@ -208,6 +209,29 @@ def test_a_server_answering_nonsense_is_unavailable_or_left_out(index):
             Datastore.open(path, shards=[0]) as survivor,
         ):
             assert list(router.drafts(contexts, DraftConfig())) == survivor.draft_batch(contexts, DraftConfig())
+
+
+class _Slow(ShardServicer):
+    """Answers Match after a second."""
+
+    def Match(self, request, context):
+        time.sleep(1.0)
+        return super().Match(request, context)
+
+
+def test_the_callers_deadline_bounds_the_wait_for_a_late_server(index):
+    """A router allowed 30 s per shard call gives up on a late server when its own caller's
+    deadline passes, not 30 s later (a client that left does not keep router threads busy)."""
+    path, docs, num_shards = index
+    contexts = contexts_from(docs, 4, seed=3)
+    with shard_servers(path, [list(range(num_shards))], servicer=_Slow) as slow:
+        with Router.connect(path / "manifest.json", RouterConfig(slow, timeout=30.0)) as router:
+            start = time.monotonic()
+            with pytest.raises(EngineUnavailable, match="DEADLINE_EXCEEDED"):
+                list(router.drafts(contexts, DraftConfig(), timeout=0.2))
+            assert time.monotonic() - start < 0.9
+            with Datastore.open(path) as single:  # no deadline: the late answer is waited for
+                assert list(router.drafts(contexts, DraftConfig())) == single.draft_batch(contexts, DraftConfig())
 
 
 def test_shard_servers_with_a_token_need_the_router_to_send_it(index):
