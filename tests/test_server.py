@@ -303,7 +303,12 @@ def test_serve_prints_its_address_and_exits_cleanly_on_sigterm(index):
         with grpc.insecure_channel(address) as channel:
             assert pb_grpc.DatastoreStub(channel).Info(pb.InfoRequest(), timeout=10).vocab_size == VOCAB
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"no exit 20 s after SIGTERM; the server logged:\n{proc.communicate()[1]}")
+        assert proc.returncode == 0
         assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
