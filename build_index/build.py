@@ -166,9 +166,13 @@ def build(config: BuildConfig) -> BuildReport:
     SIGTERM or SIGHUP (see ``_StopSignals``)."""
     start = time.perf_counter()
     if config.ray is not None:
-        from rest_spec.build_index.ray_build import require_ray
+        from rest_spec.build_index.ray_build import RayTarget, build_through_client, require_ray
 
         require_ray()  # before any work
+        if RayTarget.parse(config.ray).kind == "client":
+            with _StopSignals() as stop:
+                stop.out = config.out
+                return build_through_client(config)
     with _StopSignals() as stop:
         corpus = open_corpus(config.corpus)
         stop.out = out = config.out or Path("indexes") / corpus.slug

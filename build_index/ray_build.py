@@ -18,6 +18,7 @@ every node needs ``rest-spec`` installed). ``ray`` is imported only here, when a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -32,11 +33,19 @@ from pathlib import Path
 
 import numpy as np
 
-from rest_spec.build_index.build import BuildInputError, documents, progress_bar
+from rest_spec.build_index.build import (
+    BuildConfig,
+    BuildInputError,
+    BuildInterrupted,
+    BuildReport,
+    build,
+    documents,
+    progress_bar,
+)
 from rest_spec.build_index.corpora import Corpus, CorpusError, CorpusSpec, ReadStats, open_corpus
 from rest_spec.build_index.signals import STOP_SIGNALS, stop_signals_deferred
 from rest_spec.build_index.tokenize import TokenizeConfig, backend_json, encode_texts, rebuild_tokenizer
-from rest_spec.build_index.writer import IndexWriter, build_shard
+from rest_spec.build_index.writer import IndexWriteError, IndexWriter, build_shard
 from rest_spec.datastore.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -69,7 +78,7 @@ class RayTarget:
     cluster this machine belongs to (``auto``) or one reached through Ray Client (``ray://HOST:PORT``)."""
 
     kind: str  # "local", "auto" or "client"
-    address: str | None = None  # ray.init's address (None: start a local cluster)
+    address: str  # ray.init's ("local" starts a new cluster even where one runs already)
     num_cpus: int | None = None  # local: the CPUs to give it (None: all of this machine's)
 
     @classmethod
@@ -80,7 +89,7 @@ class RayTarget:
             cpus = None if match["cpus"] is None else int(match["cpus"])
             if cpus == 0:
                 raise ValueError(f"--ray {text}: a local cluster needs at least 1 CPU")
-            return cls("local", None, cpus)
+            return cls("local", "local", cpus)
         if (match := _CLIENT.fullmatch(text)) and 1 <= int(match["port"]) <= 65535:
             return cls("client", text)
         raise ValueError(f"--ray takes auto, ray://HOST:PORT or local[:N] (N CPUs), got {text!r}")
@@ -106,7 +115,7 @@ def ray_session(target: RayTarget) -> Iterator[None]:
             # Ray 2.60 starts a local cluster with token auth and saves a new token in ~/.ray: this
             # cluster's token lives only in the environment of its processes, which inherit ours.
             os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    where = "a local cluster" if target.address is None else target.address
+    where = "a new local cluster" if target.kind == "local" else target.address
     log.info("starting Ray (%s)", where)
     handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     try:
@@ -137,6 +146,35 @@ def ray_session(target: RayTarget) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def build_through_client(config: BuildConfig) -> BuildReport:
+    """``build(config)`` through Ray Client, whose driver cannot run a Ray Data pipeline: the whole
+    build runs as one task on the cluster (as ``--ray auto`` there, so paths are the cluster's)
+    while this process waits. A stop signal here (``BuildInterrupted``, raised by the caller's
+    ``_StopSignals``) cancels the task, which cleans up as a stopped build does, and is passed on,
+    unless the task had already published its index."""
+    import ray
+
+    with ray_session(RayTarget.parse(config.ray)):
+        remote = ray.remote(build).options(num_cpus=0, max_retries=0)
+        ref = remote.remote(dataclasses.replace(config, ray="auto", progress=False))
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            raise _cause(exc) from exc
+        except BuildInterrupted as stopped:
+            with stop_signals_deferred():
+                ray.cancel(ref)  # a KeyboardInterrupt in the task: its `with` blocks remove its partial index
+                ray.wait([ref], timeout=60)
+            try:
+                report = ray.get(ref, timeout=0)
+            except Exception:  # cancelled (or still stopping): it published nothing
+                raise stopped from None
+            log.warning(
+                "%s arrived after the new index was written to %s", signal.Signals(stopped.signum).name, report.out
+            )
+            return report
 
 
 class RayEngine:
@@ -242,15 +280,15 @@ def _unwrapped(batches: Iterator) -> Iterator:
 
 
 def _cause(exc: BaseException) -> BaseException:
-    """The error a Ray task raised, unwrapped from Ray's wrappers: an ``OSError`` as itself, a
-    ``CorpusError`` or ``BuildInputError`` as its first line (Ray Data appends notes on retries),
-    anything else as a ``RayBuildError``."""
+    """The error a Ray task raised, unwrapped from Ray's wrappers: an ``OSError``, an
+    ``IndexWriteError`` or a ``RayBuildError`` as itself, a ``CorpusError`` or ``BuildInputError``
+    as its first line (Ray Data appends notes on retries), anything else as a ``RayBuildError``."""
     seen = exc
     for _ in range(8):  # RayTaskError(UserCodeException(cause)) and the like
         if type(seen).__module__ != "ray.exceptions":
             if isinstance(seen, (CorpusError, BuildInputError)):
                 return type(seen)(first_line(seen))
-            if isinstance(seen, OSError):
+            if isinstance(seen, (OSError, IndexWriteError, RayBuildError)):  # FileExistsError is an OSError
                 return seen
         inner = getattr(seen, "cause", None) or seen.__cause__
         if inner is None:

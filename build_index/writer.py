@@ -45,7 +45,10 @@ class IndexWriteError(Exception):
 
     def __init__(self, directory: Path, reason: str) -> None:
         super().__init__(f"cannot write index to {directory}: {reason}")
-        self.directory = directory
+        self.directory, self.reason = directory, reason
+
+    def __reduce__(self):  # pickled whole: a build run as a Ray task raises it to the client
+        return type(self), (self.directory, self.reason)
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(
     "text, target",
     [
-        ("local", RayTarget("local")),
-        ("local:2", RayTarget("local", None, 2)),
+        ("local", RayTarget("local", "local")),
+        ("local:2", RayTarget("local", "local", 2)),
         ("auto", RayTarget("auto", "auto")),
         ("ray://head.example:10001", RayTarget("client", "ray://head.example:10001")),
         ("ray://[::1]:10001", RayTarget("client", "ray://[::1]:10001")),
