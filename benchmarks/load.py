@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -60,22 +61,12 @@ def server_rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
-def start_server(index: Path, workers: int, log_file, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """``rest-datastore serve`` on loopback ``port`` (0: a free one), its log to ``log_file``;
-    returns the process and the address it printed once ready."""
+def start_datastore(args: Sequence, log_file) -> tuple[subprocess.Popen, str]:
+    """``rest-datastore ARGS`` (``serve ...``, ``route ...``; give it ``--port 0`` for a free port),
+    its log to ``log_file``; returns the process and the address it printed once ready."""
+    command = [str(arg) for arg in args]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rest_spec.datastore",
-            "serve",
-            "--index",
-            str(index),
-            "--port",
-            str(port),
-            "--workers",
-            str(workers),
-        ],
+        [sys.executable, "-m", "rest_spec.datastore", *command],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=log_file,
@@ -86,8 +77,13 @@ def start_server(index: Path, workers: int, log_file, port: int = 0) -> tuple[su
         proc.kill()
         proc.wait()
         log_file.seek(0)
-        raise RuntimeError(f"rest-datastore serve --index {index} did not start: {log_file.read().strip()}")
+        raise RuntimeError(f"rest-datastore {' '.join(command)} did not start: {log_file.read().strip()}")
     return proc, line.split()[-1]
+
+
+def start_server(index: Path, workers: int, log_file, port: int = 0) -> tuple[subprocess.Popen, str]:
+    """``rest-datastore serve`` of ``index`` on loopback ``port`` (0: a free one), as ``start_datastore``."""
+    return start_datastore(["serve", "--index", index, "--port", port, "--workers", workers], log_file)
 
 
 def client_process(
@@ -139,58 +135,54 @@ def client_process(
     )
 
 
-def run_load(
-    index: Path, *, clients: int = 32, seconds: float = 30.0, processes: int = 4, warmup: float = 5.0, workers: int = 8
+def drive(
+    address: str,
+    requests: list[bytes],
+    pids: Sequence[int],
+    *,
+    clients: int,
+    seconds: float,
+    processes: int,
+    warmup: float,
 ) -> dict:
-    """The figures of ``clients`` clients in ``processes`` processes drafting from a fresh server
-    (``workers`` threads) on ``index`` for ``seconds`` after ``warmup`` seconds."""
-    from rest_spec.datastore import wire
-    from rest_spec.datastore.types import DraftConfig
-
-    requests = [wire.draft_request(c, DraftConfig()).SerializeToString() for c in sample_contexts(index)]
+    """The figures of ``clients`` clients in ``processes`` processes sending ``requests`` (serialized
+    Draft requests) to the server at ``address`` for ``seconds`` after ``warmup`` seconds; the
+    resident memory is that of the processes ``pids`` together (the server, or a router and its
+    shard servers)."""
     processes = min(processes, clients)
     shares = [clients // processes + (k < clients % processes) for k in range(processes)]
     spawn = multiprocessing.get_context("spawn")  # no gRPC state forked into the clients
     barrier, results = spawn.Barrier(processes + 1), spawn.Queue()
-    with tempfile.TemporaryFile("w+") as server_log:
-        proc, address = start_server(index, workers, server_log)
-        try:
-            pool = [
-                spawn.Process(
-                    target=client_process,
-                    args=(address, requests, share, sum(shares[:k]) * 97, warmup, seconds, barrier, results),
-                )
-                for k, share in enumerate(shares)
-            ]
-            for p in pool:
-                p.start()
-            try:
-                barrier.wait(timeout=SETUP_SECONDS)
-                time.sleep(warmup)
-                rss_before = server_rss_mb(proc.pid)
-                time.sleep(seconds)
-                rss_after = server_rss_mb(proc.pid)
-                try:  # a client that fails prints its traceback and never reports
-                    outcomes = [results.get(timeout=CALL_TIMEOUT + SETUP_SECONDS) for _ in pool]
-                except queue.Empty:
-                    raise RuntimeError(
-                        f"a client process of {address} did not report (its traceback is above)"
-                    ) from None
-            finally:
-                for p in pool:
-                    p.join(timeout=10)
-                    if p.is_alive():
-                        p.terminate()
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+    pool = [
+        spawn.Process(
+            target=client_process,
+            args=(address, requests, share, sum(shares[:k]) * 97, warmup, seconds, barrier, results),
+        )
+        for k, share in enumerate(shares)
+    ]
+    for p in pool:
+        p.start()
+    try:
+        barrier.wait(timeout=SETUP_SECONDS)
+        time.sleep(warmup)
+        rss_before = sum(map(server_rss_mb, pids))
+        time.sleep(seconds)
+        rss_after = sum(map(server_rss_mb, pids))
+        try:  # a client that fails prints its traceback and never reports
+            outcomes = [results.get(timeout=CALL_TIMEOUT + SETUP_SECONDS) for _ in pool]
+        except queue.Empty:
+            raise RuntimeError(f"a client process of {address} did not report (its traceback is above)") from None
+    finally:
+        for p in pool:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
     calls = sum(o[0] for o in outcomes)
     errors = sum((o[1] for o in outcomes), Counter())
     latencies_ms = np.array([latency for o in outcomes for latency in o[2]]) * 1000
     return {
         "clients": clients,
         "client_processes": processes,
-        "server_workers": workers,
         "warmup_seconds": warmup,
         "seconds": seconds,
         "requests": calls,
@@ -207,6 +199,31 @@ def run_load(
             "growth": round(rss_after - rss_before, 1),
         },
     }
+
+
+def draft_requests(contexts: list[list[int]], config=None) -> list[bytes]:
+    """Serialized Draft requests of ``contexts`` with ``config`` (default: the default parameters)."""
+    from rest_spec.datastore import wire
+    from rest_spec.datastore.types import DraftConfig
+
+    return [wire.draft_request(c, config or DraftConfig()).SerializeToString() for c in contexts]
+
+
+def run_load(
+    index: Path, *, clients: int = 32, seconds: float = 30.0, processes: int = 4, warmup: float = 5.0, workers: int = 8
+) -> dict:
+    """``drive``'s figures against a fresh server (``workers`` threads) on ``index``."""
+    requests = draft_requests(sample_contexts(index))
+    with tempfile.TemporaryFile("w+") as server_log:
+        proc, address = start_server(index, workers, server_log)
+        try:
+            figures = drive(
+                address, requests, [proc.pid], clients=clients, seconds=seconds, processes=processes, warmup=warmup
+            )
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    return {**figures, "server_workers": workers}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
