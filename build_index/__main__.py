@@ -53,7 +53,8 @@ on Ray (--ray):
   bytes as a build without --ray. The temporary directory beside --out and any corpus path must
   be on storage every node mounts at the same path. local[:N] starts a private cluster for the
   build (token auth, usage stats off; ray.init takes 10-20 s); auto joins the cluster started
-  with `ray start` on this machine (RAY_ADDRESS); ray:// connects through Ray Client. Needs
+  with `ray start` on this machine (RAY_ADDRESS); ray:// connects through Ray Client and runs the
+  whole build as one task on the cluster (paths are the cluster's). Needs
   pip install 'rest-spec[ray]'.
 
 exit status:

@@ -251,16 +251,12 @@ class _LocalEngine:
 
     def index(self, corpus: Corpus, writer: IndexWriter, progress: bool) -> int:
         tokens = 0
+        turns = corpus.spec.turns
         with progress_bar(corpus, progress, corpus.records()) as records:
-            for ids in self._encoder.encode(documents(records, corpus.spec.turns)):
+            for ids in self._encoder.encode(text for record in records for text in record.documents(turns)):
                 writer.add_document(ids)
                 tokens += ids.size
         return tokens
-
-
-def documents(records: Iterable[Record], turns: str) -> Iterator[str]:
-    """The texts to index from ``records``, in order (every engine reads a corpus through this)."""
-    return (text for record in records for text in record.documents(turns))
 
 
 @contextlib.contextmanager

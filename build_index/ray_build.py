@@ -12,7 +12,9 @@ the plain build's; the manifest differs only in its ``build`` entry (arguments a
 
 The temporary directory sits beside ``--out`` and the corpus paths are read where the tasks run:
 on a cluster of several machines both must be on storage every node mounts at the same path (and
-every node needs ``rest-spec`` installed). ``ray`` is imported only here, when a build asks for it.
+every node needs ``rest-spec`` installed). Through Ray Client (``ray://``), whose driver cannot run
+Ray Data, the whole build runs as one task on the cluster. ``ray`` is imported only here, when a
+build asks for it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from rest_spec.build_index.build import (
     BuildInterrupted,
     BuildReport,
     build,
-    documents,
     progress_bar,
 )
 from rest_spec.build_index.corpora import Corpus, CorpusError, CorpusSpec, ReadStats, open_corpus
@@ -271,8 +272,7 @@ def _quiet(name: str) -> Iterator[None]:
 
 
 def _unwrapped(batches: Iterator) -> Iterator:
-    """``batches``, with an error raised in a Ray task re-raised as the builder's own: a corpus
-    error as the ``CorpusError`` it is, anything else as a ``RayBuildError``."""
+    """``batches``, with an error raised in a Ray task re-raised as the builder's own (``_cause``)."""
     try:
         yield from batches
     except Exception as exc:
@@ -307,7 +307,7 @@ def _read_corpus(read: dict) -> Iterator[dict]:
     logging.getLogger("rest_spec").setLevel(read["log_level"])
     corpus = open_corpus(CorpusSpec.from_dict(json.loads(read["spec"])))
     for record in corpus.records():
-        yield {"texts": list(documents((record,), corpus.spec.turns)), "stats": None}
+        yield {"texts": record.documents(corpus.spec.turns), "stats": None}
     yield {"texts": [], "stats": json.dumps(asdict(corpus.stats))}
 
 
