@@ -54,7 +54,7 @@ on Ray (--ray):
   be on storage every node mounts at the same path. local[:N] starts a private cluster for the
   build (token auth, usage stats off; ray.init takes 10-20 s); auto joins the cluster started
   with `ray start` on this machine (RAY_ADDRESS); ray:// connects through Ray Client and runs the
-  whole build as one task on the cluster (paths are the cluster's). Needs
+  whole build as one task on the cluster (paths are the cluster's; --out must be absolute). Needs
   pip install 'rest-spec[ray]'.
 
 exit status:

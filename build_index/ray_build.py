@@ -157,6 +157,8 @@ def build_through_client(config: BuildConfig) -> BuildReport:
     unless the task had already published its index."""
     import ray
 
+    if config.out is None or not config.out.is_absolute():
+        raise BuildInputError(f"--ray {config.ray} builds on the cluster: give --out as an absolute path there")
     with ray_session(RayTarget.parse(config.ray)):
         remote = ray.remote(build).options(num_cpus=0, max_retries=0)
         ref = remote.remote(dataclasses.replace(config, ray="auto", progress=False))

@@ -55,6 +55,18 @@ def test_ray_not_installed_says_how_to_install(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("out", [None, "relative/out"])
+def test_ray_client_builds_need_an_absolute_out(tmp_path, capsys, out):
+    """Through Ray Client the build runs on the cluster, where a relative path means nothing."""
+    pytest.importorskip("ray")
+    (tmp_path / "a.txt").write_text("some text")
+    args = ["--corpus", str(tmp_path), "--ray", "ray://127.0.0.1:10001", *(["--out", out] if out else [])]
+    assert main(args) == 1
+    assert capsys.readouterr().err == (
+        "build_index: error: --ray ray://127.0.0.1:10001 builds on the cluster: give --out as an absolute path there\n"
+    )
+
+
 # --------------------------------------------------------------------------- on a local cluster
 
 
