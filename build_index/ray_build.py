@@ -368,7 +368,9 @@ class _RayIndexWriter(IndexWriter):
                 f"a shard of {tokens.size:,} tokens needs ~{memory / 2**30:.1f} GiB to build, and the largest "
                 f"Ray node offers {self._engine.node_memory / 2**30:.1f} GiB: lower --shard-tokens"
             )
-        task = ray.remote(_build_shard_task).options(num_cpus=1, memory=memory, max_retries=0)
+        # Ray retries a task whose worker or node died (a preempted node): writing a shard again
+        # writes the same bytes to the same files.
+        task = ray.remote(_build_shard_task).options(num_cpus=1, memory=memory)
         self._in_flight.append(task.remote(str(self._tmp), shard, tokens, self.vocab_size))
         while len(self._in_flight) > self._engine.cpus:
             self._take_oldest()
