@@ -133,3 +133,13 @@ def test_generation_through_every_topology_equals_plain_decoding(tmp_path):
     assert summary["serve"]["speed_vs_serve"] == 1.0
     assert summary["router/2"]["mean_accepted"] == summary["serve"]["mean_accepted"]  # same drafts
     assert all(r["tokens"] == 8 for rows in result["per_prompt"].values() for r in rows)
+
+
+def test_a_server_that_does_not_start_is_named_with_its_log(tmp_path):
+    index = sharded_index(tmp_path / "idx", corpus(), CORPUS_VOCAB)
+    with pytest.raises(
+        RuntimeError, match=r"(?s)rest-datastore serve --index .* did not start: .*workers must be at least 1"
+    ) as err:
+        with serving(index, (2,), tmp_path, workers=0):
+            pass
+    assert "workers" in (tmp_path / "serve.log").read_text(), err.value
