@@ -52,6 +52,7 @@ from benchmarks.common import RESULTS, check, ensure_index, load_targets, report
 from benchmarks.e2e import INDEXES, set_prompts
 from benchmarks.load import draft_requests, drive, start_datastore
 from benchmarks.overlap import record, stop, summarize
+from benchmarks.replay import greedy_path, save_greedy_outputs
 from benchmarks.retrieval.engines import compare_latency, sample_queries
 from rest_spec.build_index.corpora import CorpusSpec
 from rest_spec.datastore.client import DatastoreClient
@@ -201,10 +202,12 @@ def generation(
     cost: VerifyCost | None,
     config: DraftConfig,
     max_new_tokens: int,
+    set_name: str | None = None,
 ) -> dict:
     """Every prompt decoded plainly (the reference) and then through an adaptive drafter per mode
     (``modes``: name -> (base drafter, overlap)), interleaved; per mode the summary (speeds as
-    medians of per-prompt ratios, against plain and, when a mode is named ``serve``, against it)."""
+    medians of per-prompt ratios, against plain and, when a mode is named ``serve``, against it).
+    With ``set_name``, the plain outputs fill the replay benchmarks' greedy cache for that set."""
     drafters = {name: AdaptiveDrafter(base, cost=cost, config=config) for name, (base, _) in modes.items()}
     warm = prompts[0][:32]  # kernels, caches, channels; a throw-away drafter keeps calibrations clean
     generate(model, warm, None, max_new_tokens=WARM_TOKENS)
@@ -212,8 +215,10 @@ def generation(
         throwaway = AdaptiveDrafter(base, cost=cost, config=config)
         generate(model, warm, throwaway, max_new_tokens=WARM_TOKENS, config=config, overlap=overlap)
     rows: dict[str, list[dict]] = {"plain": [], **{name: [] for name in modes}}
+    plain_outputs = []
     for i, ids in enumerate(prompts):
         plain = generate(model, ids, None, max_new_tokens=max_new_tokens)
+        plain_outputs.append(plain.output_ids)
         rows["plain"].append(record(plain, None))
         for name, drafter in drafters.items():
             result = generate(model, ids, drafter, max_new_tokens=max_new_tokens, config=config, overlap=modes[name][1])
@@ -224,6 +229,8 @@ def generation(
             len(prompts),
             ", ".join(f"{m} {rows['plain'][-1]['seconds'] / rows[m][-1]['seconds']:.2f}x" for m in drafters),
         )
+    if set_name is not None:
+        save_greedy_outputs(greedy_path(model, set_name, prompts, max_new_tokens), list(zip(prompts, plain_outputs)))
     summary = {name: summarize(mode_rows, rows["plain"], None) for name, mode_rows in rows.items()}
     if "serve" in rows:
         for name, mode_rows in rows.items():
@@ -433,7 +440,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None, logs: Path) -> dic
             remote, contexts, args.clients, args.config, seconds=args.seconds, warmup=args.warmup
         )
         modes = generation_modes(index, remote, fingerprint, stack)
-        report["generation"] = generation(model, prompts, modes, cost, args.config, args.max_new_tokens)
+        report["generation"] = generation(model, prompts, modes, cost, args.config, args.max_new_tokens, "sharegpt")
     report["targets"] = evaluate_targets(report)
     return report
 
