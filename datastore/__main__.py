@@ -273,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="S",
         default=env("REST_SHARD_TIMEOUT", str(RouterConfig.timeout)),
-        help="seconds a call to a shard server may take before it counts as down (default: $REST_SHARD_TIMEOUT "
-        "or %(default)s)",
+        help="seconds a call to a shard server may take before it counts as down, or less when the "
+        "client's own deadline is nearer (default: $REST_SHARD_TIMEOUT or %(default)s)",
     )
     route_cmd.add_argument(
         "--connect-timeout",
