@@ -30,4 +30,8 @@ from benchmarks.common import humaneval_prompts
 with open(sys.argv[1], "w") as f:
     f.write(json.dumps({"prompt": humaneval_prompts(1)[0]}) + "\n")
 PY
-rest-generate --datastore "127.0.0.1:$PORT" --prompts "$PROMPTS" --max-new-tokens 128 --budget 64
+# REST: the adaptive drafter (the server's index, the prompt's own text, recent outputs), its trees
+# sized by this machine's measured verification cost (measured once, about a minute, then cached)
+rest-generate --datastore "127.0.0.1:$PORT" --prompts "$PROMPTS" --max-new-tokens 128 --adaptive
+echo "the same prompt without drafts (the model alone, through the same loop), for comparison:"
+rest-generate --prompts "$PROMPTS" --max-new-tokens 128 --no-draft >/dev/null  # its statistics line only (stderr)
