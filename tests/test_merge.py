@@ -3,6 +3,11 @@ prefix-closed selection; per-source calibration from observed acceptance."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -222,3 +227,38 @@ def test_request_and_output_store_drafts_verified_on_a_real_model():
     # the store proposed all 4 accepted tokens; the request's (7, 8, ...) branch was tried at the root
     assert calibration.observed[1].sum() == 4
     assert calibration.weights[1, 0] > calibration.weights[0, 0]  # both rest on one occurrence
+
+
+DRAFTER_SCRIPT = """
+import json, sys
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.drafter.adaptive import AdaptiveDrafter
+from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.merge import _merge, compile_kernels
+from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
+docs = synthetic_corpus()
+index = write_index(sys.argv[1], docs, CORPUS_VOCAB, shard_tokens=10_000)
+compile_kernels()
+before = len(_merge.signatures)
+with LocalDrafter.open(index) as base:
+    drafter = AdaptiveDrafter(base, cost=None, suffixes=(4, 2, 1))
+    base.add_output(docs[1][:40])
+    for end in range(8, 40, 4):
+        drafter.draft(docs[0][:end] + docs[1][:end], DraftConfig())
+print(json.dumps([before, len(_merge.signatures)]))
+"""
+
+
+def test_compile_kernels_covers_the_adaptive_drafters_merges(tmp_path):
+    """``compile_kernels`` (setup.sh runs it to fill numba's cache) leaves nothing for an adaptive
+    drafter's steps to compile: a fresh install's first generation does not spend seconds on it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", DRAFTER_SCRIPT, str(tmp_path / "idx")],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, after = json.loads(proc.stdout)
+    assert before >= 1 and after == before
