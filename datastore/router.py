@@ -150,7 +150,7 @@ class Router:
         self._index_id = index_id(manifest)
         self._dtype = np.dtype(manifest.token_dtype)
         self._sep = manifest.separator
-        self._owner = {shard: server for server in servers for shard in server.shards}
+        self._owner: dict[int, _Server] = {}  # shard -> the server of it, set by _describe_all
         self._sa_lengths = [fmt.sa_length(s.num_tokens, s.num_documents) for s in manifest.shards]
         self._metadata = () if config.auth_token is None else (wire.bearer_metadata(config.auth_token),)
         self._loss_log = LogBudget()

@@ -493,6 +493,7 @@ class GrpcServer:
         self._what = what
         # ``role`` (serve, shard, route) labels the metrics; subclasses report what they serve in them
         self.metrics = None if config.metrics_port is None else ServerMetrics(role)
+        self.metrics_port: int | None = None  # the port /metrics is served on, once bound
         credentials = None if config.tls_cert is None else server_credentials(config.tls_cert, config.tls_key)
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="datastore"),
