@@ -27,7 +27,7 @@ import numpy as np
 from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.base import Deferred, Drafter, Pending, SourceDrafter, drafter_trees
-from rest_spec.drafter.cost import VerifyCost, select_tree
+from rest_spec.drafter.cost import VerifyCost, select_chain, select_tree
 from rest_spec.drafter.merge import SourceCalibration, merge_trees
 
 SOURCES = ("index", "request", "outputs")
@@ -138,6 +138,9 @@ class AdaptiveDrafter:
                  extra sources, after ``sources`` in the calibration; needs "index"; () for none
     calibration  per-source, per-sample-class weights, learned from what the verifier accepts;
                  default: prior 1 everywhere. Shared by all rows and requests.
+    chains       verify a chain, never a branching tree: the root path that pays most under the
+                 cost's chain times (``drafter.cost.select_chain``; needs a ``cost``), for engines
+                 that verify chains only (llama.cpp, ``drafter.llamacpp``)
 
     ``draft(context, config)``: the loop's ``config`` caps the verified tree (``budget`` nodes,
     ``max_depth`` levels) on top of the candidates' own config. Rows of ``draft_batch`` keep
@@ -154,7 +157,10 @@ class AdaptiveDrafter:
         sources: Sequence[str] = SOURCES,
         suffixes: Sequence[int] = (),
         calibration: SourceCalibration | None = None,
+        chains: bool = False,
     ) -> None:
+        if chains and cost is None:
+            raise ValueError("choosing chains needs a verify cost")
         self.sources = tuple(sources)
         unknown = sorted(set(self.sources) - set(SOURCES))
         if unknown or not self.sources or len(set(self.sources)) != len(self.sources):
@@ -175,7 +181,7 @@ class AdaptiveDrafter:
         self.calibration = calibration if calibration is not None else SourceCalibration(num_sources)
         if self.calibration.num_sources != num_sources:
             raise ValueError(f"calibration has {self.calibration.num_sources} sources, expected {num_sources}")
-        self.base, self.cost, self.config = base, cost, config
+        self.base, self.cost, self.config, self.chains = base, cost, config, chains
         self._requests: list[_Request] = []  # one per row of the last call, in row order
 
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
@@ -258,7 +264,9 @@ class AdaptiveDrafter:
 
     def select(self, tree: DraftTree) -> DraftTree:
         """The part of a merged tree worth verifying on this hardware (all of it without a cost)."""
-        return tree if self.cost is None else select_tree(tree, self.cost)
+        if self.cost is None:
+            return tree
+        return select_chain(tree, self.cost) if self.chains else select_tree(tree, self.cost)
 
     def _shared_sources(self, rows: list[list[int]], config: DraftConfig) -> list[SourceTrees]:
         """The index and outputs trees per row (empty where off), in one call to the base."""

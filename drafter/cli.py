@@ -125,6 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_arguments(parser)
     parser.add_argument(
+        "--engine",
+        choices=("transformers", "llama.cpp"),
+        default="transformers",
+        help="what runs the model: transformers (tree drafts) or llama.cpp through llama-cpp-python (--model "
+        "FILE.gguf; chain drafts sized by llama.cpp's own measured cost, always adaptive; needs the llama "
+        "extra) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        metavar="N",
+        help="llama.cpp threads, for one-token steps and batches alike (default: every core)",
+    )
+    parser.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt on stdout instead of text"
     )
     return parser
@@ -272,6 +286,11 @@ def run(args: argparse.Namespace) -> None:
     prompts = [Prompt(text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
     if args.chat:
         prompts = [as_chat(prompt) for prompt in prompts]
+    if args.engine == "llama.cpp":
+        run_llama(args, prompts)
+        return
+    if args.threads is not None:
+        raise CliError("--threads is for --engine llama.cpp (transformers follows OMP_NUM_THREADS)")
 
     tokenizer, model, drafter = load_parts(args)
     try:
@@ -295,6 +314,73 @@ def run(args: argparse.Namespace) -> None:
                     f"({result.tokens_per_second:.1f} tok/s), {result.steps} steps, mean accepted "
                     f"{result.mean_accepted:.2f}, draft {result.draft_seconds:.3f} s, verify "
                     f"{result.verify_seconds:.2f} s",
+                    file=sys.stderr,
+                )
+    finally:
+        if drafter is not None:
+            drafter.close()
+
+
+def run_llama(args: argparse.Namespace, prompts: list[Prompt]) -> None:
+    """``run`` on llama.cpp: the GGUF file's own tokenizer (read by transformers) encodes the prompts
+    and decodes the replies; llama-cpp-python decodes greedily, drafting with ``RestDraftModel``."""
+    import os
+
+    from rest_spec.datastore.tokenizer import load_tokenizer, packaged_smollm2
+    from rest_spec.drafter.llamacpp import llama_generate, require_llama_cpp, rest_llama
+
+    if args.overlap or args.device:
+        raise CliError("--overlap and --device are for the transformers engine")
+    try:
+        require_llama_cpp()
+    except ImportError as exc:
+        raise CliError(str(exc)) from exc
+    import llama_cpp
+
+    path = packaged_smollm2() if args.model is None else Path(args.model)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise CliError(f"--engine llama.cpp needs --model FILE.gguf; {path} is not a GGUF file")
+    drafter = None if args.no_draft else open_drafter(args.datastore, tls_ca=args.tls_ca, auth_token=args.auth_token)
+    try:
+        tokenizer = load_tokenizer(path)
+        encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
+        threads = args.threads or os.cpu_count() or 1
+        options = {
+            # room for the longest prompt, its reply and a draft past the reply's end
+            "n_ctx": max(map(len, encoded)) + args.max_new_tokens + args.max_depth + 1,
+            "n_threads": threads,
+            "n_threads_batch": threads,
+            "verbose": False,
+        }
+        if drafter is None:
+            llm = llama_cpp.Llama(str(path), **options)
+        else:
+            llm = rest_llama(path, drafter, config=args.config, **options)
+        for number, ids in enumerate(encoded, start=1):
+            drafted = llm.draft_model.stats.seconds if drafter is not None else 0.0
+            result = llama_generate(llm, ids, args.max_new_tokens)
+            draft_seconds = llm.draft_model.stats.seconds - drafted if drafter is not None else 0.0
+            remember_output(drafter, result.output_ids)
+            text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            if args.json:
+                record = {
+                    "output_ids": result.output_ids,
+                    "text": text,
+                    "new_tokens": len(result.output_ids),
+                    "steps": result.steps,
+                    "mean_accepted": round(result.mean_accepted, 4),
+                    "seconds": round(result.seconds, 4),
+                    "tokens_per_second": round(result.tokens_per_second, 2),
+                    "draft_seconds": round(draft_seconds, 4),
+                    "engine": "llama.cpp",
+                }
+                print(json.dumps(record, ensure_ascii=False), flush=True)
+            else:
+                print(text, flush=True)
+                print(
+                    f"[{number}/{len(encoded)}] {len(result.output_ids)} tokens in {result.seconds:.2f} s "
+                    f"({result.tokens_per_second:.1f} tok/s), {result.steps} steps, mean accepted "
+                    f"{result.mean_accepted:.2f}, draft {draft_seconds:.3f} s (llama.cpp)",
                     file=sys.stderr,
                 )
     finally:

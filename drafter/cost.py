@@ -18,6 +18,7 @@ dtype by ``drafter.measure``; this module needs neither torch nor transformers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -55,22 +56,31 @@ def check_sizes(sizes: Sequence[int]) -> None:
         raise ValueError(f"sizes must start at 1 and increase strictly, got {list(sizes)}")
 
 
+@functools.lru_cache(maxsize=64)
+def _cheapest_from(sizes: tuple[int, ...], seconds: tuple[float, ...]) -> np.ndarray:
+    """int64 [len(sizes)]: [i] the index of the cheapest measured size at i or above (per cost
+    table, once: every decoding step prices sizes)."""
+    cheapest = np.empty(len(sizes), np.int64)
+    cheapest[-1] = len(sizes) - 1
+    for i in range(len(sizes) - 2, -1, -1):
+        above = cheapest[i + 1]
+        cheapest[i] = i if seconds[i] <= seconds[above] else above
+    cheapest.flags.writeable = False
+    return cheapest
+
+
 def _cheapest(sizes: Sequence[int], seconds: Sequence[float], n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The cheapest way to verify ``n`` tokens, and the block size it runs at: ``n`` itself
     (``seconds`` at the measured sizes, interpolated linearly between them and continued along
     the last segment past the largest), or ``n`` padded up to a larger measured size that costs
     less (the curve is not monotone on a CPU: on this project's machine 4 tokens cost less than 2).
     Returns float64 seconds and int64 block sizes, both shaped like ``n``."""
+    cheapest_from = _cheapest_from(tuple(sizes), tuple(seconds))
     sizes, seconds = np.asarray(sizes, np.int64), np.asarray(seconds, np.float64)
     as_is = np.interp(n, sizes, seconds)
     if sizes.size > 1:
         slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
         as_is = np.where(n > sizes[-1], seconds[-1] + slope * (n - sizes[-1]), as_is)
-    cheapest_from = np.empty(sizes.size, np.int64)  # [i]: the cheapest measured size at i or above
-    cheapest_from[-1] = sizes.size - 1
-    for i in range(sizes.size - 2, -1, -1):
-        above = cheapest_from[i + 1]
-        cheapest_from[i] = i if seconds[i] <= seconds[above] else above
     first = np.searchsorted(sizes, n, side="left")  # the first measured size >= n
     padded_index = cheapest_from[np.minimum(first, sizes.size - 1)]
     padded = np.where(first < sizes.size, seconds[padded_index], np.inf)
@@ -171,12 +181,33 @@ def select_tree(tree: DraftTree, cost: VerifyCost, max_depth: int | None = None)
     gain = 1.0 + np.concatenate(([0.0], np.cumsum(tree.scores[ranked])))  # [k + 1]: keeping the top 0..k
     rate = gain / cost(1 + np.arange(ranked.size + 1))
     best = int(np.argmax(rate))
-    chain_rate = (1.0 + path_sums(tree)[candidates]) / cost.chain(1 + tree.depths[candidates])
-    if chain_rate.size and chain_rate.max() > rate[best] * (1 + 1e-12):
-        return tree.subset(path_to(tree, int(candidates[np.argmax(chain_rate)])))
+    chain_end, chain_rate = _best_chain(tree, cost, candidates)
+    if chain_rate > rate[best] * (1 + 1e-12):
+        return tree.subset(path_to(tree, chain_end))
     if best == len(tree):
         return tree  # all of it: no copy
     return tree.subset(np.sort(ranked[:best]))
+
+
+def select_chain(tree: DraftTree, cost: VerifyCost, max_depth: int | None = None) -> DraftTree:
+    """The path from the root maximizing expected tokens per second, (1 + sum of its scores) /
+    ``cost.chain(1 + its length)``, at most ``max_depth`` long; empty when no path beats verifying
+    the pending token alone. For engines that verify chains only (llama.cpp)."""
+    candidates = np.arange(len(tree)) if max_depth is None else np.flatnonzero(tree.depths <= max_depth)
+    end, rate = _best_chain(tree, cost, candidates)
+    if rate <= (1 + 1e-12) / float(cost.chain(1)):
+        return DraftTree.empty()
+    return tree.subset(path_to(tree, end))
+
+
+def _best_chain(tree: DraftTree, cost: VerifyCost, candidates: np.ndarray) -> tuple[int, float]:
+    """The node among ``candidates`` whose root path has the highest (1 + path score sum) / chain
+    cost, and that rate (-1 and 0.0 without candidates); of equal rates the shallowest wins."""
+    if candidates.size == 0:
+        return -1, 0.0
+    rate = (1.0 + path_sums(tree)[candidates]) / cost.chain(1 + tree.depths[candidates])
+    best = int(np.argmax(rate))
+    return int(candidates[best]), float(rate[best])
 
 
 def path_to(tree: DraftTree, node: int) -> np.ndarray:

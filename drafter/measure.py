@@ -144,7 +144,16 @@ def load_or_measure(
 ) -> VerifyCost:
     """The cached cost for this model, device and dtype, measured and cached when missing (or
     when ``remeasure``). ``measure_options`` go to ``measure_verify_cost``."""
-    key = cost_key(model)
+    return cached_cost(
+        cost_key(model), lambda: measure_verify_cost(model, **measure_options), directory=directory, remeasure=remeasure
+    )
+
+
+def cached_cost(
+    key: CostKey, measure: Callable[[], VerifyCost], *, directory: Path | None = None, remeasure: bool = False
+) -> VerifyCost:
+    """The cost cached for ``key`` under ``directory`` (default ``cache_dir()``), or ``measure()``'s,
+    cached atomically, when there is none, it is unreadable or for another key, or ``remeasure``."""
     path = (directory or cache_dir()) / "verify-cost" / key.file_name()
     if path.exists() and not remeasure:
         try:
@@ -155,7 +164,7 @@ def load_or_measure(
             if cost.key == key:
                 return cost
             log.warning("%s holds a measurement for another model or device; measuring again", path)
-    cost = measure_verify_cost(model, **measure_options)
+    cost = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
     temporary.write_text(cost.to_json())

@@ -29,12 +29,19 @@ from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo
 # ---- indexes ----------------------------------------------------------------------------------
 
 
-def write_index(path: Path, docs: Iterable[Sequence[int]], vocab_size: int, shard_tokens: int = 1 << 20) -> Path:
-    """A real index of ``docs`` at ``path`` (replacing any), written by the real ``IndexWriter``."""
+def write_index(
+    path: Path,
+    docs: Iterable[Sequence[int]],
+    vocab_size: int,
+    shard_tokens: int = 1 << 20,
+    fingerprint: str = "sha256:test",
+) -> Path:
+    """A real index of ``docs`` at ``path`` (replacing any), written by the real ``IndexWriter``;
+    ``fingerprint`` names its tokenizer (a real one's to serve a real model)."""
     with IndexWriter(
         path,
         tokenizer_name="test-tok",
-        tokenizer_fingerprint="sha256:test",
+        tokenizer_fingerprint=fingerprint,
         vocab_size=vocab_size,
         shard_tokens=shard_tokens,
         overwrite=True,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rest_spec.datastore.types import DraftTree
-from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, select_tree
+from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, path_to, select_chain, select_tree
 
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
 
@@ -71,6 +71,38 @@ def test_select_tree_is_the_best_prefix_closed_subset(tree, times, max_depth):
     assert chosen_rate == pytest.approx(best, rel=1e-12)
     assert set(chosen.paths()) <= set(tree.paths())
     assert max_depth is None or chosen.max_depth <= max_depth
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tree=scored_trees(),
+    times=st.lists(st.floats(0.5, 5.0), min_size=1, max_size=12),
+    max_depth=st.none() | st.integers(1, 4),
+)
+def test_select_chain_is_the_best_root_path(tree, times, max_depth):
+    """Exhaustive search over every root path (and none) at the chain cost; the tree cost is
+    ignored (an engine that verifies chains only)."""
+    cost = cost_curve([9.0] * len(times), times)
+    chosen = select_chain(tree, cost, max_depth)
+    assert chosen.is_chain()
+    paths = [[]] + [
+        path_to(tree, node).tolist() for node in range(len(tree)) if max_depth is None or tree.depths[node] <= max_depth
+    ]
+    chain_cost = cost_curve(times)
+    best = max(rate(tree, path, chain_cost) for path in paths)
+    assert rate(chosen, list(range(len(chosen))), chain_cost) == pytest.approx(best, rel=1e-12)
+    assert set(chosen.paths()) <= set(tree.paths())
+    if len(chosen):  # a draft only where it beats verifying the pending token alone
+        assert rate(chosen, list(range(len(chosen))), chain_cost) > 1 / times[0]
+
+
+def test_select_chain_drafts_nothing_from_an_empty_tree_or_when_nothing_pays():
+    linear = cost_curve([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+    assert len(select_chain(DraftTree.empty(), linear)) == 0
+    sure = DraftTree(np.array([5, 6]), np.array([-1, 0]), np.ones(2), scores=np.array([1.0, 1.0]))
+    assert len(select_chain(sure, linear)) == 0  # 3 tokens in 3 steps' time: no gain, so no draft
+    cheaper = cost_curve([1.0, 1.5, 2.0], [1.0, 1.5, 2.0])
+    assert select_chain(sure, cheaper).tokens.tolist() == [5, 6]
 
 
 def test_a_cheap_causal_path_picks_the_deep_chain_over_the_bushy_tree():

@@ -1,0 +1,259 @@
+"""llama.cpp, side by side: its plain decoding, its prompt lookup, and this project's drafter in it.
+
+    python -m benchmarks.llama_cpp --prompts 40 --max-new-tokens 128
+
+The packaged SmolLM2-135M-Instruct GGUF through llama-cpp-python (``--threads`` for one-token steps
+and batches), greedy, on the e2e sets (``benchmarks.e2e``): the first N HumanEval prompts with the
+python-stdlib index, the first user turns of N held-out ShareGPT conversations with the sharegpt
+index. For every prompt the modes run back to back (interleaved):
+
+- ``llama``: ``Llama.generate`` without a draft model, the reference output and speed;
+- ``llama-pld``: llama.cpp's own prompt lookup, ``LlamaPromptLookupDecoding(num_pred_tokens=10)``;
+- ``llama-rest``: ``rest_llama`` with the index in process (``RestDraftModel``: index, request text
+  and recent outputs merged, the chain sized by llama.cpp's measured t(n));
+- ``llama-rest-grpc``: the same drafting from a ``rest-datastore serve`` process on loopback;
+- ``transformers``: transformers' ``model.generate`` (greedy, fp32) for scale.
+
+The rest modes' output stores get each of their outputs after its prompt, as a service's would.
+Per mode: mean accepted tokens per llama.cpp evaluation, median tokens/s, the median of per-prompt
+speed ratios against ``llama``, and how many outputs equal ``llama``'s (llama.cpp built with its
+llamafile kernels rounds batches differently from one-token steps, so drafting modes may differ
+there; the README's build turns them off). Prints one JSON object, saves it under
+benchmarks/results/, and plots speed per mode (needs matplotlib). t(n) comes from
+``load_or_measure_llama`` (cached per model file, threads and build; measure on a quiet machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from benchmarks.common import RESULTS, check, ensure_index, load_targets, report_header, save_report
+from benchmarks.e2e import INDEXES, hf_run, set_prompts
+from benchmarks.load import start_server
+from benchmarks.overlap import stop
+from rest_spec.datastore.tokenizer import load_tokenizer, packaged_smollm2, tokenizer_fingerprint
+from rest_spec.datastore.types import DraftConfig
+from rest_spec.drafter.llamacpp import LlamaGeneration, llama_generate, require_llama_cpp, rest_llama
+from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.remote import RemoteDrafter
+
+log = logging.getLogger("benchmarks.llama_cpp")
+
+MODES = ("llama", "llama-pld", "llama-rest", "llama-rest-grpc", "transformers")
+PROMPT_LOOKUP_TOKENS = 10
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--sets", default="humaneval,sharegpt", help="comma-separated, of humaneval,sharegpt")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s (llama always runs)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default: %(default)s)")
+    p.add_argument("--humaneval-index", type=Path, default=INDEXES["humaneval"][0])
+    p.add_argument("--sharegpt-index", type=Path, default=INDEXES["sharegpt"][0])
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer ShareGPT prompts")
+    p.add_argument("--budget", type=int, default=64, help="candidates per source for the rest modes")
+    p.add_argument("--max-depth", type=int, default=32, help="the longest chain the rest modes draft")
+    p.add_argument("--out", type=Path, default=RESULTS / "llama_cpp.json")
+    p.add_argument("--plot", type=Path, default=RESULTS / "llama_cpp.png")
+    args = p.parse_args(argv)
+    args.sets = args.sets.split(",")
+    args.modes = ["llama"] + [m for m in args.modes.split(",") if m != "llama"]
+    unknown = sorted(set(args.modes) - set(MODES)) + sorted(set(args.sets) - {"humaneval", "sharegpt"})
+    if unknown:
+        p.error(f"unknown mode or set: {', '.join(unknown)}")
+    return args
+
+
+def row(run: LlamaGeneration, reference: LlamaGeneration) -> dict:
+    return {
+        "new_tokens": len(run.output_ids),
+        "steps": run.steps,
+        "mean_accepted": run.mean_accepted,
+        "tokens_per_second": run.tokens_per_second,
+        "speed_vs_llama": run.tokens_per_second / reference.tokens_per_second,
+        "same_as_llama": run.output_ids == reference.output_ids,
+    }
+
+
+def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Namespace, logs) -> dict:
+    """Every mode on every prompt of one set, interleaved."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    model_path = str(packaged_smollm2())
+    options = {
+        "n_ctx": max(map(len, prompts)) + args.max_new_tokens + args.max_depth + 1,
+        "n_threads": args.threads,
+        "n_threads_batch": args.threads,
+        "verbose": False,
+    }
+    config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
+    llamas: dict[str, llama_cpp.Llama] = {"llama": llama_cpp.Llama(model_path, **options)}
+    server = None
+    if "llama-pld" in args.modes:  # logits_all: llama-cpp-python's buffer for drafts (see drafter.llamacpp)
+        pld = LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS)
+        llamas["llama-pld"] = llama_cpp.Llama(model_path, draft_model=pld, logits_all=True, **options)
+    if "llama-rest" in args.modes:
+        llamas["llama-rest"] = rest_llama(model_path, LocalDrafter.open(index), config=config, **options)
+    if "llama-rest-grpc" in args.modes:
+        server, address = start_server(index, 2, logs)
+        llamas["llama-rest-grpc"] = rest_llama(model_path, RemoteDrafter(address), config=config, **options)
+    transformers = None
+    if "transformers" in args.modes:
+        from rest_spec.drafter.model import load_model
+
+        transformers = load_model(None, device="cpu")
+    try:
+        runs: dict[str, Callable[[list[int]], LlamaGeneration]] = {
+            mode: (lambda ids, llm=llm: llama_generate(llm, ids, args.max_new_tokens)) for mode, llm in llamas.items()
+        }
+        if transformers is not None:
+
+            def transformers_run(ids: list[int]) -> LlamaGeneration:
+                run = hf_run(transformers, ids, args.max_new_tokens)
+                eos = transformers.generation_config.eos_token_id
+                output = run.output_ids[:-1] if run.output_ids and run.output_ids[-1] == eos else run.output_ids
+                return LlamaGeneration(output, run.seconds, run.steps)
+
+            runs["transformers"] = transformers_run
+        warm = prompts[0][:32]
+        for mode in args.modes:  # caches, threads, allocator; no outputs stored
+            runs[mode](warm)
+        rows: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+        for i, ids in enumerate(prompts):
+            reference = runs["llama"](ids)
+            for mode in args.modes:
+                run = reference if mode == "llama" else runs[mode](ids)
+                rows[mode].append({"prompt": i, "prompt_tokens": len(ids), **row(run, reference)})
+                if mode.startswith("llama-rest") and run.output_ids:
+                    llamas[mode].draft_model.add_output(run.output_ids)
+            log.info(
+                "%s %d/%d: %s",
+                name,
+                i + 1,
+                len(prompts),
+                ", ".join(f"{m} {rows[m][-1]['mean_accepted']:.2f} x{rows[m][-1]['speed_vs_llama']:.2f}" for m in rows),
+            )
+        result = {
+            "index": str(index),
+            "prompts": len(prompts),
+            "modes": {mode: summarize(mode_rows) for mode, mode_rows in rows.items()},
+            "per_prompt": rows,
+        }
+        for mode in ("llama-rest", "llama-rest-grpc"):
+            if mode in llamas:
+                stats = llamas[mode].draft_model.stats
+                result["modes"][mode]["draft_ms_per_call"] = 1e3 * stats.seconds / max(stats.calls, 1)
+                result["modes"][mode]["drafted_per_call"] = stats.drafted / max(stats.calls, 1)
+        return result
+    finally:
+        for llm in llamas.values():
+            if getattr(llm, "draft_model", None) is not None and hasattr(llm.draft_model, "close"):
+                llm.draft_model.close()
+        if server is not None:
+            stop(server)
+
+
+def summarize(rows: list[dict]) -> dict:
+    tokens, steps = sum(r["new_tokens"] for r in rows), sum(r["steps"] for r in rows)
+    return {
+        "mean_accepted": tokens / steps,
+        "median_tokens_per_second": statistics.median(r["tokens_per_second"] for r in rows),
+        "median_speed_vs_llama": statistics.median(r["speed_vs_llama"] for r in rows),
+        "same_as_llama": sum(r["same_as_llama"] for r in rows),
+    }
+
+
+def targets(report: dict) -> dict:
+    limits, out = load_targets("llama_cpp"), {}
+    for name, result in report["sets"].items():
+        for mode in ("llama-rest", "llama-rest-grpc"):
+            if mode in result["modes"]:
+                target = limits[f"{mode.replace('-', '_')}_speed_vs_llama_{name}"]
+                out[f"{name}: {mode} median speed >= {target['min']}x llama"] = check(
+                    result["modes"][mode]["median_speed_vs_llama"], target
+                )
+    return out
+
+
+def plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+        return False
+    sets = list(report["sets"])
+    modes = [m for m in MODES if any(m in report["sets"][s]["modes"] for s in sets)]
+    figure, axis = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        values = [report["sets"][s]["modes"].get(mode, {}).get("median_speed_vs_llama", 0.0) for s in sets]
+        bars = axis.bar([i + (j - (len(modes) - 1) / 2) * width for i in range(len(sets))], values, width, label=mode)
+        axis.bar_label(bars, fmt="%.2f", fontsize=7)
+    axis.set_xticks(range(len(sets)), sets)
+    axis.set_title("speed vs llama.cpp plain decoding (median per prompt)")
+    axis.axhline(1.0, color="gray", linewidth=0.5)
+    axis.legend(fontsize=8)
+    figure.suptitle(
+        f"SmolLM2-135M-Instruct Q4_1 GGUF, greedy, {report['config']['max_new_tokens']} new tokens, "
+        f"{report['config']['threads']} threads",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    require_llama_cpp()
+    import llama_cpp
+
+    tokenizer = load_tokenizer(None)
+    report = {
+        **report_header("llama_cpp", argv),
+        "config": {
+            "model": "SmolLM2-135M-Instruct (packaged Q4_1 GGUF)",
+            "llama_cpp_python": llama_cpp.__version__,
+            "llama_cpp_build": llama_cpp.llama_print_system_info().decode(),
+            "threads": args.threads,
+            "greedy": True,
+            "prompts_per_set": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "budget": args.budget,
+            "max_depth": args.max_depth,
+            "modes": args.modes,
+        },
+        "sets": {},
+    }
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / "llama_cpp_server.log", "w") as logs:
+        for name in args.sets:
+            index = ensure_index(args.sharegpt_index if name == "sharegpt" else args.humaneval_index, INDEXES[name][1])
+            with LocalDrafter.open(index, expected_fingerprint=fingerprint):
+                pass  # a foreign index fails here, before any model loads
+            prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
+            report["sets"][name] = run_set(name, prompts, index, args, logs)
+    report["targets"] = targets(report)
+    report["plot"] = str(args.plot) if plot(report, args.plot) else None
+    save_report(report, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

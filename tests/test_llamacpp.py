@@ -1,0 +1,227 @@
+"""REST inside llama.cpp (``rest_spec.drafter.llamacpp``) on the packaged SmolLM2 GGUF: greedy and
+seeded sampling identical to llama.cpp without drafts, in process and over gRPC; the cost table;
+the refusals. Skipped where llama-cpp-python is not installed (the ``llama`` extra)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from rest_spec.datastore.index import Datastore  # noqa: E402
+from rest_spec.datastore.server import DatastoreServer, ServerConfig  # noqa: E402
+from rest_spec.datastore.tokenizer import (  # noqa: E402
+    TokenizerMismatchError,
+    load_tokenizer,
+    packaged_smollm2,
+    tokenizer_fingerprint,
+    vocab_size,
+)
+from rest_spec.datastore.types import DraftConfig  # noqa: E402
+from rest_spec.drafter.cost import VerifyCost  # noqa: E402
+from rest_spec.drafter.llamacpp import (  # noqa: E402
+    RestDraftModel,
+    RestLlama,
+    llama_cost_key,
+    llama_generate,
+    load_or_measure_llama,
+    measure_llama_cost,
+    rest_llama,
+)
+from rest_spec.drafter.local import LocalDrafter  # noqa: E402
+from rest_spec.drafter.remote import RemoteDrafter  # noqa: E402
+from tests.helpers import write_index  # noqa: E402
+
+PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "import os\n\n\ndef list_python_files(directory):\n",
+]
+NEW_TOKENS = 48
+OPTIONS = {"n_ctx": 256, "n_threads": 2, "n_threads_batch": 2, "verbose": False}
+# llama.cpp built with its llamafile matrix kernels rounds batches differently from one-token steps,
+# so greedy near-ties can flip; the project's build (README) turns them off, and then drafts change nothing
+EXACT_BATCHES = b"LLAMAFILE = 1" not in llama_cpp.llama_print_system_info()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [tokenizer.encode(text) for text in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return llama_cpp.Llama(str(packaged_smollm2()), **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def references(plain, prompts):
+    """llama.cpp's own greedy continuation of each prompt."""
+    return [llama_generate(plain, ids, NEW_TOKENS).output_ids for ids in prompts]
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory, tokenizer, prompts, references):
+    """A SmolLM2 index holding the prompts and their continuations (so drafts are long and right)
+    among unrelated text."""
+    noise = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 20)
+    docs = [list(ids) + out for ids, out in zip(prompts, references)] + [noise]
+    return write_index(
+        tmp_path_factory.mktemp("llama") / "idx",
+        docs,
+        vocab_size(tokenizer),
+        fingerprint=tokenizer_fingerprint(tokenizer),
+    )
+
+
+@pytest.fixture(scope="module")
+def cost():
+    """A real llama.cpp cost table, measured quickly (tests don't need its precision)."""
+    llm = llama_cpp.Llama(str(packaged_smollm2()), logits_all=True, **OPTIONS)
+    return measure_llama_cost(llm, sizes=(1, 2, 4, 8, 16), context_length=64, repeats=1, warmup=1)
+
+
+def cheap_cost(cost: VerifyCost) -> VerifyCost:
+    """``cost`` with batches priced like one token: every likely draft pays (drafts always run)."""
+    flat = (cost.seconds[0],) * len(cost.sizes)
+    return VerifyCost(cost.key, cost.context_length, cost.sizes, flat, flat)
+
+
+def rest(drafter, cost: VerifyCost, **options) -> RestLlama:
+    draft_model = RestDraftModel(drafter, cost=cost)
+    return RestLlama(str(packaged_smollm2()), draft_model=draft_model, logits_all=True, **{**OPTIONS, **options})
+
+
+def test_the_cost_table_is_measured_from_llama_cpp_and_keyed_by_file_threads_and_build(cost, plain):
+    assert cost.sizes == (1, 2, 4, 8, 16) and all(s > 0 for s in cost.seconds)
+    assert cost.chain_seconds == cost.seconds  # llama.cpp verifies chains
+    assert cost.seconds[-1] > cost.seconds[0]  # 16 tokens cost more than one
+    key = llama_cost_key(plain)
+    assert key.model == str(packaged_smollm2().resolve()) and "2x2threads" in key.device
+    assert "Q4_1" in key.dtype and key.parameters > 100_000_000
+    other = llama_cpp.Llama(str(packaged_smollm2()), **{**OPTIONS, "n_threads": 1})
+    assert llama_cost_key(other) != key
+
+
+def test_the_cost_table_is_cached_and_read_back(tmp_path, cost, plain, monkeypatch):
+    llm = plain
+    calls = []
+    monkeypatch.setattr("rest_spec.drafter.llamacpp.measure_llama_cost", lambda llm: calls.append(1) or cost)
+    first = load_or_measure_llama(llm, directory=tmp_path)
+    again = load_or_measure_llama(llm, directory=tmp_path)
+    assert first == again == cost and calls == [1]  # measured once, then read from disk
+    (cached,) = (tmp_path / "verify-cost").iterdir()
+    cached.write_text("{not json")
+    assert load_or_measure_llama(llm, directory=tmp_path) == cost and calls == [1, 1]  # a bad file is re-measured
+
+
+@pytest.mark.skipif(not EXACT_BATCHES, reason="llama.cpp built with llamafile kernels: batches round differently")
+def test_greedy_output_is_llama_cpps_own_with_drafts_in_process(index, prompts, references, cost):
+    with LocalDrafter.open(index) as drafter:
+        llm = rest(drafter, cheap_cost(cost))
+        for ids, reference in zip(prompts, references):
+            result = llama_generate(llm, ids, NEW_TOKENS)
+            assert result.output_ids == reference
+            assert result.steps < len(reference) / 2  # long drafts were accepted
+        assert llm.draft_model.stats.drafted > NEW_TOKENS
+
+
+@pytest.mark.skipif(not EXACT_BATCHES, reason="llama.cpp built with llamafile kernels: batches round differently")
+def test_greedy_output_is_llama_cpps_own_with_drafts_over_grpc(index, prompts, references, cost):
+    with Datastore.open(index) as store, DatastoreServer(store, ServerConfig(port=0, workers=2)) as server:
+        with RemoteDrafter(server.address) as drafter:
+            llm = rest(drafter, cheap_cost(cost))
+            results = [llama_generate(llm, ids, NEW_TOKENS) for ids in prompts]
+    assert [r.output_ids for r in results] == references
+    assert sum(r.steps for r in results) < sum(map(len, references)) / 2
+
+
+@pytest.mark.skipif(not EXACT_BATCHES, reason="llama.cpp built with llamafile kernels: batches round differently")
+def test_seeded_sampling_draws_the_same_tokens_with_drafts(index, prompts, cost):
+    """llama.cpp's sampler draws one token per position in order, drafts or not."""
+    sampling = {"temp": 0.9, "top_k": 40, "top_p": 0.95}
+    for seed in (1, 2):
+        plain = llama_cpp.Llama(str(packaged_smollm2()), seed=seed, **OPTIONS)
+        with LocalDrafter.open(index) as drafter:
+            llm = rest(drafter, cheap_cost(cost), seed=seed)
+            for ids in prompts:
+                plain.set_seed(seed), llm.set_seed(seed)
+                expected = llama_generate(plain, ids, NEW_TOKENS, **sampling).output_ids
+                assert llama_generate(llm, ids, NEW_TOKENS, **sampling).output_ids == expected
+            assert llm.draft_model.stats.drafted > 0
+
+
+def test_a_draft_model_with_nothing_to_draft_changes_nothing(tmp_path, tokenizer, prompts, references, cost):
+    unrelated = write_index(
+        tmp_path / "idx", [[7, 8, 9] * 10], vocab_size(tokenizer), fingerprint=tokenizer_fingerprint(tokenizer)
+    )
+    with LocalDrafter.open(unrelated) as drafter:
+        llm = rest(drafter, cost)
+        result = llama_generate(llm, prompts[0], NEW_TOKENS)
+    if EXACT_BATCHES:
+        assert result.output_ids == references[0]
+    assert llm.draft_model.stats.calls > 0
+
+
+def test_attach_refuses_a_foreign_index_and_a_llama_without_every_logit(tmp_path, index, cost):
+    foreign = write_index(tmp_path / "foreign", [[1, 2, 3]], 500)  # another tokenizer's fingerprint
+    with LocalDrafter.open(foreign) as drafter:
+        with pytest.raises(TokenizerMismatchError):
+            rest_llama(packaged_smollm2(), drafter, **OPTIONS)
+    with LocalDrafter.open(index) as drafter:
+        draft_model = RestDraftModel(drafter)
+        llm = llama_cpp.Llama(str(packaged_smollm2()), draft_model=draft_model, **{**OPTIONS, "n_ctx": 1024})
+        with pytest.raises(ValueError, match="logits_all=True"):
+            draft_model.attach(llm)
+        with pytest.raises(RuntimeError, match="attach"):
+            draft_model(np.array([1, 2, 3], np.intc))
+        with pytest.raises(ValueError, match="draft_model"):
+            RestDraftModel(drafter).attach(llm)
+
+
+def test_rest_llama_checks_and_attaches(index, prompts, references, cost, tmp_path, monkeypatch):
+    monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("rest_spec.drafter.llamacpp.measure_llama_cost", lambda llm: cost)
+    with LocalDrafter.open(index) as drafter:
+        llm = rest_llama(packaged_smollm2(), drafter, config=DraftConfig(budget=16), **OPTIONS)
+        assert isinstance(llm, RestLlama) and llm.draft_model.adaptive.cost == cost
+        text = llm(PROMPTS[0], max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    assert isinstance(text, str) and text
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rest_spec.drafter", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_the_cli_runs_llama_cpp_with_and_without_drafts(index, tmp_path):
+    common = ["--engine", "llama.cpp", "--prompt", PROMPTS[0], "--max-new-tokens", "24", "--threads", "2", "--json"]
+    plain = run_cli(*common, "--no-draft")
+    assert plain.returncode == 0, plain.stderr
+    drafted = run_cli(*common, "--max-depth", "8", "--datastore", str(index))
+    assert drafted.returncode == 0, drafted.stderr
+    plain_record, drafted_record = json.loads(plain.stdout), json.loads(drafted.stdout)
+    assert plain_record["engine"] == "llama.cpp" and plain_record["steps"] >= plain_record["new_tokens"]
+    if EXACT_BATCHES:
+        assert drafted_record["output_ids"] == plain_record["output_ids"]
+
+
+def test_the_cli_names_what_is_wrong(tmp_path):
+    not_gguf = tmp_path / "model.bin"
+    not_gguf.write_bytes(b"\0" * 16)
+    result = run_cli("--engine", "llama.cpp", "--no-draft", "--prompt", "x", "--model", str(not_gguf))
+    assert result.returncode == 1 and "FILE.gguf" in result.stderr
+    result = run_cli("--engine", "llama.cpp", "--no-draft", "--prompt", "x", "--overlap")
+    assert result.returncode == 1 and "--overlap" in result.stderr
+    result = run_cli("--no-draft", "--prompt", "x", "--threads", "2")
+    assert result.returncode == 1 and "--threads" in result.stderr
