@@ -31,6 +31,7 @@ from rest_spec.drafter.llamacpp import (  # noqa: E402
     llama_generate,
     load_or_measure_llama,
     measure_llama_cost,
+    observed_cost,
     rest_llama,
 )
 from rest_spec.drafter.local import LocalDrafter  # noqa: E402
@@ -110,6 +111,16 @@ def test_the_cost_table_is_measured_from_llama_cpp_and_keyed_by_file_threads_and
     assert "Q4_1" in key.dtype and key.parameters > 100_000_000
     other = llama_cpp.Llama(str(packaged_smollm2()), **{**OPTIONS, "n_threads": 1})
     assert llama_cost_key(other) != key
+
+
+def test_observed_steps_correct_the_cost_table(cost):
+    table = VerifyCost(cost.key, 64, (1, 2, 4, 8), (1.0, 1.5, 2.0, 3.0), (1.0, 1.5, 2.0, 3.0))
+    assert observed_cost(table, {}) == table
+    # one-token steps seen at 2.0 s, 3-token steps at 9.0 s, 2-token steps too rarely to count
+    corrected = observed_cost(table, {1: (10, 2.0), 3: (4, 9.0), 2: (3, 100.0)})
+    assert corrected.sizes == (1, 2, 3, 4, 8)
+    # unseen sizes at the table times the one-token ratio (2x), never below a smaller size
+    assert corrected.chain_seconds == corrected.seconds == (2.0, 3.0, 9.0, 9.0, 9.0)
 
 
 def test_the_cost_table_is_cached_and_read_back(tmp_path, cost, plain, monkeypatch):
