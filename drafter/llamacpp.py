@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 LLAMA_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 LLAMA_CONTEXT_LENGTH = 256
 OBSERVED_MIN, OBSERVED_WEIGHT, OBSERVED_REFRESH = 4, 0.1, 16  # see RestDraftModel.observe
+BACKOFF_MAX = 8  # see RestDraftModel.__call__
 _HEADER_BYTES = 1 << 20  # a GGUF file's metadata and tensor table: enough to tell two files apart
 
 
@@ -194,9 +195,11 @@ def check_vocabulary(llm: Llama, drafter: Drafter) -> None:
 @dataclasses.dataclass
 class DraftStats:
     """What a ``RestDraftModel`` did: ``calls`` (one per verification step after a prompt's first),
-    ``drafted`` tokens handed to llama.cpp, seconds spent drafting."""
+    of which ``skipped`` drafted nothing without asking (backing off), ``drafted`` tokens handed to
+    llama.cpp, seconds spent drafting."""
 
     calls: int = 0
+    skipped: int = 0
     drafted: int = 0
     seconds: float = 0.0
 
@@ -227,6 +230,7 @@ class RestDraftModel(LlamaDraftModel):
         self.table: VerifyCost | None = None  # as measured; ``adaptive.cost`` is it corrected by observed steps
         self._observed: dict[int, tuple[int, float]] = {}  # tokens -> (steps seen, moving average seconds)
         self._steps_since_refresh = 0
+        self._context_length = self._skip = self._backoff = 0  # see __call__
         self.last_chain = np.zeros(0, np.intc)
         if cost is not None:
             self.use_cost(cost)
@@ -270,14 +274,29 @@ class RestDraftModel(LlamaDraftModel):
         return cost
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
-        """The chain to verify after ``input_ids`` (the committed tokens and the pending one)."""
+        """The chain to verify after ``input_ids`` (the committed tokens and the pending one).
+
+        A draft costs a millisecond or so (a round trip over gRPC), a tenth of a one-token step of a
+        small model, so where drafts keep coming back empty the next steps skip drafting: after an
+        empty draft the next 1, then 2, 4, up to ``BACKOFF_MAX`` steps draft nothing; any chain, or
+        a new request, starts over."""
         if self.adaptive is None:
             raise RuntimeError("RestDraftModel has no verify cost: call attach(llm) first")
+        self.stats.calls += 1
+        if len(input_ids) <= self._context_length:  # not a continuation: a new request
+            self._skip = self._backoff = 0
+        self._context_length = len(input_ids)
+        if self._skip:
+            self._skip -= 1
+            self.stats.skipped += 1
+            self.last_chain = np.zeros(0, np.intc)
+            return self.last_chain
         start = time.perf_counter()
         tree = self.adaptive.draft(input_ids, self.config)
-        self.stats.calls += 1
         self.stats.drafted += len(tree)
         self.stats.seconds += time.perf_counter() - start
+        self._backoff = 0 if len(tree) else min(max(1, 2 * self._backoff), BACKOFF_MAX)
+        self._skip = self._backoff
         self.last_chain = tree.tokens.astype(np.intc)
         return self.last_chain
 

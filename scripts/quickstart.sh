@@ -35,3 +35,8 @@ PY
 rest-generate --datastore "127.0.0.1:$PORT" --prompts "$PROMPTS" --max-new-tokens 128 --adaptive
 echo "the same prompt without drafts (the model alone, through the same loop), for comparison:"
 rest-generate --prompts "$PROMPTS" --max-new-tokens 128 --no-draft >/dev/null  # its statistics line only (stderr)
+# The same GGUF file through llama.cpp (llama-cpp-python), drafting from the same server: chains sized
+# by llama.cpp's own measured step cost (measured once, about ten seconds), then without drafts.
+echo "the same prompt through llama.cpp, drafting from the server, then without drafts:"
+rest-generate --engine llama.cpp --datastore "127.0.0.1:$PORT" --prompts "$PROMPTS" --max-new-tokens 128 >/dev/null
+rest-generate --engine llama.cpp --prompts "$PROMPTS" --max-new-tokens 128 --no-draft >/dev/null

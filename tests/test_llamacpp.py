@@ -171,16 +171,27 @@ def test_seeded_sampling_draws_the_same_tokens_with_drafts(index, prompts, cost)
             assert llm.draft_model.stats.drafted > 0
 
 
-def test_a_draft_model_with_nothing_to_draft_changes_nothing(tmp_path, tokenizer, prompts, references, cost):
+def test_a_draft_model_with_nothing_to_draft_backs_off_and_changes_nothing(
+    tmp_path, tokenizer, prompts, references, cost
+):
     unrelated = write_index(
         tmp_path / "idx", [[7, 8, 9] * 10], vocab_size(tokenizer), fingerprint=tokenizer_fingerprint(tokenizer)
     )
     with LocalDrafter.open(unrelated) as drafter:
-        llm = rest(drafter, cost)
+        draft_model = RestDraftModel(drafter, cost=cost, sources=("index",))
+        llm = RestLlama(str(packaged_smollm2()), draft_model=draft_model, logits_all=True, **OPTIONS)
         result = llama_generate(llm, prompts[0], NEW_TOKENS)
-    if EXACT_BATCHES:
-        assert result.output_ids == references[0]
-    assert llm.draft_model.stats.calls > 0
+        stats = draft_model.stats
+        if EXACT_BATCHES:
+            assert result.output_ids == references[0]
+        assert result.steps >= len(result.output_ids) and stats.drafted == 0
+        # empty drafts back off: of the 40-odd steps, drafting was asked for only about log2 of them
+        # each time the wait (1, 2, 4, 8 steps) ran out
+        assert stats.calls >= NEW_TOKENS - 2 and stats.skipped > stats.calls * 2 / 3
+        # a new request drafts at once
+        skipped = stats.skipped
+        llama_generate(llm, prompts[1], 2)
+        assert stats.skipped == skipped
 
 
 def test_attach_refuses_a_foreign_index_and_a_llama_without_every_logit(tmp_path, index, cost):
