@@ -12,6 +12,10 @@ index. For every prompt the modes run back to back (interleaved):
 - ``llama-rest``: ``rest_llama`` with the index in process (``RestDraftModel``: index, request text
   and recent outputs merged, the chain sized by llama.cpp's measured t(n));
 - ``llama-rest-grpc``: the same drafting from a ``rest-datastore serve`` process on loopback;
+- ``llama-oracle``: the ceiling: a draft model that knows ``llama``'s output for the prompt and
+  drafts its next ``--oracle-tokens`` tokens every step (all accepted), in a ``RestLlama`` (prompt
+  logits at the last position only, as ``llama-rest``): what any drafter of chains that long could
+  reach with llama.cpp on this machine;
 - ``transformers``: transformers' ``model.generate`` (greedy, fp32) for scale, on every
   ``--transformers-every``-th prompt (it runs at a fifth of llama.cpp's speed and would dominate the run).
 
@@ -33,19 +37,22 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from benchmarks.common import RESULTS, check, ensure_index, load_targets, report_header, save_report
 from benchmarks.e2e import INDEXES, hf_run, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
 from rest_spec.datastore.tokenizer import load_tokenizer, packaged_smollm2, tokenizer_fingerprint
 from rest_spec.datastore.types import DraftConfig
-from rest_spec.drafter.llamacpp import LlamaGeneration, llama_generate, require_llama_cpp, rest_llama
+from rest_spec.drafter.llamacpp import LlamaGeneration, RestDraftModel, llama_generate, require_llama_cpp, rest_llama
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.remote import RemoteDrafter
 
 log = logging.getLogger("benchmarks.llama_cpp")
 
-MODES = ("llama", "llama-pld", "llama-rest", "llama-rest-grpc", "transformers")
+MODES = ("llama", "llama-pld", "llama-rest", "llama-rest-grpc", "llama-oracle", "transformers")
+DEFAULT_MODES = ("llama", "llama-pld", "llama-rest", "llama-rest-grpc", "transformers")
 PROMPT_LOOKUP_TOKENS = 10
 
 
@@ -56,7 +63,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--sets", default="humaneval,sharegpt", help="comma-separated, of humaneval,sharegpt")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s (llama always runs)")
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, of {','.join(MODES)} (default: %(default)s; llama always runs)",
+    )
+    p.add_argument("--oracle-tokens", type=int, default=7, help="the llama-oracle mode's chain length")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default: %(default)s)")
     p.add_argument(
         "--transformers-every", type=int, default=4, metavar="K", help="run transformers on every K-th prompt"
@@ -88,10 +100,29 @@ def row(run: LlamaGeneration, reference: LlamaGeneration) -> dict:
     }
 
 
+class Oracle:
+    """A draft model for ``RestLlama`` that drafts the next ``tokens`` tokens of a known output."""
+
+    def __init__(self, tokens: int) -> None:
+        self.tokens, self.full, self.last_chain = tokens, [], np.zeros(0, np.intc)
+
+    def __call__(self, input_ids, /, **kwargs) -> np.ndarray:
+        n = len(input_ids)
+        self.last_chain = np.array(self.full[n : n + self.tokens], np.intc)
+        return self.last_chain
+
+    drafted = RestDraftModel.drafted
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pass
+
+
 def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Namespace, logs) -> dict:
     """Every mode on every prompt of one set, interleaved."""
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from rest_spec.drafter.llamacpp import RestLlama
 
     model_path = str(packaged_smollm2())
     options = {
@@ -108,6 +139,9 @@ def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Nam
         llamas["llama-pld"] = llama_cpp.Llama(model_path, draft_model=pld, logits_all=True, **options)
     if "llama-rest" in args.modes:
         llamas["llama-rest"] = rest_llama(model_path, LocalDrafter.open(index), config=config, **options)
+    oracle = Oracle(args.oracle_tokens)
+    if "llama-oracle" in args.modes:
+        llamas["llama-oracle"] = RestLlama(model_path, draft_model=oracle, logits_all=True, **options)
     if "llama-rest-grpc" in args.modes:
         server, address = start_server(index, 2, logs)
         llamas["llama-rest-grpc"] = rest_llama(model_path, RemoteDrafter(address), config=config, **options)
@@ -135,6 +169,7 @@ def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Nam
         rows: dict[str, list[dict]] = {mode: [] for mode in args.modes}
         for i, ids in enumerate(prompts):
             reference = runs["llama"](ids)
+            oracle.full = list(ids) + reference.output_ids
             for mode in args.modes:
                 if mode == "transformers" and i % args.transformers_every:
                     continue

@@ -19,6 +19,8 @@ __version__ = "0.1.0"
 _API = {
     "generate": "rest_spec.drafter.generate",
     "rest_generate": "rest_spec.drafter.hf",
+    "rest_llama": "rest_spec.drafter.llamacpp",
+    "RestDraftModel": "rest_spec.drafter.llamacpp",
     "LocalDrafter": "rest_spec.drafter.local",
     "RemoteDrafter": "rest_spec.drafter.remote",
     "AdaptiveDrafter": "rest_spec.drafter.adaptive",
