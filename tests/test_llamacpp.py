@@ -216,6 +216,9 @@ def test_rest_llama_checks_and_attaches(index, prompts, references, cost, tmp_pa
     with LocalDrafter.open(index) as drafter:
         llm = rest_llama(packaged_smollm2(), drafter, config=DraftConfig(budget=16), **OPTIONS)
         assert isinstance(llm, RestLlama) and llm.draft_model.adaptive.cost == cost
+        import rest_spec
+
+        assert rest_spec.rest_llama is rest_llama and rest_spec.RestDraftModel is RestDraftModel
         text = llm(PROMPTS[0], max_tokens=8, temperature=0.0)["choices"][0]["text"]
     assert isinstance(text, str) and text
 
