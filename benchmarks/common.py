@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -173,3 +174,39 @@ class DraftRetriever:
         for row, path in zip(rows, paths):
             row[: len(path)] = path
         return DraftTree(*top_c_tree(rows, SEP, rows.size))
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None (with a warning) when matplotlib is
+    not installed: a benchmark then saves its JSON without a plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.getLogger("benchmarks").warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+        return None
+    return plt
+
+
+def save_figure(figure, path: Path, dpi: int = 120) -> None:
+    """Lay ``figure`` out and write it to ``path`` (its folder made)."""
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+
+
+def mode_bars(axis, report: dict, modes: Sequence[str], key: str, title: str) -> None:
+    """On ``axis``, one group of bars per set of ``report["sets"]``, one bar per mode of ``modes``
+    that ran (its ``key`` figure, labelled), and a line at 1.0."""
+    sets = list(report["sets"])
+    ran = [m for m in modes if any(m in report["sets"][s]["modes"] for s in sets)]
+    width = 0.8 / len(ran)
+    for j, mode in enumerate(ran):
+        values = [report["sets"][s]["modes"].get(mode, {}).get(key, 0.0) for s in sets]
+        bars = axis.bar([i + (j - (len(ran) - 1) / 2) * width for i in range(len(sets))], values, width, label=mode)
+        axis.bar_label(bars, fmt="%.2f", fontsize=7)
+    axis.set_xticks(range(len(sets)), sets)
+    axis.set_title(title)
+    axis.axhline(1.0, color="gray", linewidth=0.5)

@@ -55,7 +55,10 @@ from benchmarks.common import (
     ensure_index,
     humaneval_inputs,
     load_targets,
+    mode_bars,
+    pyplot,
     report_header,
+    save_figure,
     save_report,
 )
 from benchmarks.replay import greedy_path, save_greedy_outputs
@@ -357,40 +360,19 @@ def targets(report: dict) -> dict:
 def plot(report: dict, path: Path) -> bool:
     """Bar charts of mean accepted length and median speed vs plain, per set and mode; False
     (and a warning) when matplotlib is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return False
-    sets = list(report["sets"])
-    modes = [m for m in MODES if any(m in report["sets"][s]["modes"] for s in sets)]
     figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-    width = 0.8 / len(modes)
-    for axis, key, title in (
-        (axes[0], "mean_accepted", "mean accepted length (tokens / step)"),
-        (axes[1], "median_speed_vs_plain", "speed vs plain decoding (median)"),
-    ):
-        for j, mode in enumerate(modes):
-            values = [report["sets"][s]["modes"].get(mode, {}).get(key, 0.0) for s in sets]
-            bars = axis.bar(
-                [i + (j - (len(modes) - 1) / 2) * width for i in range(len(sets))], values, width, label=mode
-            )
-            axis.bar_label(bars, fmt="%.2f", fontsize=7)
-        axis.set_xticks(range(len(sets)), sets)
-        axis.set_title(title)
-        axis.axhline(1.0, color="gray", linewidth=0.5)
+    mode_bars(axes[0], report, MODES, "mean_accepted", "mean accepted length (tokens / step)")
+    mode_bars(axes[1], report, MODES, "median_speed_vs_plain", "speed vs plain decoding (median)")
     axes[0].legend()
     figure.suptitle(
         f"{report['config']['model']}, greedy, {report['config']['max_new_tokens']} new tokens, "
         f"{report['machine']['device']}",
         fontsize=9,
     )
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
     return True
 
 

@@ -39,7 +39,17 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, check, ensure_index, load_targets, report_header, save_report
+from benchmarks.common import (
+    RESULTS,
+    check,
+    ensure_index,
+    load_targets,
+    mode_bars,
+    pyplot,
+    report_header,
+    save_figure,
+    save_report,
+)
 from benchmarks.e2e import INDEXES, hf_run, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
@@ -235,34 +245,18 @@ def targets(report: dict) -> dict:
 
 
 def plot(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return False
-    sets = list(report["sets"])
-    modes = [m for m in MODES if any(m in report["sets"][s]["modes"] for s in sets)]
     figure, axis = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(modes)
-    for j, mode in enumerate(modes):
-        values = [report["sets"][s]["modes"].get(mode, {}).get("median_speed_vs_llama", 0.0) for s in sets]
-        bars = axis.bar([i + (j - (len(modes) - 1) / 2) * width for i in range(len(sets))], values, width, label=mode)
-        axis.bar_label(bars, fmt="%.2f", fontsize=7)
-    axis.set_xticks(range(len(sets)), sets)
-    axis.set_title("speed vs llama.cpp plain decoding (median per prompt)")
-    axis.axhline(1.0, color="gray", linewidth=0.5)
+    mode_bars(axis, report, MODES, "median_speed_vs_llama", "speed vs llama.cpp plain decoding (median per prompt)")
     axis.legend(fontsize=8)
     figure.suptitle(
         f"SmolLM2-135M-Instruct Q4_1 GGUF, greedy, {report['config']['max_new_tokens']} new tokens, "
         f"{report['config']['threads']} threads",
         fontsize=9,
     )
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    save_figure(figure, path)
     return True
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria
 
-from benchmarks.common import REPO, RESULTS, ensure_index, report_header, save_report
+from benchmarks.common import REPO, RESULTS, ensure_index, pyplot, report_header, save_figure, save_report
 from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.load import start_server
 from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -250,12 +250,8 @@ def fault_run(prompts, plain_outputs, index: Path, model, cost, config, args, lo
 
 
 def plot(report: dict, rtts: list[float], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     sets = list(report["sets"])
     fig, axes = plt.subplots(1, len(sets), figsize=(5.5 * len(sets), 4), squeeze=False)
@@ -270,8 +266,7 @@ def plot(report: dict, rtts: list[float], path: Path) -> bool:
         ax.set_ylabel("speed vs plain decoding (median)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     return True
 
 

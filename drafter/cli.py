@@ -27,6 +27,7 @@ from rest_spec.drafter.prompts import Prompt, as_chat, encode_prompt
 if TYPE_CHECKING:
     from rest_spec.drafter.base import Drafter
     from rest_spec.drafter.generate import GenerationResult
+    from rest_spec.drafter.llamacpp import LlamaGeneration
 
 log = logging.getLogger("rest_spec.drafter.cli")
 
@@ -209,8 +210,8 @@ def open_drafter(spec: str, *, tls_ca: str | None = None, auth_token: str | None
     return drafter
 
 
-def result_record(result: GenerationResult, text: str) -> dict:
-    """The ``--json`` object for one prompt."""
+def result_record(result: GenerationResult | LlamaGeneration, text: str, draft_seconds: float, **extra) -> dict:
+    """The ``--json`` object for one prompt (``extra``: what only one engine reports)."""
     return {
         "output_ids": result.output_ids,
         "text": text,
@@ -219,10 +220,24 @@ def result_record(result: GenerationResult, text: str) -> dict:
         "mean_accepted": round(result.mean_accepted, 4),
         "seconds": round(result.seconds, 4),
         "tokens_per_second": round(result.tokens_per_second, 2),
-        "draft_seconds": round(result.draft_seconds, 4),
-        "verify_seconds": round(result.verify_seconds, 4),
-        "drafting": result.drafting.summary(),
+        "draft_seconds": round(draft_seconds, 4),
+        **extra,
     }
+
+
+def print_result(args: argparse.Namespace, record: dict, number: int, total: int, timings: str) -> None:
+    """One prompt's result: its ``record`` as JSON with ``--json``; else its text, and on stderr a
+    statistics line ending in ``timings``."""
+    if args.json:
+        print(json.dumps(record, ensure_ascii=False), flush=True)
+        return
+    print(record["text"], flush=True)
+    print(
+        f"[{number}/{total}] {record['new_tokens']} tokens in {record['seconds']:.2f} s "
+        f"({record['tokens_per_second']:.1f} tok/s), {record['steps']} steps, mean accepted "
+        f"{record['mean_accepted']:.2f}, {timings}",
+        file=sys.stderr,
+    )
 
 
 def load_parts(args: argparse.Namespace):
@@ -305,17 +320,15 @@ def run(args: argparse.Namespace) -> None:
             )
             remember_output(drafter, result.output_ids)
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
-            if args.json:
-                print(json.dumps(result_record(result, text), ensure_ascii=False), flush=True)
-            else:
-                print(text, flush=True)
-                print(
-                    f"[{number}/{len(prompts)}] {len(result.output_ids)} tokens in {result.seconds:.2f} s "
-                    f"({result.tokens_per_second:.1f} tok/s), {result.steps} steps, mean accepted "
-                    f"{result.mean_accepted:.2f}, draft {result.draft_seconds:.3f} s, verify "
-                    f"{result.verify_seconds:.2f} s",
-                    file=sys.stderr,
-                )
+            record = result_record(
+                result,
+                text,
+                result.draft_seconds,
+                verify_seconds=round(result.verify_seconds, 4),
+                drafting=result.drafting.summary(),
+            )
+            timings = f"draft {result.draft_seconds:.3f} s, verify {result.verify_seconds:.2f} s"
+            print_result(args, record, number, len(prompts), timings)
     finally:
         if drafter is not None:
             drafter.close()
@@ -362,27 +375,8 @@ def run_llama(args: argparse.Namespace, prompts: list[Prompt]) -> None:
             draft_seconds = llm.draft_model.stats.seconds - drafted if drafter is not None else 0.0
             remember_output(drafter, result.output_ids)
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
-            if args.json:
-                record = {
-                    "output_ids": result.output_ids,
-                    "text": text,
-                    "new_tokens": len(result.output_ids),
-                    "steps": result.steps,
-                    "mean_accepted": round(result.mean_accepted, 4),
-                    "seconds": round(result.seconds, 4),
-                    "tokens_per_second": round(result.tokens_per_second, 2),
-                    "draft_seconds": round(draft_seconds, 4),
-                    "engine": "llama.cpp",
-                }
-                print(json.dumps(record, ensure_ascii=False), flush=True)
-            else:
-                print(text, flush=True)
-                print(
-                    f"[{number}/{len(encoded)}] {len(result.output_ids)} tokens in {result.seconds:.2f} s "
-                    f"({result.tokens_per_second:.1f} tok/s), {result.steps} steps, mean accepted "
-                    f"{result.mean_accepted:.2f}, draft {draft_seconds:.3f} s (llama.cpp)",
-                    file=sys.stderr,
-                )
+            record = result_record(result, text, draft_seconds, engine="llama.cpp")
+            print_result(args, record, number, len(encoded), f"draft {draft_seconds:.3f} s (llama.cpp)")
     finally:
         if drafter is not None:
             drafter.close()

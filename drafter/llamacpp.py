@@ -44,7 +44,7 @@ from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.adaptive import SOURCES, AdaptiveDrafter
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import CostKey, VerifyCost, check_sizes
-from rest_spec.drafter.measure import cached_cost
+from rest_spec.drafter.measure import cached_cost, check_timing
 
 try:
     import llama_cpp
@@ -121,10 +121,7 @@ def measure_llama_cost(
     ``Llama.generate`` runs it (all positions' logits kept when a draft model is set). The context is
     cut back after every run, and ``llm`` is reset at the end (its next generation starts afresh)."""
     check_sizes(sizes)
-    if repeats < 1 or warmup < 0 or context_length < 1:
-        raise ValueError(
-            f"need repeats >= 1, warmup >= 0, context_length >= 1; got {repeats}, {warmup}, {context_length}"
-        )
+    check_timing(repeats, warmup, context_length)
     context_length = min(context_length, llm.n_ctx() - sizes[-1])
     if context_length < 1:
         raise ValueError(f"n_ctx {llm.n_ctx()} leaves no room for a context under {sizes[-1]} tokens")

@@ -54,6 +54,14 @@ def cost_key(model: PreTrainedModel) -> CostKey:
     )
 
 
+def check_timing(repeats: int, warmup: int, context_length: int) -> None:
+    """``ValueError`` unless a timing has runs to keep (repeats >= 1), warmup >= 0 and a context."""
+    if repeats < 1 or warmup < 0 or context_length < 1:
+        raise ValueError(
+            f"need repeats >= 1, warmup >= 0, context_length >= 1; got {repeats}, {warmup}, {context_length}"
+        )
+
+
 def verify_timer(
     model: PreTrainedModel, context_length: int = DEFAULT_CONTEXT_LENGTH, repeats: int = 5, warmup: int = 2
 ) -> Callable[[DraftTree, bool], float]:
@@ -65,10 +73,7 @@ def verify_timer(
     from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache
     from rest_spec.drafter.verify import verify_trees
 
-    if repeats < 1 or warmup < 0 or context_length < 1:
-        raise ValueError(
-            f"need repeats >= 1, warmup >= 0, context_length >= 1; got {repeats}, {warmup}, {context_length}"
-        )
+    check_timing(repeats, warmup, context_length)
     vocab = int(model.config.vocab_size)
     context = torch.randint(vocab, (1, context_length + 1), generator=torch.Generator().manual_seed(0))
     cache = new_cache(model)
