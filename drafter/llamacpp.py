@@ -122,9 +122,12 @@ def measure_llama_cost(
     cut back after every run, and ``llm`` is reset at the end (its next generation starts afresh)."""
     check_sizes(sizes)
     check_timing(repeats, warmup, context_length)
-    context_length = min(context_length, llm.n_ctx() - sizes[-1])
+    n_ctx = llm.context_params.n_ctx  # what llama-cpp-python sized its buffers for (llama.cpp may pad its own)
+    if n_ctx - sizes[-1] < context_length:
+        log.info("n_ctx %d: timing on a context of %d tokens, not %d", n_ctx, n_ctx - sizes[-1], context_length)
+        context_length = n_ctx - sizes[-1]
     if context_length < 1:
-        raise ValueError(f"n_ctx {llm.n_ctx()} leaves no room for a context under {sizes[-1]} tokens")
+        raise ValueError(f"n_ctx {n_ctx} leaves no room for a context under {sizes[-1]} tokens")
     rng = np.random.default_rng(0)
     vocab = llm.n_vocab()
     evaluate = functools.partial(llama_cpp.Llama.eval, llm)  # every position's logits, as a draft step

@@ -113,6 +113,15 @@ def test_the_cost_table_is_measured_from_llama_cpp_and_keyed_by_file_threads_and
     assert llama_cost_key(other) != key
 
 
+def test_the_cost_is_measured_within_the_context_llama_cpp_python_allocated():
+    """llama.cpp pads n_ctx (to 256 here); llama-cpp-python's buffers hold what was asked for."""
+    llm = llama_cpp.Llama(str(packaged_smollm2()), logits_all=True, **{**OPTIONS, "n_ctx": 150})
+    small = measure_llama_cost(llm, sizes=(1, 2, 32), repeats=1, warmup=0)
+    assert small.context_length == 150 - 32 and len(small.seconds) == 3
+    with pytest.raises(ValueError, match="no room"):
+        measure_llama_cost(llm, sizes=(1, 2, 150), repeats=1, warmup=0)
+
+
 def test_observed_steps_correct_the_cost_table(cost):
     table = VerifyCost(cost.key, 64, (1, 2, 4, 8), (1.0, 1.5, 2.0, 3.0), (1.0, 1.5, 2.0, 3.0))
     assert observed_cost(table, {}) == table
