@@ -1,14 +1,20 @@
-"""What verifying n tokens costs, before and after the verifier's shape choice, and where the time goes.
+"""What verifying n tokens costs, before and after this project's verifier changes, and where the time goes.
 
     python -m benchmarks.verify_cost --rounds 3
 
 For each n, one ``verify_trees`` step of a tree of n - 1 nodes on a 512-token cache
-(``rest_spec.drafter.measure.verify_timer``), in PyTorch's layout of the linear layers ("before")
-and transposed ("transposed"), rounds interleaved, medians over rounds; "after" is what the cost
-model prices once padding to a cheaper larger block is allowed (``VerifyCost``). Everything is
-relative to one plain token in PyTorch's layout: the step ``model.generate`` runs. A per-op
-profile (torch.profiler, self CPU time) of a step of each size in each layout says where the time
-goes. Prints a table and saves JSON under benchmarks/results/.
+(``rest_spec.drafter.measure.verify_timer``), rounds interleaved, medians over rounds:
+
+- "before": PyTorch's layout of the linear layers on the ``DynamicCache`` that ``model.generate``
+  builds (appending by concatenation);
+- "pytorch" and "transposed": the project's cache (``kv_cache.new_cache``, appending in place) in
+  each layout (``drafter.linear_layout``);
+- "after": what the cost model prices once the faster layout and padding to a cheaper larger
+  block are allowed (``VerifyCost``).
+
+Everything is relative to "before" at n = 1: the step ``model.generate`` runs. A per-op profile
+(torch.profiler, self CPU time) of a step of each size, before and after (the project's cache,
+transposed), says where the time goes. Prints a table and saves JSON under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)
 PROFILED = (1, 2, 4, 8, 16)
 
 
-def op_profile(model, n: int, transposed: bool, top: int = 6) -> dict[str, float]:
-    """Milliseconds of self CPU time per op over one step of n tokens, the ``top`` largest."""
+def op_profile(model, n: int, after: bool, top: int = 6) -> dict[str, float]:
+    """Milliseconds of self CPU time per op over one step of n tokens, the ``top`` largest;
+    before (generate's cache, PyTorch's layout) or after (the project's cache, transposed)."""
     from torch.profiler import ProfilerActivity, profile
 
-    time_step = verify_timer(model, repeats=1, warmup=1)
+    time_step = verify_timer(model, repeats=1, warmup=1, plain_cache=not after)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        time_step(measured_tree(n), transposed)
+        time_step(measured_tree(n), after)
     ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     return {op.key: round(op.self_cpu_time_total / 2e3, 2) for op in ops}  # two steps ran: warmup + 1
 
@@ -52,35 +59,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         p.error(f"--sizes and --profile must be comma-separated integers, got {args.sizes!r}, {args.profile!r}")
     model = load_model(None)
-    time_step = verify_timer(model, repeats=args.repeats)
-    runs: dict[tuple[int, bool], list[float]] = {}
+    generate_step = verify_timer(model, repeats=args.repeats, plain_cache=True)
+    project_step = verify_timer(model, repeats=args.repeats)
+    variants = {
+        "before": lambda tree: generate_step(tree, False),
+        "pytorch": lambda tree: project_step(tree, False),
+        "transposed": lambda tree: project_step(tree, True),
+    }
+    runs: dict[tuple[int, str], list[float]] = {}
     for _ in range(args.rounds):
         for n in sizes:
-            for transposed in (False, True):
-                runs.setdefault((n, transposed), []).append(time_step(measured_tree(n), transposed))
-    before = [statistics.median(runs[n, False]) for n in sizes]
-    transposed = [statistics.median(runs[n, True]) for n in sizes]
-    best = [min(a, b) for a, b in zip(before, transposed)]
-    after = VerifyCost(cost_key(model), 512, sizes, tuple(best), (), tuple(b < a for a, b in zip(before, transposed)))
-    one = before[0]
+            for name, time_step in variants.items():
+                runs.setdefault((n, name), []).append(time_step(measured_tree(n)))
+    medians = {name: [statistics.median(runs[n, name]) for n in sizes] for name in variants}
+    best = [min(a, b) for a, b in zip(medians["pytorch"], medians["transposed"])]
+    layouts = tuple(b < a for a, b in zip(medians["pytorch"], medians["transposed"]))
+    after = VerifyCost(cost_key(model), 512, sizes, tuple(best), (), layouts)
+    one = medians["before"][0]
     rows = [
         {
             "n": n,
-            "before": before[i] / one,
-            "transposed": transposed[i] / one,
+            **{name: times[i] / one for name, times in medians.items()},
             "after": float(after(n)) / one,
             "block": after.block_shape([measured_tree(n)]).size,
         }
         for i, n in enumerate(sizes)
     ]
-    print(f"t(1) in PyTorch's layout: {1e3 * one:.1f} ms (model.generate's step)")
-    print(f"{'n':>4} {'before':>7} {'transp.':>7} {'after':>7} {'block':>6}")
+    print(f"t(1) before: {1e3 * one:.1f} ms (model.generate's step)")
+    print(f"{'n':>4} {'before':>7} {'pytorch':>7} {'transp.':>7} {'after':>7} {'block':>6}")
     for row in rows:
-        print(f"{row['n']:4d} {row['before']:7.2f} {row['transposed']:7.2f} {row['after']:7.2f} {row['block']:6d}")
+        print(
+            f"{row['n']:4d} {row['before']:7.2f} {row['pytorch']:7.2f} {row['transposed']:7.2f} "
+            f"{row['after']:7.2f} {row['block']:6d}"
+        )
     profiles = {
-        f"{n} {'transposed' if layout else 'before'}": op_profile(model, n, layout)
-        for n in profiled
-        for layout in (False, True)
+        f"{n} {'after' if late else 'before'}": op_profile(model, n, late) for n in profiled for late in (False, True)
     }
     for label, ops in profiles.items():
         print(f"profile n={label}: " + ", ".join(f"{op} {ms} ms" for op, ms in ops.items()))

@@ -63,12 +63,18 @@ def check_timing(repeats: int, warmup: int, context_length: int) -> None:
 
 
 def verify_timer(
-    model: PreTrainedModel, context_length: int = DEFAULT_CONTEXT_LENGTH, repeats: int = 5, warmup: int = 2
+    model: PreTrainedModel,
+    context_length: int = DEFAULT_CONTEXT_LENGTH,
+    repeats: int = 5,
+    warmup: int = 2,
+    plain_cache: bool = False,
 ) -> Callable[[DraftTree, bool], float]:
     """A function timing one ``verify_trees`` step of a tree (median wall seconds of ``repeats``
     runs after ``warmup``), in PyTorch's layout or transposed, on a cache of ``context_length``
-    random tokens that is cut back after every run."""
+    random tokens that is cut back after every run. ``plain_cache``: the ``DynamicCache`` that
+    ``model.generate`` builds (concatenating) instead of ``kv_cache.new_cache``'s, for baselines."""
     import torch
+    from transformers import DynamicCache
 
     from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache
     from rest_spec.drafter.verify import verify_trees
@@ -76,7 +82,7 @@ def verify_timer(
     check_timing(repeats, warmup, context_length)
     vocab = int(model.config.vocab_size)
     context = torch.randint(vocab, (1, context_length + 1), generator=torch.Generator().manual_seed(0))
-    cache = new_cache(model)
+    cache = DynamicCache(config=model.config) if plain_cache else new_cache(model)
     with torch.inference_mode():
         model(input_ids=context[:, :-1].to(model.device), past_key_values=cache, use_cache=True)
     rows = CacheRows.full(1, context_length)

@@ -137,7 +137,7 @@ def test_rest_engine_drafts_every_continuation_of_the_matched_suffix_as_one_tree
     assert {path(leaf) for leaf in leaves} == {(4, 5), (4, 8), (6, 7)}  # shared prefix 4 is one node
 
 
-def test_verify_cost_reports_both_layouts_the_priced_shape_and_a_profile(tmp_path):
+def test_verify_cost_reports_before_both_layouts_the_priced_shape_and_a_profile(tmp_path):
     from benchmarks.verify_cost import main
 
     out = tmp_path / "verify_cost.json"
@@ -147,6 +147,6 @@ def test_verify_cost_reports_both_layouts_the_priced_shape_and_a_profile(tmp_pat
     assert [row["n"] for row in rows] == [1, 2, 4] and rows[0]["before"] == 1.0
     for row in rows:
         # the priced cost is never above running n tokens in the faster layout, and its block holds n
-        assert row["after"] <= min(row["before"], row["transposed"]) + 1e-12 and row["block"] >= row["n"]
-    assert set(report["profiles_ms"]) == {"2 before", "2 transposed"}
+        assert row["after"] <= min(row["pytorch"], row["transposed"]) + 1e-12 and row["block"] >= row["n"]
+    assert set(report["profiles_ms"]) == {"2 before", "2 after"}
     assert all("aten::mm" in ops or "aten::addmm" in ops for ops in report["profiles_ms"].values())

@@ -90,8 +90,9 @@ def test_greedy_rule_is_argmax() -> None:
 
 
 def prefilled(model: PreTrainedModel, tokens: Sequence[int]) -> DynamicCache:
-    """A cache holding ``tokens`` run plainly (causal attention, default positions)."""
-    cache = new_cache(model)
+    """The cache plain decoding builds for ``tokens``: transformers' own ``DynamicCache``, causal
+    attention, default positions."""
+    cache = DynamicCache(config=model.config)
     model(input_ids=torch.tensor([list(tokens)]), past_key_values=cache, use_cache=True)
     return cache
 
@@ -220,6 +221,41 @@ def test_verify_refuses_a_cache_that_does_not_match_its_rows(model: PreTrainedMo
     cache = prefilled(model, [1, 2, 3])
     with pytest.raises(ValueError, match="3 slots but its rows end at 2"):
         verify_trees(model, cache, CacheRows.full(1, 2), [[1, 2, 3]], [DraftTree.empty()])
+
+
+@torch.inference_mode()
+def test_reserved_layers_append_in_place_and_hold_what_concatenation_does(model: PreTrainedModel) -> None:
+    """Step by step (prefill, one token, a block of 5, compaction, dropping a row), the project's
+    cache holds exactly transformers' concatenating cache, and appends within its spare slots
+    without moving: the buffer under ``keys`` stays the same."""
+    rng = np.random.default_rng(0)
+    ours, theirs = new_cache(model), DynamicCache(config=model.config)
+    for cache in (ours, theirs):
+        check_cache(cache)
+    positions = 0
+    for width in (12, 1, 1, 5, 1):
+        ids = torch.from_numpy(rng.integers(VOCAB, size=(2, width)))
+        before = ours.layers[0].keys.data_ptr() if positions else None
+        for cache in (ours, theirs):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        positions += width
+        if before is not None:
+            assert ours.layers[0].keys.data_ptr() == before
+        for got, want in zip(ours.layers, theirs.layers, strict=True):
+            assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        if width == 5:  # keep the pending token and two of the block's slots, as a verification would
+            rows = CacheRows.full(2, positions - width)
+            keep = [np.array([0, 2]), np.array([0, 1, 3])]
+            ours_rows = compact_cache(ours, rows, keep)
+            compact_cache(theirs, rows, keep)
+            positions = ours_rows.length
+    select_rows(ours, CacheRows.full(2, positions), np.array([1]))
+    select_rows(theirs, CacheRows.full(2, positions), np.array([1]))
+    ids = torch.from_numpy(rng.integers(VOCAB, size=(1, 3)))
+    for cache in (ours, theirs):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    for got, want in zip(ours.layers, theirs.layers, strict=True):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
 
 
 # --- refused caches ------------------------------------------------------------------------------
