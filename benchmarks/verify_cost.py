@@ -12,6 +12,10 @@ For each n, one ``verify_trees`` step of a tree of n - 1 nodes on a 512-token ca
 - "after": what the cost model prices once the faster layout and padding to a cheaper larger
   block are allowed (``VerifyCost``).
 
+With ``--compiled``, also "compiled": the project's cache in PyTorch's layout with the model's
+forward under ``torch.compile(dynamic=True)`` (one graph for every n and cache length; the JSON
+records whether a 16-token block's argmax equals eager's).
+
 Everything is relative to "before" at n = 1: the step ``model.generate`` runs. A per-op profile
 (torch.profiler, self CPU time) of a step of each size, before and after (the project's cache,
 transposed), says where the time goes. Prints a table and saves JSON under benchmarks/results/.
@@ -46,12 +50,37 @@ def op_profile(model, n: int, after: bool, top: int = 6) -> dict[str, float]:
     return {op.key: round(op.self_cpu_time_total / 2e3, 2) for op in ops}  # two steps ran: warmup + 1
 
 
+def same_choices(model, other, n: int = 16, context_length: int = 300) -> bool:
+    """Whether ``other`` picks the same greedy token as ``model`` at every position of a block of
+    n tokens on a random context."""
+    import torch
+
+    from rest_spec.drafter.kv_cache import CacheRows, new_cache
+    from rest_spec.drafter.tree_attention import build_tree_inputs
+    from rest_spec.drafter.verify import tree_logits
+
+    context = torch.randint(
+        int(model.config.vocab_size), (1, context_length + 1), generator=torch.Generator().manual_seed(1)
+    )
+    choices = []
+    for each in (model, other):
+        cache = new_cache(each)
+        with torch.inference_mode():
+            each(input_ids=context[:, :-1], past_key_values=cache, use_cache=True)
+            block = build_tree_inputs(
+                [int(context[0, -1])], [measured_tree(n)], CacheRows.full(1, context_length), "cpu", n
+            )
+            choices.append(tree_logits(each, cache, block).argmax(-1))
+    return bool(torch.equal(*choices))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over every size (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per size per round (default: %(default)s)")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="n to time, from 1 (default: %(default)s)")
     p.add_argument("--profile", default=",".join(map(str, PROFILED)), help="n to profile (default: %(default)s)")
+    p.add_argument("--compiled", action="store_true", help="also time the forward under torch.compile")
     p.add_argument("--out", type=Path, default=RESULTS / "verify_cost.json")
     args = p.parse_args(argv)
     try:
@@ -66,6 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "pytorch": lambda tree: project_step(tree, False),
         "transposed": lambda tree: project_step(tree, True),
     }
+    compiled = None
+    if args.compiled:
+        import torch
+
+        compiled = load_model(None)
+        compiled.forward = torch.compile(compiled.forward, dynamic=True)
+        compiled_step = verify_timer(compiled, repeats=args.repeats)
+        variants["compiled"] = lambda tree: compiled_step(tree, False)
     runs: dict[tuple[int, str], list[float]] = {}
     for _ in range(args.rounds):
         for n in sizes:
@@ -86,12 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, n in enumerate(sizes)
     ]
     print(f"t(1) before: {1e3 * one:.1f} ms (model.generate's step)")
-    print(f"{'n':>4} {'before':>7} {'pytorch':>7} {'transp.':>7} {'after':>7} {'block':>6}")
+    columns = [*variants, "after"]
+    print(f"{'n':>4} " + " ".join(f"{name[:10]:>10}" for name in columns) + f" {'block':>6}")
     for row in rows:
-        print(
-            f"{row['n']:4d} {row['before']:7.2f} {row['pytorch']:7.2f} {row['transposed']:7.2f} "
-            f"{row['after']:7.2f} {row['block']:6d}"
-        )
+        print(f"{row['n']:4d} " + " ".join(f"{row[name]:10.2f}" for name in columns) + f" {row['block']:6d}")
     profiles = {
         f"{n} {'after' if late else 'before'}": op_profile(model, n, late) for n in profiled for late in (False, True)
     }
@@ -103,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "relative_to_one_plain_token": rows,
         "profiles_ms": profiles,
     }
+    if compiled is not None:
+        report["compiled_choices_equal_eager"] = same_choices(model, compiled)
+        print(f"compiled: a 16-token block's argmax equals eager's: {report['compiled_choices_equal_eager']}")
     save_report(report, args.out, echo=False)
     print(f"saved {args.out}")
     return 0
