@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, report_header, save_report
 from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.measure import cost_key, measured_tree, verify_timer
+from rest_spec.drafter.measure import DEFAULT_CONTEXT_LENGTH, cost_key, measured_tree, verify_timer
 from rest_spec.drafter.model import load_model
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)
@@ -66,11 +66,11 @@ def same_choices(model, other, n: int = 16, context_length: int = 300) -> bool:
     for each in (model, other):
         cache = new_cache(each)
         with torch.inference_mode():
-            each(input_ids=context[:, :-1], past_key_values=cache, use_cache=True)
+            each(input_ids=context[:, :-1].to(each.device), past_key_values=cache, use_cache=True)
             block = build_tree_inputs(
-                [int(context[0, -1])], [measured_tree(n)], CacheRows.full(1, context_length), "cpu", n
+                [int(context[0, -1])], [measured_tree(n)], CacheRows.full(1, context_length), each.device, n
             )
-            choices.append(tree_logits(each, cache, block).argmax(-1))
+            choices.append(tree_logits(each, cache, block).argmax(-1).cpu())
     return bool(torch.equal(*choices))
 
 
@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     medians = {name: [statistics.median(runs[n, name]) for n in sizes] for name in variants}
     best = [min(a, b) for a, b in zip(medians["pytorch"], medians["transposed"])]
     layouts = tuple(b < a for a, b in zip(medians["pytorch"], medians["transposed"]))
-    after = VerifyCost(cost_key(model), 512, sizes, tuple(best), (), layouts)
+    after = VerifyCost(cost_key(model), DEFAULT_CONTEXT_LENGTH, sizes, tuple(best), (), layouts)
     one = medians["before"][0]
     rows = [
         {
