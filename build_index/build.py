@@ -176,7 +176,12 @@ def build(config: BuildConfig) -> BuildReport:
     with _StopSignals() as stop:
         corpus = open_corpus(config.corpus)
         stop.out = out = config.out or Path("indexes") / corpus.slug
-        IndexWriter.check_target(out, config.overwrite)  # before the tokenizer load and the whole read
+        try:  # before the tokenizer load and the whole read
+            IndexWriter.check_target(out, config.overwrite)
+        except FileExistsError:  # the refusals, already one line
+            raise
+        except OSError as exc:  # a parent that is a file, a loop of links, no permission
+            raise BuildInputError(f"cannot use {out} as the index directory: {exc.strerror or exc}") from exc
         tokenizer = _load_tokenizer(config.tokenizer)
         with (
             _engine(config, tokenizer) as engine,

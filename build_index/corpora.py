@@ -299,25 +299,36 @@ def _read_text(path: Path, max_mib: int = 0) -> str | None:
     """The text of the regular file ``path``, or None for binary (a NUL byte) or non-UTF-8 content.
 
     A special file, a file over ``max_mib`` MiB (0: no limit) or an OSError is a ``CorpusError``.
-    The type is checked before the open (opening a FIFO blocks, opening a device may act on it)
-    and again on the open descriptor, in case the path was replaced in between."""
+    Type and size are checked before the open (opening a FIFO blocks, opening a device may act on
+    it, and a file over the limit is never opened) and again on the open descriptor and the bytes
+    read, in case the path was replaced or the file grew in between."""
     limit = max_mib << 20 or None
     try:
-        _check_regular(path, os.stat(path).st_mode, "file")
+        _check_size(path, _checked_stat(path, os.stat(path)), limit, max_mib)
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         with open(fd, "rb") as f:
-            _check_regular(path, os.fstat(fd).st_mode, "file")
+            _check_size(path, _checked_stat(path, os.fstat(fd)), limit, max_mib)
             data = f.read() if limit is None else f.read(limit + 1)
     except OSError as exc:
         raise CorpusError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if limit is not None and len(data) > limit:
-        raise CorpusError(f"file {path} is over {max_mib} MiB (raise the limit with --max-file-mib)")
+    _check_size(path, len(data), limit, max_mib)
     if b"\0" in data:
         return None
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError:
         return None
+
+
+def _checked_stat(path: Path, status: os.stat_result) -> int:
+    """The size of ``path`` from its stat, after checking that it is a regular file."""
+    _check_regular(path, status.st_mode, "file")
+    return status.st_size
+
+
+def _check_size(path: Path, size: int, limit: int | None, max_mib: int) -> None:
+    if limit is not None and size > limit:
+        raise CorpusError(f"file {path} is over {max_mib} MiB (raise the limit with --max-file-mib)")
 
 
 def _walk(root: Path, extensions: tuple[str, ...], skip_dirs: frozenset[str]) -> Iterator[Path]:

@@ -149,6 +149,19 @@ def test_overwrite_refuses_what_is_not_an_index(tmp_path, tiny_tokenizer, previo
     assert snapshot(out.parent) == before and leftovers(out.parent) == []
 
 
+def test_an_out_path_under_a_regular_file_is_a_one_line_error(tmp_path, tiny_tokenizer):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a corpus")
+    (tmp_path / "file").write_text("not a directory")
+    out = tmp_path / "file" / "idx"
+
+    result = run_cli("--corpus", corpus, "--tokenizer", tiny_tokenizer, "--out", out, cwd=tmp_path, timeout=120)
+
+    assert result.returncode == 1
+    assert one_line(result.stderr) == f"build_index: error: cannot use {out} as the index directory: Not a directory"
+    assert (tmp_path / "file").read_text() == "not a directory"
+
+
 def test_overwrite_replaces_an_index_beside_leftovers_of_killed_builds(tmp_path, tiny_tokenizer, previous_index):
     """Killed builds leave ``.NAME.tmp-PID``/``.NAME.old-PID`` beside the target; the next build
     says so, removes neither, and is not in their way even when it gets the same PID."""

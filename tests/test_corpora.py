@@ -38,6 +38,26 @@ def write_jsonl(path, rows) -> str:
 # --------------------------------------------------------------------------- files
 
 
+def test_a_file_over_the_size_limit_is_skipped_without_being_opened(tmp_path):
+    """--max-file-mib is checked on the stat: a file over it is counted as skipped and never opened
+    (the audit hook sees every open in this process)."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.py").write_text("small = 1\n")
+    with open(root / "b.py", "wb") as big:
+        big.truncate((1 << 20) + 1)  # sparse: 1 MiB and one byte
+    opened: list[str] = []
+    watching = [True]
+    sys.addaudithook(lambda event, args: opened.append(str(args[0])) if watching[0] and event == "open" else None)
+    try:
+        corpus = open_corpus(CorpusSpec(corpus=str(root), max_file_mib=1))
+        texts = [turn.text for record in corpus.records() for turn in record.turns]
+    finally:
+        watching[0] = False  # audit hooks cannot be removed
+    assert texts == ["small = 1\n"] and corpus.stats.skipped == 1
+    assert str(root / "a.py") in opened and str(root / "b.py") not in opened
+
+
 def test_directory_sorted_filtered_and_skips_unreadable(tmp_path, caplog):
     (tmp_path / "sub").mkdir()
     (tmp_path / ".git").mkdir()
