@@ -55,6 +55,7 @@ def same_choices(model, other, n: int = 16, context_length: int = 300) -> bool:
     n tokens on a random context."""
     import torch
 
+    from rest_spec.drafter.hf_internals import forward_with_cache
     from rest_spec.drafter.kv_cache import CacheRows, new_cache
     from rest_spec.drafter.tree_attention import build_tree_inputs
     from rest_spec.drafter.verify import tree_logits
@@ -66,7 +67,7 @@ def same_choices(model, other, n: int = 16, context_length: int = 300) -> bool:
     for each in (model, other):
         cache = new_cache(each)
         with torch.inference_mode():
-            each(input_ids=context[:, :-1].to(each.device), past_key_values=cache, use_cache=True)
+            forward_with_cache(each, cache, input_ids=context[:, :-1].to(each.device))
             block = build_tree_inputs(
                 [int(context[0, -1])], [measured_tree(n)], CacheRows.full(1, context_length), each.device, n
             )

@@ -16,18 +16,18 @@ dropped) and the others go on.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from rest_spec.datastore.types import DraftConfig
+from rest_spec.drafter import hf_internals
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import VerifyCost
 from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache, select_rows
@@ -166,7 +166,7 @@ def prompt_rows(
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, cache: DynamicCache, prompts: Sequence[Sequence[int]]) -> CacheRows:
+def prefill(model: PreTrainedModel, cache: hf_internals.DynamicCache, prompts: Sequence[Sequence[int]]) -> CacheRows:
     """Fill an empty ``cache`` with every prompt but its last token (the first pending token),
     left-padded to a common length; returns where each row's tokens are.
 
@@ -188,15 +188,8 @@ def prefill(model: PreTrainedModel, cache: DynamicCache, prompts: Sequence[Seque
     if rows.start.any():
         start = torch.from_numpy(rows.start).to(model.device)
         mask = padded_prefill_mask(start, width, model.dtype)
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        **extra,
-    )
+    extra = {"logits_to_keep": 1} if hf_internals.forward_takes(model, "logits_to_keep") else {}
+    hf_internals.forward_with_cache(model, cache, input_ids=ids, attention_mask=mask, position_ids=positions, **extra)
     return rows
 
 
@@ -383,7 +376,7 @@ def generate(
     stop = StopConditions(max_new_tokens, eos_ids(generation), criteria, model.device)
     on_step = None
     if streamer is not None:
-        pad = generation._pad_token_tensor  # the pad id, else the first eos id (model.generate's rule)
+        pad = hf_internals.pad_token_tensor(generation)  # the pad id, else the first eos id (model.generate's rule)
         on_step = stream_to(streamer, batched, None if pad is None else int(pad))
     if isinstance(overlap, bool):
         overlap = OverlapConfig(enabled=overlap)

@@ -41,6 +41,7 @@ from transformers.generation import (
 )
 
 from rest_spec.datastore.types import DraftConfig
+from rest_spec.drafter import hf_internals
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, generate
 from rest_spec.drafter.overlap import OverlapConfig
@@ -109,7 +110,7 @@ def rest_generate(
     )
     log.debug("rest_generate: %d steps, mean accepted %.2f, %.2f s", result.steps, result.mean_accepted, result.seconds)
     rows = result.output_ids if isinstance(result, BatchGenerationResult) else [result.output_ids]
-    sequences = _sequences(input_ids, rows, generation_config._pad_token_tensor)
+    sequences = _sequences(input_ids, rows, hf_internals.pad_token_tensor(generation_config))
     if generation_config.return_dict_in_generate:
         return RestGenerateOutput(sequences=sequences, rest=result)
     return sequences
@@ -197,10 +198,10 @@ def _check_supported(generation_config: GenerationConfig, model_kwargs: dict) ->
             f"rest_generate cannot return {', '.join(per_step)}: drafted tokens are verified several at a "
             "time in one tree forward, not one forward per token; only sequences are returned"
         )
-    cache = model_kwargs.get("past_key_values")
+    cache = hf_internals.prepared_cache(model_kwargs)
     if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("rest_generate starts from an empty cache: past_key_values must not hold tokens")
-    unknown = set(model_kwargs) - _RECOMPUTED_MODEL_INPUTS - {"attention_mask", "past_key_values"}
+        raise ValueError("rest_generate starts from an empty cache: the cache passed to generate must not hold tokens")
+    unknown = set(model_kwargs) - _RECOMPUTED_MODEL_INPUTS - {"attention_mask", *hf_internals.CACHE_KEYWORDS}
     if unknown:
         raise ValueError(f"rest_generate takes token ids and an attention mask only; unsupported: {sorted(unknown)}")
 

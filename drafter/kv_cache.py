@@ -1,4 +1,4 @@
-"""The only module that touches ``transformers`` cache internals.
+"""The KV cache's slots: compaction after verification, batch rows, in-place appends.
 
 Tree verification appends the pending token and all tree nodes to the KV cache; afterwards only
 the pending token and the accepted path are real context. ``compact_cache`` moves those slots down
@@ -34,8 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers import PreTrainedModel
+
+from rest_spec.drafter.hf_internals import DynamicCache, DynamicLayer
 
 
 class UnsupportedCacheError(TypeError):

@@ -74,8 +74,8 @@ def verify_timer(
     random tokens that is cut back after every run. ``plain_cache``: the ``DynamicCache`` that
     ``model.generate`` builds (concatenating) instead of ``kv_cache.new_cache``'s, for baselines."""
     import torch
-    from transformers import DynamicCache
 
+    from rest_spec.drafter.hf_internals import DynamicCache, forward_with_cache
     from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache
     from rest_spec.drafter.verify import verify_trees
 
@@ -84,7 +84,7 @@ def verify_timer(
     context = torch.randint(vocab, (1, context_length + 1), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=model.config) if plain_cache else new_cache(model)
     with torch.inference_mode():
-        model(input_ids=context[:, :-1].to(model.device), past_key_values=cache, use_cache=True)
+        forward_with_cache(model, cache, input_ids=context[:, :-1].to(model.device))
     rows = CacheRows.full(1, context_length)
     contexts = context.tolist()
     synchronize = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None

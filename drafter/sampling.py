@@ -1,7 +1,7 @@
 """The model's next token at every draft-tree position, chosen exactly as ``model.generate`` would.
 
 ``model.generate`` (transformers ``_sample``) turns the last logits into a token in two steps: the
-``LogitsProcessorList`` that ``model._get_logits_processor`` builds from the ``GenerationConfig``
+``LogitsProcessorList`` that ``model.generate`` builds from the ``GenerationConfig``
 (repetition penalty, no-repeat n-grams, minimum length, bad words, ..., and when sampling,
 temperature, top-k, top-p, min-p, typical-p, ...) applied to ``(input_ids, float32 scores)``, then
 argmax or one multinomial draw. ``TokenChooser`` does the same at every position of a verification
@@ -40,6 +40,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from rest_spec.drafter import hf_internals
 from rest_spec.drafter.tree_attention import TreeInputs
 
 # Processors whose output depends on the scores alone, never on input_ids (checked against the
@@ -67,10 +68,9 @@ def prepare_generation_config(
     """The config ``model.generate`` would decode with: a copy of ``generation_config`` (default:
     the model's) completed from the model's and the global defaults, ``eos_token_id`` (if given)
     replacing its eos ids, special-token tensors prepared. Refuses what tree decoding cannot do."""
-    config, _ = model._prepare_generation_config(generation_config)
-    if eos_token_id is not None:
-        config.eos_token_id = eos_token_id if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
-    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=model.device)
+    if eos_token_id is not None and not isinstance(eos_token_id, int):
+        eos_token_id = [int(t) for t in eos_token_id]
+    config = hf_internals.prepare_generation_config(model, generation_config, eos_token_id)
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(f"REST decoding does greedy search and sampling only; this generation config asks for {mode}")
@@ -102,11 +102,8 @@ def row_logits_processors(
     config.max_length = prompt_length + max_new_tokens
     if config.min_new_tokens is not None:
         config.min_length = prompt_length + config.min_new_tokens
-    return model._get_logits_processor(
-        generation_config=config,
-        input_ids_seq_length=prompt_length,
-        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
-        device=model.device,
+    return hf_internals.logits_processors(
+        model, config, prompt_length, logits_processor if logits_processor is not None else LogitsProcessorList()
     )
 
 

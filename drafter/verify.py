@@ -23,10 +23,11 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from rest_spec.datastore.types import DraftTree
 from rest_spec.drafter.cost import BlockShape
+from rest_spec.drafter.hf_internals import DynamicCache, forward_with_cache
 from rest_spec.drafter.kv_cache import CacheRows, cache_length
 from rest_spec.drafter.linear_layout import transposed_linears
 from rest_spec.drafter.tree_attention import TreeInputs, build_tree_inputs
@@ -74,12 +75,12 @@ def tree_logits(
     Chains on whole caches (``inputs.causal``) take the model's own causal path, no custom mask;
     ``transposed`` runs the linear layers as ``(W @ x.T).T`` (``drafter.linear_layout``)."""
     with transposed_linears(model, transposed):
-        output = model(
+        output = forward_with_cache(
+            model,
+            cache,
             input_ids=inputs.input_ids,
             attention_mask=None if inputs.causal else inputs.attention_mask(model.dtype),
             position_ids=inputs.position_ids,
-            past_key_values=cache,
-            use_cache=True,
         )
     return output.logits
 

@@ -18,6 +18,7 @@ from rest_spec.datastore.bigram import SEP, RequestMatcher
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.trie import top_c_tree
 from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.drafter.hf_internals import forward_with_cache
 from rest_spec.drafter.kv_cache import CacheRows, new_cache
 from rest_spec.drafter.merge import SourceCalibration, merge_trees
 from rest_spec.drafter.verify import verify_trees
@@ -219,7 +220,7 @@ def test_request_and_output_store_drafts_verified_on_a_real_model():
 
     cache = new_cache(model)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt[:-1]]), past_key_values=cache, use_cache=True)
+        forward_with_cache(model, cache, input_ids=torch.tensor([prompt[:-1]]))
     verdict = verify_trees(model, cache, CacheRows.full(1, len(prompt) - 1), [prompt], [tree])[0]
     assert list(verdict.accepted_tokens) == greedy[: len(verdict.accepted_tokens)]
     assert len(verdict.accepted_tokens) == 4

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, PreT
 from rest_spec.datastore.types import DraftTree
 from rest_spec.drafter.cost import BlockShape
 from rest_spec.drafter.generate import prefill
+from rest_spec.drafter.hf_internals import forward_with_cache
 from rest_spec.drafter.kv_cache import (
     CacheRows,
     UnsupportedCacheError,
@@ -93,7 +94,7 @@ def prefilled(model: PreTrainedModel, tokens: Sequence[int]) -> DynamicCache:
     """The cache plain decoding builds for ``tokens``: transformers' own ``DynamicCache``, causal
     attention, default positions."""
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([list(tokens)]), past_key_values=cache, use_cache=True)
+    forward_with_cache(model, cache, input_ids=torch.tensor([list(tokens)]))
     return cache
 
 
@@ -237,7 +238,7 @@ def test_reserved_layers_append_in_place_and_hold_what_concatenation_does(model:
         ids = torch.from_numpy(rng.integers(VOCAB, size=(2, width)))
         before = ours.layers[0].keys.data_ptr() if positions else None
         for cache in (ours, theirs):
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            forward_with_cache(model, cache, input_ids=ids)
         positions += width
         if before is not None:
             assert ours.layers[0].keys.data_ptr() == before
@@ -253,7 +254,7 @@ def test_reserved_layers_append_in_place_and_hold_what_concatenation_does(model:
     select_rows(theirs, CacheRows.full(2, positions), np.array([1]))
     ids = torch.from_numpy(rng.integers(VOCAB, size=(1, 3)))
     for cache in (ours, theirs):
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        forward_with_cache(model, cache, input_ids=ids)
     for got, want in zip(ours.layers, theirs.layers, strict=True):
         assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
 
