@@ -27,7 +27,7 @@ import numpy as np
 from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.base import Deferred, Drafter, Pending, SourceDrafter, drafter_trees
-from rest_spec.drafter.cost import VerifyCost, select_chain, select_tree
+from rest_spec.drafter.cost import CorrectedCost, VerifyCost, select_chain, select_tree
 from rest_spec.drafter.merge import SourceCalibration, merge_trees
 
 SOURCES = ("index", "request", "outputs")
@@ -131,7 +131,9 @@ class AdaptiveDrafter:
 
     base         where the index and outputs trees come from: a ``SourceDrafter`` (``LocalDrafter``,
                  ``RemoteDrafter``); a plain ``Drafter`` does when "outputs" is not a source
-    cost         the measured verification cost (``drafter.measure.load_or_measure``); None keeps
+    cost         the measured verification cost (``drafter.measure.load_or_measure``), kept as a
+                 ``CorrectedCost`` (given one, that one): the loop that verifies these trees
+                 corrects it by the steps it times (``generate``), across requests; None keeps
                  the ``budget`` best-scored nodes (no hardware-aware size)
     config       how each source drafts its candidates (budget 64 per source and for the merge)
     suffixes     context cuts (descending token counts, e.g. ``SUFFIXES``) whose index trees are
@@ -152,7 +154,7 @@ class AdaptiveDrafter:
         self,
         base: Drafter,
         *,
-        cost: VerifyCost | None,
+        cost: VerifyCost | CorrectedCost | None,
         config: DraftConfig = DraftConfig(),
         sources: Sequence[str] = SOURCES,
         suffixes: Sequence[int] = (),
@@ -181,7 +183,8 @@ class AdaptiveDrafter:
         self.calibration = calibration if calibration is not None else SourceCalibration(num_sources)
         if self.calibration.num_sources != num_sources:
             raise ValueError(f"calibration has {self.calibration.num_sources} sources, expected {num_sources}")
-        self.base, self.cost, self.config, self.chains = base, cost, config, chains
+        self.base, self.config, self.chains = base, config, chains
+        self.cost = cost if cost is None or isinstance(cost, CorrectedCost) else CorrectedCost(cost)
         self._requests: list[_Request] = []  # one per row of the last call, in row order
 
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:

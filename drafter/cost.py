@@ -12,7 +12,9 @@ selection weighs the best chain against the best tree.
 t(n) is priced as the cheapest way to run n tokens: as they are, or padded to a larger measured
 block that runs faster (``BlockShape``, which the verifier follows), so a curve that dips (a CPU's
 kernel choice by shape) is used, not smoothed away. It is measured once per model, device and
-dtype by ``drafter.measure``; this module needs neither torch nor transformers.
+dtype by ``drafter.measure``, which flags a table it could not measure cleanly (``unconfirmed``);
+``shape_problems`` finds the shapes noise leaves in a table, and ``CorrectedCost`` corrects a table
+by the steps a decoding loop times. This module needs neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -69,6 +74,16 @@ def _cheapest_from(sizes: tuple[int, ...], seconds: tuple[float, ...]) -> np.nda
     return cheapest
 
 
+def _as_is(sizes: np.ndarray, seconds: np.ndarray, n: np.ndarray | float) -> np.ndarray:
+    """``seconds`` for ``n`` tokens run as they are: interpolated linearly between the measured
+    ``sizes`` and continued along the last segment past the largest."""
+    as_is = np.interp(n, sizes, seconds)
+    if sizes.size > 1:
+        slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
+        as_is = np.where(n > sizes[-1], seconds[-1] + slope * (n - sizes[-1]), as_is)
+    return as_is
+
+
 def _cheapest(sizes: Sequence[int], seconds: Sequence[float], n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The cheapest way to verify ``n`` tokens, and the block size it runs at: ``n`` itself
     (``seconds`` at the measured sizes, interpolated linearly between them and continued along
@@ -77,10 +92,7 @@ def _cheapest(sizes: Sequence[int], seconds: Sequence[float], n: np.ndarray) -> 
     Returns float64 seconds and int64 block sizes, both shaped like ``n``."""
     cheapest_from = _cheapest_from(tuple(sizes), tuple(seconds))
     sizes, seconds = np.asarray(sizes, np.int64), np.asarray(seconds, np.float64)
-    as_is = np.interp(n, sizes, seconds)
-    if sizes.size > 1:
-        slope = max(0.0, (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]))
-        as_is = np.where(n > sizes[-1], seconds[-1] + slope * (n - sizes[-1]), as_is)
+    as_is = _as_is(sizes, seconds, n)
     first = np.searchsorted(sizes, n, side="left")  # the first measured size >= n
     padded_index = cheapest_from[np.minimum(first, sizes.size - 1)]
     padded = np.where(first < sizes.size, seconds[padded_index], np.inf)
@@ -106,6 +118,8 @@ class VerifyCost:
     verifier runs on the model's plain causal path (``tree_attention.TreeInputs.causal``); empty
     when not measured, and chains then cost what trees cost. ``transposed[i]``: size ``sizes[i]``
     was faster, and timed, with the linear layers transposed (``BlockShape``); empty = never.
+    ``unconfirmed``: the sizes whose times did not settle when measured (``drafter.measure``: other
+    work on the machine); a table with any is provisional.
 
     Queries price the cheapest way to run n tokens (``_cheapest``): as they are, or padded to a
     larger measured size that is faster; ``block_shape`` tells the verifier which it is.
@@ -117,6 +131,7 @@ class VerifyCost:
     seconds: tuple[float, ...]
     chain_seconds: tuple[float, ...] = ()
     transposed: tuple[bool, ...] = ()
+    unconfirmed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes)
@@ -128,6 +143,8 @@ class VerifyCost:
             len(self.transposed) != len(self.sizes) or not all(isinstance(t, bool) for t in self.transposed)
         ):
             raise ValueError(f"transposed must be one bool per size, got {list(self.transposed)}")
+        if not set(self.unconfirmed) <= set(self.sizes):
+            raise ValueError(f"unconfirmed must be measured sizes, got {list(self.unconfirmed)}")
 
     def __call__(self, n: int | np.ndarray) -> np.ndarray:
         """float64 seconds for a tree of ``n`` (>= 1) verified tokens; same shape as ``n``."""
@@ -146,16 +163,25 @@ class VerifyCost:
         if len(trees) == 1:
             seconds = self.chain_seconds if self.chain_seconds and trees[0].is_chain() else self.seconds
             size = int(_cheapest(self.sizes, seconds, np.asarray(size))[1])
-        if not self.transposed:
-            return BlockShape(size)
-        below = np.searchsorted(self.sizes, len(trees) * size, side="right") - 1
-        return BlockShape(size, self.transposed[below])
+        return BlockShape(size, self.transposed_at(len(trees) * size))
+
+    def measured_at(self, rows: int) -> int:
+        """The largest measured size up to ``rows`` (>= 1): the measurement that speaks for a block
+        of that many rows."""
+        return self.sizes[np.searchsorted(self.sizes, rows, side="right") - 1]
+
+    def transposed_at(self, rows: int) -> bool:
+        """The layout for linear layers that see ``rows`` rows: the one measured at ``measured_at``."""
+        below = np.searchsorted(self.sizes, rows, side="right") - 1
+        return bool(self.transposed) and self.transposed[below]
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> VerifyCost:
+        """The table ``to_json`` wrote; ``KeyError`` for one written before its fields were (a
+        table measured before noise checks has no ``unconfirmed``)."""
         data = json.loads(text)
         return cls(
             CostKey(**data["key"]),
@@ -164,10 +190,209 @@ class VerifyCost:
             tuple(data["seconds"]),
             tuple(data["chain_seconds"]),
             tuple(data["transposed"]),
+            tuple(data["unconfirmed"]),
         )
 
 
-def select_tree(tree: DraftTree, cost: VerifyCost, max_depth: int | None = None) -> DraftTree:
+# A smaller block may cost more than a larger one -- kernels are chosen by shape, and one row runs a
+# matrix-vector product -- but not this many times more; nor does a block cost this many times more
+# per token than a smaller one (the work is linear in the tokens, and more rows use the hardware
+# better); a chain and a tree of one size do the same work under different masks.
+DEARER_THAN_LARGER = 2.5
+DEARER_PER_TOKEN = 2.0
+CHAIN_VS_TREE = 1.5
+
+
+def shape_problems(cost: VerifyCost) -> dict[int, str]:
+    """The measured sizes whose times no machine explains, each with what is wrong (``{}`` for a
+    plausible table): what other work running during the measurement leaves. Interference only adds
+    time, so of two times that disagree, the dearer is blamed."""
+    sizes = np.asarray(cost.sizes, np.float64)
+    curves = {"t": np.asarray(cost.seconds, np.float64)}
+    if cost.chain_seconds:
+        curves["chain t"] = np.asarray(cost.chain_seconds, np.float64)
+    problems: dict[int, str] = {}
+
+    def time(name: str, i: int) -> str:
+        return f"{name}({cost.sizes[i]}) = {1e3 * curves[name][i]:.1f} ms"
+
+    for name, seconds in curves.items():
+        per_token = seconds / sizes
+        for i in range(len(sizes)):
+            if i + 1 < len(sizes):
+                j = i + 1 + int(np.argmin(seconds[i + 1 :]))
+                if seconds[i] > DEARER_THAN_LARGER * seconds[j]:
+                    problems.setdefault(
+                        cost.sizes[i], f"{time(name, i)} is {seconds[i] / seconds[j]:.1f}x {time(name, j)}"
+                    )
+            if i > 0:
+                j = int(np.argmin(per_token[:i]))
+                if per_token[i] > DEARER_PER_TOKEN * per_token[j]:
+                    ratio = per_token[i] / per_token[j]
+                    problems.setdefault(
+                        cost.sizes[i], f"{time(name, i)} costs {ratio:.1f}x per token what {time(name, j)} does"
+                    )
+    if cost.chain_seconds:
+        for i, (tree, chain) in enumerate(zip(cost.seconds, cost.chain_seconds)):
+            dearer, cheaper = ("chain t", "t") if chain > tree else ("t", "chain t")
+            if max(tree, chain) > CHAIN_VS_TREE * min(tree, chain):
+                ratio = max(tree, chain) / min(tree, chain)
+                problems.setdefault(cost.sizes[i], f"{time(dearer, i)} is {ratio:.1f}x {time(cheaper, i)}")
+    return dict(sorted(problems.items()))
+
+
+class StepShape(NamedTuple):
+    """One kind of verification step: a block of ``size`` positions, a chain (the model's causal
+    path) or a branching tree, the linear layers transposed or not. What ``drafter.measure`` times
+    and a decoding loop observes."""
+
+    size: int
+    chain: bool
+    transposed: bool
+
+
+def corrected_cost(
+    table: VerifyCost,
+    observed: Mapping[StepShape, float],
+    *,
+    pads: bool = True,
+    untrusted: frozenset[int] = frozenset(),
+) -> VerifyCost:
+    """``table`` corrected by the typical seconds of the step shapes a loop observed.
+
+    An observed shape prices itself, and the other kind of step of its size and layout (chain or
+    tree) follows it by the table's chain/tree ratio there. Sizes not observed follow the table
+    scaled by the median ratio of observed to tabled times: interference inflates a table unevenly,
+    so no single size sets the scale, and measured sizes ``untrusted`` (unconfirmed, or implausible)
+    set none where others were observed. Per size the cheaper layout is kept: the table's, as
+    tabled (scaled) or observed, or the other one where it was observed. ``pads`` False is for
+    engines that run exactly the tokens given (llama.cpp): no size is then priced below a smaller
+    one, since no block can be padded to a cheaper larger one."""
+    sizes = sorted(set(table.sizes) | {shape.size for shape in observed})
+    measured, at = np.asarray(table.sizes, np.float64), np.asarray(sizes, np.float64)
+    tabled = {  # kind (chain?) -> {size: the table's seconds as is}
+        chain: dict(zip(sizes, _as_is(measured, np.asarray(times, np.float64), at).tolist()))
+        for chain, times in ((False, table.seconds), (True, table.chain_seconds or table.seconds))
+    }
+    table_layout = {size: table.transposed_at(size) for size in sizes}
+    ratios = {
+        shape: seconds / tabled[shape.chain][shape.size]
+        for shape, seconds in observed.items()
+        if shape.transposed == table_layout[shape.size]
+    }
+    trusted = [ratio for shape, ratio in ratios.items() if table.measured_at(shape.size) not in untrusted]
+    scale = statistics.median(trusted or ratios.values()) if ratios else 1.0
+    trees, chains, layouts = [], [], []
+    for size in sizes:
+        chain_per_tree = tabled[True][size] / tabled[False][size]
+        estimates = {}  # layout -> (tree, chain) seconds; the table's layout first, so it wins ties
+        for transposed in (table_layout[size], not table_layout[size]):
+            tree, chain = (observed.get(StepShape(size, kind, transposed)) for kind in (False, True))
+            if tree is None and chain is None:
+                if transposed != table_layout[size]:
+                    continue  # never timed in this layout
+                tree, chain = scale * tabled[False][size], scale * tabled[True][size]
+            estimates[transposed] = (
+                tree if tree is not None else chain / chain_per_tree,
+                chain if chain is not None else tree * chain_per_tree,
+            )
+        layout = min(estimates, key=lambda transposed: estimates[transposed][0])
+        trees.append(estimates[layout][0])
+        chains.append(estimates[layout][1])
+        layouts.append(layout)
+    if not pads:
+        trees, chains = np.maximum.accumulate(trees).tolist(), np.maximum.accumulate(chains).tolist()
+    return VerifyCost(
+        table.key,
+        table.context_length,
+        tuple(sizes),
+        tuple(trees),
+        tuple(chains),
+        tuple(layouts) if table.transposed else (),
+        table.unconfirmed,
+    )
+
+
+OBSERVED_MIN = 4  # steps of a shape before its own times price it
+OBSERVED_WINDOW = 16  # a shape's recent steps, whose median prices it
+OBSERVED_REFRESH = 16  # steps between re-pricings, besides a shape's OBSERVED_MIN-th
+
+
+class CorrectedCost:
+    """A measured ``VerifyCost`` corrected by the verification steps a decoding loop times.
+
+    A table is timed once, on one context length, possibly beside other work, which inflates some
+    sizes more than others; the loop sees the real steps. Each step it reports (``observe``) counts
+    for its shape; a shape seen ``OBSERVED_MIN`` times prices itself from then on, at the median of
+    its last ``OBSERVED_WINDOW`` times (a stalled step moves no price), and the rest follows the
+    table scaled (``corrected_cost``). ``current`` is re-priced when a shape reaches
+    ``OBSERVED_MIN`` and every ``OBSERVED_REFRESH`` steps. It answers as a ``VerifyCost`` does
+    (``select_tree``, ``select_chain``, ``block_shape``): the drafter sizes its trees and the loop
+    shapes its blocks by the same corrected prices, and it lives as long as the drafter holding it
+    (``AdaptiveDrafter``), across requests.
+
+    A loop never runs what a table prices too high, so it would never learn otherwise:
+    ``block_shape`` checks the table's claims the loop acts on, ``OBSERVED_MIN`` steps each, by
+    running the alternative -- that padding a block to a larger size is cheaper than running it as
+    is (a size noise made dear is exactly one padding avoids), and, at sizes the measurement did not
+    confirm (``VerifyCost.unconfirmed``, ``shape_problems``), that the other layout of the linear
+    layers is slower. The shape a step runs at never changes its output. ``pads`` False: for engines
+    that run exactly the tokens given (llama.cpp; see ``corrected_cost``), which check nothing.
+    """
+
+    def __init__(self, table: VerifyCost, *, pads: bool = True) -> None:
+        self.table, self.pads, self.current = table, pads, table
+        self.untrusted = frozenset(table.unconfirmed) | frozenset(shape_problems(table))
+        self._times: dict[StepShape, deque[float]] = {}
+        self._since_refresh = 0
+
+    def __call__(self, n: int | np.ndarray) -> np.ndarray:
+        return self.current(n)
+
+    def chain(self, n: int | np.ndarray) -> np.ndarray:
+        return self.current.chain(n)
+
+    def block_shape(self, trees: Sequence[DraftTree]) -> BlockShape:
+        """``VerifyCost.block_shape`` by the corrected prices, or, for one row, the alternative to a
+        claim still being checked (see the class)."""
+        shape = self.current.block_shape(trees)
+        if len(trees) != 1 or not self.pads:
+            return shape
+        chain, own = trees[0].is_chain(), len(trees[0]) + 1
+        if shape.size > own:
+            as_is = BlockShape(own, self.current.transposed_at(own))
+            if self.seen(as_is, chain) < OBSERVED_MIN:
+                return as_is
+        if self.table.transposed and self.table.measured_at(shape.size) in self.untrusted:
+            other = BlockShape(shape.size, not shape.transposed)
+            if self.seen(shape, chain) >= OBSERVED_MIN > self.seen(other, chain):
+                return other
+        return shape
+
+    def seen(self, shape: BlockShape, chain: bool) -> int:
+        """Steps of ``shape`` (chains or trees) observed, up to ``OBSERVED_WINDOW``."""
+        return len(self._times.get(StepShape(shape.size, chain, shape.transposed), ()))
+
+    def observe(self, shape: BlockShape, chain: bool, seconds: float) -> None:
+        """One step of one row at ``shape``, a chain or a tree, took ``seconds``."""
+        key = StepShape(shape.size, chain, shape.transposed)
+        times = self._times.setdefault(key, deque(maxlen=OBSERVED_WINDOW))
+        times.append(seconds)
+        self._since_refresh += 1
+        if len(times) == OBSERVED_MIN or self._since_refresh >= OBSERVED_REFRESH:
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Re-price ``current`` from the steps observed so far."""
+        self._since_refresh = 0
+        self.current = corrected_cost(self.table, self.observed(), pads=self.pads, untrusted=self.untrusted)
+
+    def observed(self) -> dict[StepShape, float]:
+        """The median of the recent times of each shape seen ``OBSERVED_MIN`` times or more."""
+        return {shape: statistics.median(times) for shape, times in self._times.items() if len(times) >= OBSERVED_MIN}
+
+
+def select_tree(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: int | None = None) -> DraftTree:
     """The prefix-closed part of ``tree`` maximizing expected tokens per second,
     (1 + sum of kept scores) / cost of verifying 1 + kept tokens, keeping only nodes at most
     ``max_depth`` deep; no nodes at all when no draft beats verifying the pending token alone.
@@ -189,7 +414,7 @@ def select_tree(tree: DraftTree, cost: VerifyCost, max_depth: int | None = None)
     return tree.subset(np.sort(ranked[:best]))
 
 
-def select_chain(tree: DraftTree, cost: VerifyCost, max_depth: int | None = None) -> DraftTree:
+def select_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: int | None = None) -> DraftTree:
     """The path from the root maximizing expected tokens per second, (1 + sum of its scores) /
     ``cost.chain(1 + its length)``, at most ``max_depth`` long; empty when no path beats verifying
     the pending token alone. For engines that verify chains only (llama.cpp)."""
@@ -200,7 +425,7 @@ def select_chain(tree: DraftTree, cost: VerifyCost, max_depth: int | None = None
     return tree.subset(path_to(tree, end))
 
 
-def _best_chain(tree: DraftTree, cost: VerifyCost, candidates: np.ndarray) -> tuple[int, float]:
+def _best_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, candidates: np.ndarray) -> tuple[int, float]:
     """The node among ``candidates`` whose root path has the highest (1 + path score sum) / chain
     cost, and that rate (-1 and 0.0 without candidates); of equal rates the shallowest wins."""
     if candidates.size == 0:

@@ -29,7 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter import hf_internals
 from rest_spec.drafter.base import Drafter
-from rest_spec.drafter.cost import VerifyCost
+from rest_spec.drafter.cost import CorrectedCost, VerifyCost
 from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache, select_rows
 from rest_spec.drafter.overlap import NO_OVERLAP, Drafting, DraftingStats, OverlapConfig
 from rest_spec.drafter.sampling import TokenChooser, prepare_generation_config
@@ -231,14 +231,15 @@ def decode(
     stop: StopConditions,
     config: DraftConfig = DraftConfig(),
     overlap: OverlapConfig = NO_OVERLAP,
-    cost: VerifyCost | None = None,
+    cost: VerifyCost | CorrectedCost | None = None,
     on_step: Callable[[list[list[int]]], None] | None = None,
 ) -> BatchGenerationResult:
     """The loop behind ``generate``: one row per prompt (unpadded ids); ``chooser`` has one row per
     prompt too. ``on_step`` receives, after every step, the tokens each row committed in it
     (empty for rows that had finished). Drafts come through ``drafter.overlap.Drafting``
     (deadlines, local fallback; with ``overlap`` enabled, the next step's drafts fetched during
-    each forward); with a ``cost``, each step runs at the block shape it says is fastest."""
+    each forward); with a ``cost``, each step runs at the block shape it says is fastest, and a
+    ``CorrectedCost`` is told how long each one-row step took."""
     start = time.perf_counter()
     contexts = [list(prompt) for prompt in prompts]  # prompt + committed tokens, per row
     prompt_lengths = [len(prompt) for prompt in prompts]
@@ -263,6 +264,8 @@ def decode(
             rows = compact_cache(cache, rows, [verdict.keep for verdict in verdicts])
             t2 = time.perf_counter()
             drafting.verified(t2 - t1)
+            if isinstance(cost, CorrectedCost) and len(trees) == 1:
+                cost.observe(shape, trees[0].is_chain(), t2 - t1)
             verify_seconds += t2 - t1
             draft_seconds += t1 - t0
             steps += 1
@@ -334,7 +337,7 @@ def generate(
     streamer: BaseStreamer | None = None,
     generator: torch.Generator | None = None,
     overlap: OverlapConfig | bool = False,
-    cost: VerifyCost | None = None,
+    cost: VerifyCost | CorrectedCost | None = None,
 ) -> GenerationResult | BatchGenerationResult:
     """Decode ``input_ids`` with draft trees from ``drafter``: the output has exactly the
     distribution of ``model.generate``'s with the same arguments, and with greedy decoding it is
@@ -357,7 +360,8 @@ def generate(
                         Remote drafts have deadlines and a local fallback either way.
     cost                the measured verification cost (``drafter.measure.load_or_measure``): each
                         step runs at the block size and linear-layer layout it measured fastest
-                        (``VerifyCost.block_shape``; a step may be padded up to a faster size).
+                        (``VerifyCost.block_shape``; a step may be padded up to a faster size);
+                        a ``CorrectedCost`` is corrected by the steps' times as they run.
                         Default: the drafter's own ``cost`` (``AdaptiveDrafter``'s), else none:
                         blocks as drafted, in PyTorch's layout, as ``model.generate`` runs them.
     """

@@ -43,7 +43,7 @@ import numpy as np
 from rest_spec.datastore.types import DraftConfig
 from rest_spec.drafter.adaptive import SOURCES, AdaptiveDrafter
 from rest_spec.drafter.base import Drafter
-from rest_spec.drafter.cost import CostKey, VerifyCost, check_sizes
+from rest_spec.drafter.cost import BlockShape, CorrectedCost, CostKey, VerifyCost, check_sizes
 from rest_spec.drafter.measure import cached_cost, check_timing
 
 try:
@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 
 LLAMA_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 LLAMA_CONTEXT_LENGTH = 256
-OBSERVED_MIN, OBSERVED_WEIGHT, OBSERVED_REFRESH = 4, 0.1, 16  # see RestDraftModel.observe
 BACKOFF_MAX = 8  # see RestDraftModel.__call__
 _HEADER_BYTES = 1 << 20  # a GGUF file's metadata and tensor table: enough to tell two files apart
 
@@ -156,19 +155,6 @@ def load_or_measure_llama(llm: Llama, *, directory: Path | None = None, remeasur
     return cached_cost(llama_cost_key(llm), lambda: measure_llama_cost(llm), directory=directory, remeasure=remeasure)
 
 
-def observed_cost(table: VerifyCost, observed: dict[int, tuple[int, float]]) -> VerifyCost:
-    """``table`` corrected by observed steps (tokens -> (count, average seconds)): sizes seen at least
-    ``OBSERVED_MIN`` times at their average, the others at the table's time scaled by the observed
-    one-token step; made non-decreasing, as llama.cpp runs exactly the tokens it is given (no size is
-    cheaper by padding to a larger one)."""
-    seen = {n: average for n, (count, average) in observed.items() if count >= OBSERVED_MIN}
-    scale = seen[1] / table.chain_seconds[0] if 1 in seen else 1.0
-    sizes = sorted(set(table.sizes) | set(seen))
-    seconds = np.maximum.accumulate([seen.get(n, float(table.chain(n)) * scale) for n in sizes])
-    times = tuple(float(t) for t in seconds)
-    return VerifyCost(table.key, table.context_length, tuple(sizes), times, times)
-
-
 # ---- the draft model -----------------------------------------------------------------------------
 
 
@@ -227,9 +213,6 @@ class RestDraftModel(LlamaDraftModel):
         self.drafter, self.config, self.stats = drafter, config, DraftStats()
         self._options = {"config": config, "sources": tuple(sources), "suffixes": tuple(suffixes)}
         self.adaptive: AdaptiveDrafter | None = None
-        self.table: VerifyCost | None = None  # as measured; ``adaptive.cost`` is it corrected by observed steps
-        self._observed: dict[int, tuple[int, float]] = {}  # tokens -> (steps seen, moving average seconds)
-        self._steps_since_refresh = 0
         self._context_length = self._skip = self._backoff = 0  # see __call__
         self.last_chain = np.zeros(0, np.intc)
         if cost is not None:
@@ -238,25 +221,18 @@ class RestDraftModel(LlamaDraftModel):
     def use_cost(self, cost: VerifyCost) -> None:
         """Size chains by ``cost`` (a measurement of the ``Llama`` this drafts for), corrected by the
         step times observed from then on (``observe``)."""
-        self.table, self._observed = cost, {}
+        corrected = CorrectedCost(cost, pads=False)  # llama.cpp runs exactly the tokens it is given
         if self.adaptive is None:
-            self.adaptive = AdaptiveDrafter(self.drafter, cost=cost, chains=True, **self._options)
+            self.adaptive = AdaptiveDrafter(self.drafter, cost=corrected, chains=True, **self._options)
         else:
-            self.adaptive.cost = cost
+            self.adaptive.cost = corrected
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """One evaluation of ``tokens`` tokens (a pending token and its draft) took ``seconds``.
-
-        The cost table is timed on one context length, with caches warm; real steps run on other
-        contexts, between other work. Each size evaluated ``OBSERVED_MIN`` times prices itself from
-        then on (a moving average), and the sizes not yet seen follow the table scaled by the
-        observed one-token step; the cost is rebuilt every ``OBSERVED_REFRESH`` steps."""
-        count, average = self._observed.get(tokens, (0, seconds))
-        self._observed[tokens] = (count + 1, average + OBSERVED_WEIGHT * (seconds - average) if count else seconds)
-        self._steps_since_refresh += 1
-        if self._steps_since_refresh >= OBSERVED_REFRESH and self.adaptive is not None:
-            self._steps_since_refresh = 0
-            self.adaptive.cost = observed_cost(self.table, self._observed)
+        """One evaluation of ``tokens`` tokens (a pending token and its draft) took ``seconds``: the
+        cost table is timed on one context length, with caches warm, and real steps run on other
+        contexts, between other work (``drafter.cost.CorrectedCost``)."""
+        if self.adaptive is not None:
+            self.adaptive.cost.observe(BlockShape(tokens), True, seconds)
 
     def attach(self, llm: Llama, *, check: bool = True, remeasure: bool = False) -> VerifyCost:
         """Ready this model to draft for ``llm`` (built with ``draft_model=self``): check that its

@@ -31,7 +31,6 @@ from rest_spec.drafter.llamacpp import (  # noqa: E402
     llama_generate,
     load_or_measure_llama,
     measure_llama_cost,
-    observed_cost,
     rest_llama,
 )
 from rest_spec.drafter.local import LocalDrafter  # noqa: E402
@@ -120,16 +119,6 @@ def test_the_cost_is_measured_within_the_context_llama_cpp_python_allocated():
     assert small.context_length == 150 - 32 and len(small.seconds) == 3
     with pytest.raises(ValueError, match="no room"):
         measure_llama_cost(llm, sizes=(1, 2, 150), repeats=1, warmup=0)
-
-
-def test_observed_steps_correct_the_cost_table(cost):
-    table = VerifyCost(cost.key, 64, (1, 2, 4, 8), (1.0, 1.5, 2.0, 3.0), (1.0, 1.5, 2.0, 3.0))
-    assert observed_cost(table, {}) == table
-    # one-token steps seen at 2.0 s, 3-token steps at 9.0 s, 2-token steps too rarely to count
-    corrected = observed_cost(table, {1: (10, 2.0), 3: (4, 9.0), 2: (3, 100.0)})
-    assert corrected.sizes == (1, 2, 3, 4, 8)
-    # unseen sizes at the table times the one-token ratio (2x), never below a smaller size
-    assert corrected.chain_seconds == corrected.seconds == (2.0, 3.0, 9.0, 9.0, 9.0)
 
 
 def test_the_cost_table_is_cached_and_read_back(tmp_path, cost, plain, monkeypatch):
@@ -224,7 +213,7 @@ def test_rest_llama_checks_and_attaches(index, prompts, references, cost, tmp_pa
     monkeypatch.setattr("rest_spec.drafter.llamacpp.measure_llama_cost", lambda llm: cost)
     with LocalDrafter.open(index) as drafter:
         llm = rest_llama(packaged_smollm2(), drafter, config=DraftConfig(budget=16), **OPTIONS)
-        assert isinstance(llm, RestLlama) and llm.draft_model.adaptive.cost == cost
+        assert isinstance(llm, RestLlama) and llm.draft_model.adaptive.cost.table == cost
         import rest_spec
 
         assert rest_spec.rest_llama is rest_llama and rest_spec.RestDraftModel is RestDraftModel
