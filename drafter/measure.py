@@ -1,22 +1,23 @@
 """Measuring t(n), the cost model's input (``drafter.cost.VerifyCost``), and caching it.
 
 t(n) is measured once per model, device and dtype with the real verifier (``verify_trees`` on top
-of a KV cache of realistic length, medians of several runs), cached as JSON under
-``$REST_CACHE_DIR`` or ``~/.cache/rest-spec``, and re-measured by ``rest-measure-cost`` (``python
--m rest_spec.drafter.measure``). torch is imported only inside the functions that time, so
-``--help`` stays instant.
+of a KV cache of realistic length, in interleaved rounds checked for noise: ``measure_verify_cost``),
+cached as JSON under ``$REST_CACHE_DIR`` or ``~/.cache/rest-spec``, and re-measured by
+``rest-measure-cost`` (``python -m rest_spec.drafter.measure``). torch is imported only inside the
+functions that time, so ``--help`` stays instant.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from rest_spec.datastore.errors import first_line
 from rest_spec.datastore.types import DraftTree
-from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, check_sizes
+from rest_spec.drafter.cost import BlockShape, CostKey, StepShape, VerifyCost, check_sizes, shape_problems
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -33,7 +34,12 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128)
 DEFAULT_CONTEXT_LENGTH = 512
+DEFAULT_ROUNDS = 4
+SETTLED = 0.1  # a step's time has settled when its two lowest rounds agree within this fraction
+EXTRA_ROUNDS = 4  # rounds of their own, at most, for the steps that did not settle
 _BRANCHING = 4
+
+StepTimer = Callable[[DraftTree, bool], float]  # seconds of one step of a tree, transposed or not
 
 
 def cost_key(model: PreTrainedModel) -> CostKey:
@@ -110,39 +116,121 @@ def measured_tree(n: int, chain: bool = False) -> DraftTree:
     return DraftTree(index % _BRANCHING + 1, index - 1 if chain else index // _BRANCHING - 1, np.ones(n - 1))
 
 
+def measured_steps(sizes: Sequence[int]) -> list[StepShape]:
+    """The steps a measurement of ``sizes`` times: a tree and a chain of each size in both layouts
+    (size 1, the empty tree, once per layout)."""
+    return [
+        StepShape(n, chain, transposed)
+        for n in sizes
+        for chain in ((False,) if n == 1 else (False, True))
+        for transposed in (False, True)
+    ]
+
+
+def settled(times: Sequence[float]) -> bool:
+    """Whether a step's lowest time is confirmed: its second lowest agrees within ``SETTLED``."""
+    return len(times) > 1 and sorted(times)[1] <= (1 + SETTLED) * min(times)
+
+
+def lowest_cost(key: CostKey, context_length: int, samples: Mapping[StepShape, Sequence[float]]) -> VerifyCost:
+    """The table of each step's lowest time (every step of ``measured_steps``): per size the
+    faster layout's tree, and the chain in that layout."""
+    lowest = {step: min(times) for step, times in samples.items()}
+    sizes = sorted({step.size for step in samples})
+    trees, chains, layouts = [], [], []
+    for n in sizes:
+        plain, transposed = lowest[StepShape(n, False, False)], lowest[StepShape(n, False, True)]
+        layouts.append(transposed < plain)
+        trees.append(min(plain, transposed))
+        chains.append(lowest[StepShape(n, True, layouts[-1])] if n > 1 else trees[-1])
+    return VerifyCost(key, context_length, tuple(sizes), tuple(trees), tuple(chains), tuple(layouts))
+
+
 def measure_verify_cost(
     model: PreTrainedModel,
     *,
     sizes: Sequence[int] = DEFAULT_SIZES,
     context_length: int = DEFAULT_CONTEXT_LENGTH,
-    repeats: int = 5,
-    warmup: int = 2,
+    rounds: int = DEFAULT_ROUNDS,
+    timer: StepTimer | None = None,
 ) -> VerifyCost:
-    """Median wall time of one ``verify_trees`` step with a tree of ``n - 1`` nodes, and with a
-    chain of ``n - 1`` nodes, for each n in ``sizes`` (``verify_timer``). Trees are timed in both
-    layouts of the linear layers (``drafter.linear_layout``); the faster is kept, and chains are
-    timed in it."""
+    """Wall time of one ``verify_trees`` step with a tree of ``n - 1`` nodes, and with a chain of
+    ``n - 1`` nodes, for each n in ``sizes``, in both layouts of the linear layers
+    (``drafter.linear_layout``); per size the faster layout's tree is kept, and its chain.
+
+    Other work on the machine only adds time, in bursts, so each step is timed once per round, a
+    round going over every step in turn (a burst then costs a few sizes one round each, instead of
+    one size all its runs), and the lowest round counts; it has settled when a second round agrees
+    within ``SETTLED``. The steps that did not settle, and every step of a size whose times no
+    machine explains (``drafter.cost.shape_problems``), are timed again in up to ``EXTRA_ROUNDS``
+    rounds of their own. Sizes still unsettled are left ``unconfirmed`` with a warning: the table
+    is provisional, and the decoding loop corrects it (``drafter.cost.CorrectedCost``).
+
+    ``timer`` times one step (``StepTimer``); default: one run of ``verify_timer``'s.
+    """
     check_sizes(sizes)
-    median_seconds = verify_timer(model, context_length, repeats, warmup)
-    trees, chains, layouts = [], [], []
-    for n in sizes:
-        tree = measured_tree(n)
-        plain, transposed = median_seconds(tree, False), median_seconds(tree, True)
-        layouts.append(transposed < plain)
-        trees.append(min(plain, transposed))
-        # n = 1 is the empty tree either way: plain decoding's step, timed once
-        chains.append(median_seconds(measured_tree(n, chain=True), layouts[-1]) if n > 1 else trees[0])
+    if rounds < 2:
+        raise ValueError(f"need rounds >= 2 (a second round confirms a time), got {rounds}")
+    time_step = timer or verify_timer(model, context_length, repeats=1, warmup=0)
+    key = cost_key(model)
+    samples: dict[StepShape, list[float]] = {step: [] for step in measured_steps(sizes)}
+
+    def time_round(steps: Sequence[StepShape]) -> None:
+        for step in steps:
+            samples[step].append(time_step(measured_tree(step.size, step.chain), step.transposed))
+
+    def unsettled() -> list[StepShape]:
+        implausible = shape_problems(lowest_cost(key, context_length, samples))
+        return [step for step, times in samples.items() if step.size in implausible or not settled(times)]
+
+    for _ in range(rounds):
+        time_round(list(samples))
+    for _ in range(EXTRA_ROUNDS):
+        retime = unsettled()
+        if not retime:
+            break
+        time_round(retime)
+    cost = lowest_cost(key, context_length, samples)
+    for n, tree, chain in zip(cost.sizes, cost.seconds, cost.chain_seconds):
         log.info(
             "t(%d) = %.3f ms tree (%.3f ms in PyTorch's layout, %.3f ms transposed), %.3f ms chain",
             n,
-            1e3 * trees[-1],
-            1e3 * plain,
-            1e3 * transposed,
-            1e3 * chains[-1],
+            1e3 * tree,
+            1e3 * min(samples[StepShape(n, False, False)]),
+            1e3 * min(samples[StepShape(n, False, True)]),
+            1e3 * chain,
         )
-    return VerifyCost(
-        cost_key(model), context_length, tuple(int(n) for n in sizes), tuple(trees), tuple(chains), tuple(layouts)
+    left = unsettled()
+    cost = dataclasses.replace(cost, unconfirmed=tuple(sorted({step.size for step in left})))
+    if left:
+        step, problems = left[0], shape_problems(cost)
+        best = sorted(samples[step])[:2]
+        problem = next(
+            iter(problems.values()),
+            f"{'chain' if step.chain else 'tree'} t({step.size}){' transposed' if step.transposed else ''} "
+            f"took {1e3 * best[0]:.1f} and {1e3 * best[1]:.1f} ms in its best rounds",
+        )
+        warn_unsettled(cost, f"the verification cost did not settle in {len(samples[step])} rounds ({problem})")
+    return cost
+
+
+def warn_unsettled(cost: VerifyCost, what: str) -> None:
+    """One warning line: ``what`` is wrong with ``cost``, the sizes that leaves unconfirmed (or
+    implausible), and what to do about it."""
+    log.warning(
+        "%s; unconfirmed: n = %s (other work on this machine?); the decoding loop corrects it from the steps it "
+        "times; re-measure on a quiet machine with rest-measure-cost",
+        what,
+        ", ".join(map(str, sorted(set(cost.unconfirmed) | set(shape_problems(cost))))),
     )
+
+
+def check_cached(cost: VerifyCost, path: Path) -> None:
+    """Warn when the table cached at ``path`` is provisional or shaped like noise."""
+    problems = shape_problems(cost)
+    if cost.unconfirmed or problems:
+        why = next(iter(problems.values()), "its times did not settle when measured")
+        warn_unsettled(cost, f"{path} holds a provisional verification cost ({why})")
 
 
 def cache_dir() -> Path:
@@ -173,6 +261,7 @@ def cached_cost(
             log.warning("%s is unreadable (%s); measuring again", path, exc)
         else:
             if cost.key == key:
+                check_cached(cost, path)
                 return cost
             log.warning("%s holds a measurement for another model or device; measuring again", path)
     cost = measure()
@@ -216,7 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="verified token counts to time, starting at 1 (default: %(default)s)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed runs per size; the median is kept (default: %(default)s)"
+        "--rounds",
+        type=int,
+        default=DEFAULT_ROUNDS,
+        help="rounds timing every size in turn; a step's lowest round counts once a second agrees, and the "
+        "steps that did not settle are timed again (default: %(default)s)",
     )
     parser.add_argument(
         "--cache-dir", type=Path, help="cache directory (default: $REST_CACHE_DIR or ~/.cache/rest-spec)"
@@ -244,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             remeasure=True,
             sizes=sizes,
             context_length=args.context_length,
-            repeats=args.repeats,
+            rounds=args.rounds,
         )
     except (OSError, ValueError) as exc:
         print(f"{parser.prog}: error: {first_line(exc)}", file=sys.stderr)

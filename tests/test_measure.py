@@ -1,8 +1,12 @@
-"""Measuring t(n) on a real (tiny) model, its cache and the ``rest-measure-cost`` command."""
+"""Measuring t(n) on real models, its cache and the ``rest-measure-cost`` command; the noise checks
+(interleaved rounds, the lowest settled round, shapes no machine explains, re-timing, the
+provisional table and its warnings) with a synthetic step timer."""
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -12,11 +16,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.measure import cache_dir, load_or_measure, measure_verify_cost
+from rest_spec.datastore.types import DraftTree
+from rest_spec.drafter.cost import StepShape, VerifyCost
+from rest_spec.drafter.measure import (
+    DEFAULT_ROUNDS,
+    EXTRA_ROUNDS,
+    cache_dir,
+    cost_key,
+    load_or_measure,
+    measure_verify_cost,
+    measured_steps,
+)
 from tests.helpers import tiny_causal_lm
 
-MEASURE = dict(sizes=(1, 2, 4, 8), context_length=32, repeats=2, warmup=1)
+MEASURE = dict(sizes=(1, 2, 4, 8), context_length=32, rounds=2)
+SIZES = (1, 3, 4, 8, 16)  # no 2: its tree and its chain are the same one node
 
 
 def test_measure_on_a_tiny_model_and_cache_the_result(tmp_path):
@@ -34,15 +48,17 @@ def test_measure_on_a_tiny_model_and_cache_the_result(tmp_path):
     files = list((tmp_path / "verify-cost").glob("*.json"))
     assert len(files) == 1 and VerifyCost.from_json(files[0].read_text()) == first
     assert load_or_measure(model, directory=tmp_path, **MEASURE) == first  # read back, not re-timed
-    again = load_or_measure(model, directory=tmp_path, remeasure=True, sizes=(1, 3), context_length=16, repeats=1)
+    again = load_or_measure(model, directory=tmp_path, remeasure=True, sizes=(1, 3), context_length=16, rounds=2)
     assert again.sizes == (1, 3)
     assert VerifyCost.from_json(files[0].read_text()) == again
     files[0].write_text("{not json")  # a damaged cache file is measured again, not fatal
     assert load_or_measure(model, directory=tmp_path, **MEASURE).sizes == MEASURE["sizes"]
-    stale = json.loads(files[0].read_text())
-    del stale["chain_seconds"]  # written before chains were timed: measured again
-    files[0].write_text(json.dumps(stale))
-    assert load_or_measure(model, directory=tmp_path, **MEASURE).chain_seconds
+    for field in ("chain_seconds", "unconfirmed"):  # written before chains were timed, or before noise checks
+        stale = json.loads(files[0].read_text())
+        del stale[field]
+        files[0].write_text(json.dumps(stale))
+        load_or_measure(model, directory=tmp_path, **MEASURE)
+        assert field in json.loads(files[0].read_text())  # measured again
     with pytest.raises(ValueError, match="start at 1"):
         measure_verify_cost(model, sizes=(2, 4))
     other = tiny_causal_lm("qwen2")  # another model: another file
@@ -79,8 +95,8 @@ def test_measure_command_writes_the_cache(tmp_path):
         "1,2,4",
         "--context-length",
         "16",
-        "--repeats",
-        "1",
+        "--rounds",
+        "2",
         "--device",
         "cpu",
         env_dir=tmp_path / "cache",
@@ -94,3 +110,89 @@ def test_measure_command_writes_the_cache(tmp_path):
     assert bad.returncode == 2 and "--sizes must be comma-separated integers" in bad.stderr
     missing = run_cli("--model", str(tmp_path / "nope"), "--sizes", "1", env_dir=tmp_path)
     assert missing.returncode == 1 and "error:" in missing.stderr and "Traceback" not in missing.stderr
+
+
+class SyntheticTimer:
+    """A deterministic step timer (no sleeping): the time of a block of n tokens in a layout, plus
+    what ``interference(step, call, run)`` adds to the step's ``call``-th run and the timer's
+    ``run``-th (0 first). Counts each step's runs."""
+
+    def __init__(self, interference=lambda step, call, run: 0.0) -> None:
+        self.interference = interference
+        self.calls: collections.Counter[StepShape] = collections.Counter()
+
+    @staticmethod
+    def base(n: int, transposed: bool) -> float:
+        return (0.040 + 0.002 * n) * (0.7 if transposed else 1.0)
+
+    def __call__(self, tree: DraftTree, transposed: bool) -> float:
+        step = StepShape(len(tree) + 1, len(tree) > 1 and tree.is_chain(), transposed)
+        call, run = self.calls[step], sum(self.calls.values())
+        self.calls[step] += 1
+        return self.base(step.size, transposed) + self.interference(step, call, run)
+
+
+def test_interleaved_rounds_see_through_a_burst_of_interference(smollm2, caplog):
+    model, _ = smollm2
+    per_round = len(measured_steps(SIZES))
+    timer = SyntheticTimer(lambda step, call, run: 0.5 if per_round <= run < 2 * per_round else 0.0)  # round 2
+    with caplog.at_level(logging.WARNING):
+        cost = measure_verify_cost(model, sizes=SIZES, timer=timer)
+    assert cost.seconds == tuple(SyntheticTimer.base(n, True) for n in SIZES)  # the lowest round's
+    assert cost.transposed == (True,) * len(SIZES) and cost.unconfirmed == ()
+    assert sum(timer.calls.values()) == DEFAULT_ROUNDS * len(measured_steps(SIZES))  # nothing timed again
+    assert not caplog.records
+
+
+def test_persistent_interference_is_retimed_then_left_unconfirmed_with_one_warning(smollm2, caplog, tmp_path):
+    model, _ = smollm2
+    # every run of a 4-token block 10 ms later than the one before: its rounds never agree
+    timer = SyntheticTimer(lambda step, call, run: 0.010 * call if step.size == 4 else 0.0)
+    with caplog.at_level(logging.WARNING):
+        cost = load_or_measure(model, directory=tmp_path, sizes=SIZES, timer=timer)
+    assert cost.unconfirmed == (4,)
+    assert {step: calls for step, calls in timer.calls.items() if calls != DEFAULT_ROUNDS} == {
+        step: DEFAULT_ROUNDS + EXTRA_ROUNDS for step in measured_steps([4])
+    }  # the unsettled steps alone, timed again
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"did not settle in {DEFAULT_ROUNDS + EXTRA_ROUNDS} rounds" in warning and "n = 4" in warning
+    assert "rest-measure-cost" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert load_or_measure(model, directory=tmp_path, sizes=SIZES, timer=timer) == cost  # cached, provisional
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "provisional" in warning and "n = 4" in warning and "rest-measure-cost" in warning
+    assert sum(timer.calls.values()) == DEFAULT_ROUNDS * len(measured_steps(SIZES)) + EXTRA_ROUNDS * 4
+
+
+def test_a_table_shaped_like_noise_is_timed_again(smollm2, caplog):
+    model, _ = smollm2
+    # an 8-token block 10x dear in all four rounds (settled, yet 8x a 16-token block), then quiet
+    timer = SyntheticTimer(
+        lambda step, call, run: 9 * SyntheticTimer.base(8, step.transposed) if step.size == 8 and call < 4 else 0.0
+    )
+    with caplog.at_level(logging.WARNING):
+        cost = measure_verify_cost(model, sizes=SIZES, timer=timer)
+    assert cost.seconds[SIZES.index(8)] == SyntheticTimer.base(8, True) and cost.unconfirmed == ()
+    assert {timer.calls[step] for step in measured_steps([8])} == {DEFAULT_ROUNDS + 2}  # two rounds settle it
+    assert not caplog.records
+
+
+def test_measurement_refuses_a_single_round(smollm2):
+    with pytest.raises(ValueError, match="rounds >= 2"):
+        measure_verify_cost(smollm2[0], sizes=SIZES, rounds=1, timer=SyntheticTimer())
+
+
+def test_a_planted_noisy_table_is_used_with_a_warning_not_measured_again(smollm2, caplog, tmp_path):
+    model, _ = smollm2
+    key = cost_key(model)
+    ms = {1: 78.0, 2: 150.0, 4: 98.0, 8: 47.0}  # the issue's: t(2) 3.2x t(8), cached as settled
+    noisy = VerifyCost(key, 512, tuple(ms), tuple(t / 1e3 for t in ms.values()), tuple(t / 1e3 for t in ms.values()))
+    (tmp_path / "verify-cost").mkdir()
+    (tmp_path / "verify-cost" / key.file_name()).write_text(noisy.to_json())
+    timer = SyntheticTimer()
+    with caplog.at_level(logging.WARNING):
+        assert load_or_measure(model, directory=tmp_path, timer=timer) == noisy
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "provisional" in warning and "t(2) = 150.0 ms is 3.2x t(8) = 47.0 ms" in warning
+    assert "rest-measure-cost" in warning and not timer.calls
