@@ -86,11 +86,12 @@ class DatastoreClient:
         self._metadata = () if auth_token is None else (wire.bearer_metadata(auth_token),)
         options = [
             ("grpc.max_receive_message_length", max_reply_bytes),
-            # a server that went away is retried within a second once it is back (gRPC's default
-            # backoff grows to two minutes, during which every draft would fall back to local)
+            # a server that went away is reconnected to within a quarter second once it is back
+            # (gRPC's default backoff grows to two minutes, during which every draft would fall
+            # back to local; a drafter's circuit breaker probes at most every half second on top)
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.max_reconnect_backoff_ms", 250),
         ]
         self._channel = open_channel(address, tls_ca, options)
         self._stub = pb_grpc.DatastoreStub(self._channel)
@@ -179,11 +180,11 @@ class DatastoreClient:
             )
         return [SourceTrees(index, output) for index, output in zip(trees, outputs)]
 
-    def add_output(self, tokens: Sequence[int]) -> int:
+    def add_output(self, tokens: Sequence[int], timeout: float | None = None) -> int:
         """Store one generation in the server's output store; returns its sequence number once
-        stored (durable on a server with ``--outputs-dir``). ``RuntimeError`` when the server
-        keeps no outputs."""
-        return self._call(self._stub.AddOutput, wire.add_output_request(tokens)).seq
+        stored (durable on a server with ``--outputs-dir``), waiting at most ``timeout`` (default:
+        the client's). ``RuntimeError`` when the server keeps no outputs."""
+        return self._call(self._stub.AddOutput, wire.add_output_request(tokens), timeout).seq
 
     def info(self) -> IndexInfo:
         return wire.info_from_message(self._call(self._stub.Info, pb.InfoRequest()))

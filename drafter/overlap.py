@@ -21,9 +21,12 @@ server-side work included.
 Deadlines follow the step time (the median of recent forwards): a speculative reply may arrive
 up to ``deadline`` of a step after the forward ends, a fresh draft may keep the loop waiting at
 most that long. A reply that is late, or a datastore that fails (unreachable, overloaded,
-corrupt), costs that step its shared sources: it drafts from the request's own text alone (the
-adaptive drafter) or verifies no draft, and the next step asks the datastore again (gRPC
-reconnects by itself). Verification is lossless whatever tree it gets, so output never changes.
+corrupt, frozen), costs that step its shared sources: it drafts from the request's own text alone
+(the adaptive drafter) or verifies no draft. A few such steps in a row open the datastore's
+circuit breaker (``drafter.breaker``; a ``RemoteDrafter`` keeps its own across generations): the
+steps after it do not ask the datastore at all, and once in a while one of them sends a probe that
+no step waits for; the first probe answered in time closes the breaker. Verification is lossless
+whatever tree it gets, so output never changes.
 
 The background thread touches no drafter state (request matchers, calibration): only the
 decoding thread does, and speculative contexts are never committed anywhere.
@@ -45,6 +48,7 @@ from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.adaptive import AdaptiveDrafter, continued_rows
 from rest_spec.drafter.base import Deferred, Drafter, Pending, drafter_trees
+from rest_spec.drafter.breaker import Admission, CircuitBreaker
 from rest_spec.drafter.cost import path_to
 from rest_spec.drafter.local import LocalDrafter
 
@@ -97,8 +101,11 @@ class DraftingStats:
     launches      per step, seconds the loop spent starting the next step's speculation
     predicted     row-steps drafted ahead (a foreseen outcome)
     fresh         row-steps drafted after the forward (an outcome not foreseen, or no overlap)
-    fallbacks     row-steps drafted without the datastore's sources, its reply late or failed
+    fallbacks     row-steps drafted without the datastore's sources: its reply late or failed, or
+                  its circuit breaker open
     cancelled     datastore calls given up (stale speculation, or past the deadline)
+    breaker_open_steps  steps that did not ask the datastore, its circuit breaker open
+    probes        calls sent to a datastore whose breaker was open, to see whether it is back
     """
 
     steps: int = 0
@@ -109,6 +116,8 @@ class DraftingStats:
     fresh: int = 0
     fallbacks: int = 0
     cancelled: int = 0
+    breaker_open_steps: int = 0
+    probes: int = 0
 
     def summary(self) -> dict:
         """The figures ``rest-generate --json`` prints: shares, milliseconds, counts."""
@@ -123,6 +132,8 @@ class DraftingStats:
             "launch_ms_median": round(float(np.median(launches)), 4) if launches.size else 0.0,
             "fallbacks": self.fallbacks,
             "cancelled": self.cancelled,
+            "breaker_open_steps": self.breaker_open_steps,
+            "probes": self.probes,
         }
 
 
@@ -196,6 +207,14 @@ def reads_suffixes(drafter: Drafter | None) -> bool:
     return isinstance(base, (LocalDrafter, DatastoreClient))
 
 
+def breaker_of(drafter: Drafter | None) -> CircuitBreaker:
+    """The circuit breaker of ``drafter``'s datastore: its own where it keeps one across
+    generations (``RemoteDrafter``), else a new one for this generation."""
+    base = drafter.base if isinstance(drafter, AdaptiveDrafter) else drafter
+    breaker = getattr(base, "breaker", None)
+    return breaker if isinstance(breaker, CircuitBreaker) else CircuitBreaker(f"datastore {type(base).__name__}")
+
+
 def ahead_config(config: DraftConfig) -> DraftConfig:
     """How a hypothesis context is drafted so that its tree under the bonus token is the tree a
     step would draft after that token, whenever the match extends by it: one level deeper, the
@@ -244,6 +263,7 @@ class Drafting:
             None if drafter is None else drafter if isinstance(drafter, AdaptiveDrafter) else _PlainSources(drafter)
         )
         self.config, self.overlap = config, overlap
+        self.breaker = breaker_of(drafter)
         self.stats = DraftingStats()
         self._forwards: deque[float] = deque([step_seconds], maxlen=16)
         self._worker = (
@@ -252,6 +272,7 @@ class Drafting:
             else None
         )
         self._ahead: _Ahead | None = None
+        self._probe: Pending | None = None  # a probe of the datastore in flight
         self._rows: list[list[int]] = []  # the contexts of the last ``trees`` call, copied
         self._warned = False
         self._late = 0  # speculative calls the background job gave up on
@@ -275,6 +296,7 @@ class Drafting:
         if self.sources is None:
             return [DraftTree.empty()] * len(contexts)
         start = time.perf_counter()
+        self._settle_probe()
         rows = self._rows = [list(context) for context in contexts]
         config = self.sources.candidates(self.config)
         ahead, self._ahead = self._ahead, None
@@ -306,6 +328,9 @@ class Drafting:
         if self._worker is None:
             return
         start = time.perf_counter()
+        if not self.breaker.closed:  # the datastore is not asked; the step after drafts from local sources
+            self.stats.launches.append(time.perf_counter() - start)
+            return
         config = self.sources.candidates(self.config)
         deeper = ahead_config(config)
         hypotheses, tails = [], []
@@ -322,10 +347,14 @@ class Drafting:
         self.stats.launches.append(time.perf_counter() - start)
 
     def close(self) -> None:
-        """Cancel speculation in flight and stop the background thread."""
+        """Cancel speculation and a probe in flight and stop the background thread (a probe's outcome
+        stays unknown: the breaker sends another)."""
         if self._ahead is not None:
             self.stats.cancelled += self._ahead.shared.cancel()
             self._ahead = None
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
         if self._worker is not None:
             self._worker.shutdown(wait=True)
 
@@ -359,6 +388,7 @@ class Drafting:
         self.stats.cancelled, self._late = self.stats.cancelled + self._late, 0
         if fetched is CancelledError:
             return True
+        self._report(fetched is not None)
         for row, (index, bonus) in outcome.items():
             if fetched is None:
                 shared[row] = NO_SOURCES
@@ -376,16 +406,49 @@ class Drafting:
 
     def _fresh(self, rows: list[list[int]], config: DraftConfig, remote_ok: bool) -> list[SourceTrees]:
         """Source trees fetched now for ``rows``, the datastore given ``deadline`` of a step to
-        answer (not asked when it just failed to)."""
-        if remote_ok:
+        answer (not asked when it just failed to, nor while its breaker is open: then maybe probed)."""
+        admission = self.breaker.admit() if remote_ok else Admission.SKIP
+        if admission is Admission.CALL:
             timeout = self._patience()
             shared = self.sources.start_shared(rows, config, timeout=timeout)
             base, gave_up = self._result(shared, timeout)
             self.stats.cancelled += gave_up
+            if base is not CancelledError:
+                self._report(base is not None)
             if base is not None and base is not CancelledError:
                 return base
+        elif remote_ok:
+            self.stats.breaker_open_steps += 1
+            if admission is Admission.PROBE:
+                # asked as a step would ask, but not waited for: a later step reads the outcome
+                self._probe = self.sources.start_shared(rows, config, timeout=self._patience())
+                self.stats.probes += 1
         self.stats.fallbacks += len(rows)
         return [NO_SOURCES] * len(rows)
+
+    def _report(self, answered: bool) -> None:
+        """Tell the breaker whether a datastore call was answered in time."""
+        if answered:
+            self.breaker.succeeded()
+        else:
+            self.breaker.failed()
+
+    def _settle_probe(self) -> None:
+        """Report the probe's outcome to the breaker once it has one (never waiting for it)."""
+        if self._probe is None:
+            return
+        try:
+            self._probe.result(timeout=0)
+        except TimeoutError:  # still in flight (its deadline ends it)
+            return
+        except CancelledError:
+            pass
+        except DATASTORE_FAILURES as exc:
+            log.debug("probe of the datastore failed: %s", exc)
+            self.breaker.failed()
+        else:
+            self.breaker.succeeded()
+        self._probe = None
 
     def _result(self, shared: Pending, timeout: float) -> tuple[object, bool]:
         """The datastore's answer -- None when it was late or failed, the ``CancelledError``

@@ -1,11 +1,41 @@
-"""The remote draft source: the datastore service's gRPC client already implements ``SourceDrafter``.
+"""The remote draft source: the datastore service's gRPC client, with a circuit breaker.
 
 ``RemoteDrafter("127.0.0.1:50051")`` returns the same trees as ``LocalDrafter.open(index)`` on the
 same index (and, from ``draft_sources``, the same output-store trees once both were given the same
 outputs); ``RemoteDrafter(address, tls_ca="ca.pem", auth_token=...)`` reaches a server started
 with ``--tls-cert``/``--auth-token``. See ``datastore.client.DatastoreClient`` for timeouts and errors.
+
+Its ``breaker`` (``drafter.breaker.CircuitBreaker``) outlives generations: the decoding loop
+(``drafter.overlap.Drafting``) stops asking a datastore that failed a few calls in a row and probes
+it until it answers again, and the outputs added after each prompt are not sent while it is open.
 """
 
-from rest_spec.datastore.client import DatastoreClient as RemoteDrafter
+from __future__ import annotations
 
-__all__ = ["RemoteDrafter"]
+from collections.abc import Sequence
+
+from rest_spec.datastore.client import DatastoreClient
+from rest_spec.drafter.breaker import CircuitBreaker
+
+__all__ = ["ADD_OUTPUT_TIMEOUT", "RemoteDrafter"]
+
+# Seconds an output may take to be stored: an append of one generation takes milliseconds (fsync
+# included), and a datastore that froze in a prompt's last steps must not hold up the next prompt
+# for the client's whole timeout.
+ADD_OUTPUT_TIMEOUT = 1.0
+
+
+class RemoteDrafter(DatastoreClient):
+    """A ``DatastoreClient`` (same arguments) whose ``breaker`` the decoding loop shares across
+    generations."""
+
+    def __init__(self, address: str, **kwargs) -> None:
+        super().__init__(address, **kwargs)
+        self.breaker = CircuitBreaker(f"datastore at {address}")
+
+    def add_output(self, tokens: Sequence[int]) -> int:
+        """``DatastoreClient.add_output``, waiting at most ``ADD_OUTPUT_TIMEOUT`` (or the client's
+        timeout, if shorter); while the breaker is open, ``ConnectionError`` at once, nothing sent."""
+        if not self.breaker.closed:
+            raise ConnectionError(f"{self.breaker.name} is not answering: output not sent")
+        return super().add_output(tokens, timeout=min(self.timeout, ADD_OUTPUT_TIMEOUT))
