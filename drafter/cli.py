@@ -310,9 +310,11 @@ def run(args: argparse.Namespace) -> None:
     tokenizer, model, drafter = load_parts(args)
     try:
         for number, prompt in enumerate(prompts, start=1):
+            ids = encode_prompt(tokenizer, prompt)
+            log.info("generating %d/%d from %d prompt tokens", number, len(prompts), len(ids))
             result = generate(
                 model,
-                encode_prompt(tokenizer, prompt),
+                ids,
                 drafter,
                 max_new_tokens=args.max_new_tokens,
                 config=args.config,
