@@ -2,7 +2,7 @@
 and the adaptive drafter.
 
     python -m benchmarks.e2e --prompts 40 --max-new-tokens 128 --sets humaneval,sharegpt \
-        --modes plain,hf,pld,paper,adaptive
+        --modes plain,plain-layout,hf,pld,paper,adaptive
 
 Prompt sets, each with its index: ``humaneval``, the first N HumanEval prompts (raw code to
 complete), and ``humaneval-chat``, the same prompts as a user turn rendered with the chat template,
@@ -11,6 +11,9 @@ ShareGPT conversations (rendered with the chat template; never in the index, whi
 ``--skip-last``) with the ``sharegpt`` index. Greedy decoding, N new tokens. Modes:
 
 - ``plain``: the REST loop without drafts (one token per step), the reference output;
+- ``plain-layout``: the same at the fastest layout the measured cost names for one token (the
+  verifier's linear layers transposed where that is faster): what ``rest-generate --no-draft`` runs
+  once a cost table is cached; the adaptive mode against it is drafting's own share of the speed-up;
 - ``hf``: ``model.generate`` (greedy);
 - ``pld``: ``model.generate(..., prompt_lookup_num_tokens=10)``, transformers' prompt lookup decoding
   (greedy): what a Hugging Face user tries first, with one argument;
@@ -25,7 +28,8 @@ them alike. Per mode: mean accepted length (new tokens / verification steps), me
 tokens per step (tree nodes + 1), median per-prompt tokens/s, the median of per-prompt speed
 ratios against plain, draft time per step, and how many outputs equal plain decoding (every
 output must: the run exits with status 1 otherwise); per set, the median of per-prompt speed
-ratios of the adaptive mode against pld. The hf and pld modes count a step per model forward and
+ratios of the adaptive mode against pld, against the loop at its fastest layout (drafting's own
+share) and against ``model.generate`` (the speed-up a user sees). The hf and pld modes count a step per model forward and
 draft no trees of their own (draft time 0). Prints one JSON object, saves it under
 benchmarks/results/, and plots accepted length and speed per mode (needs matplotlib).
 
@@ -68,7 +72,7 @@ from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.base import Drafter
-from rest_spec.drafter.cost import VerifyCost
+from rest_spec.drafter.cost import CorrectedCost, VerifyCost
 from rest_spec.drafter.generate import GenerationResult, generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.measure import load_or_measure
@@ -76,7 +80,9 @@ from rest_spec.drafter.model import load_model
 
 log = logging.getLogger("benchmarks.e2e")
 
-MODES = ("plain", "hf", "pld", "paper", "adaptive")
+MODES = ("plain", "plain-layout", "hf", "pld", "paper", "adaptive")
+# (mode, baseline) pairs whose per-prompt speed ratios each set reports as medians
+SIDE_BY_SIDE = (("adaptive", "pld"), ("adaptive", "plain-layout"), ("adaptive", "hf"), ("plain-layout", "hf"))
 PROMPT_LOOKUP_TOKENS = 10  # the pld mode's prompt_lookup_num_tokens
 SETS = ("humaneval", "humaneval-chat", "sharegpt")
 DEFAULT_SETS = ("humaneval", "sharegpt")
@@ -219,9 +225,19 @@ class Run:
         }
 
 
-def loop_run(model, ids: list[int], drafter: Drafter | None, max_new_tokens: int, config: DraftConfig) -> Run:
+def loop_run(
+    model,
+    ids: list[int],
+    drafter: Drafter | None,
+    max_new_tokens: int,
+    config: DraftConfig,
+    cost: VerifyCost | CorrectedCost | None = None,
+) -> Run:
+    """``generate`` on one prompt, at the block shapes ``cost`` names (default: the drafter's cost,
+    which the recorder would hide; none: PyTorch's layout)."""
     recorder = TreeSizes(drafter) if drafter is not None else None
-    cost = getattr(drafter, "cost", None)  # the recorder hides it: the verifier's shapes come from it
+    if cost is None:
+        cost = getattr(drafter, "cost", None)
     result: GenerationResult = generate(model, ids, recorder, max_new_tokens=max_new_tokens, config=config, cost=cost)
     nodes = sum(recorder.sizes) if recorder is not None else 0
     return Run(result.output_ids, result.seconds, result.steps, result.steps + nodes, result.draft_seconds)
@@ -261,8 +277,10 @@ def run_set(
     """Every mode on every prompt of one set, interleaved; per-prompt rows and per-mode summaries."""
     config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
     adaptive = AdaptiveDrafter(base, cost=cost, config=config)  # one per set: outputs and calibration carry over
+    layout_cost = CorrectedCost(cost)  # what rest-generate --no-draft runs at: corrected over the set, as adaptive's
     runs: dict[str, Callable[[list[int]], Run]] = {
         "plain": lambda ids: loop_run(model, ids, None, args.max_new_tokens, config),
+        "plain-layout": lambda ids: loop_run(model, ids, None, args.max_new_tokens, config, cost=layout_cost),
         "hf": lambda ids: hf_run(model, ids, args.max_new_tokens),
         "pld": lambda ids: hf_run(model, ids, args.max_new_tokens, PROMPT_LOOKUP_TOKENS),
         "paper": lambda ids: loop_run(model, ids, base, args.max_new_tokens, config),
@@ -305,10 +323,11 @@ def run_set(
         "adaptive_mode_source_weights": dict(zip(adaptive.sources, adaptive.calibration.weights.round(4).tolist())),
         "per_prompt": rows,
     }
-    if "pld" in rows and "adaptive" in rows:  # side by side, prompt by prompt, as the speeds against plain
-        result["median_speed_adaptive_vs_pld"] = statistics.median(
-            a["tokens_per_second"] / p["tokens_per_second"] for a, p in zip(rows["adaptive"], rows["pld"])
-        )
+    for mode, baseline in SIDE_BY_SIDE:  # prompt by prompt, as the speeds against plain
+        if mode in rows and baseline in rows:
+            result[f"median_speed_{mode}_vs_{baseline}"] = statistics.median(
+                a["tokens_per_second"] / b["tokens_per_second"] for a, b in zip(rows[mode], rows[baseline])
+            )
     return result
 
 

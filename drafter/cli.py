@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from rest_spec.datastore.client import add_connection_arguments
 from rest_spec.datastore.errors import first_line
-from rest_spec.datastore.types import DEFAULT_CONFIG, DraftConfig
+from rest_spec.datastore.types import DEFAULT_CONFIG, DraftConfig, DraftTree
 from rest_spec.drafter.prompts import Prompt, as_chat, encode_prompt
 
 if TYPE_CHECKING:
@@ -62,7 +62,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="an index directory (opened in-process) or the address of a rest-datastore server",
     )
     source.add_argument(
-        "--no-draft", action="store_true", help="plain greedy decoding through the same loop (baseline)"
+        "--no-draft",
+        action="store_true",
+        help="plain decoding through the same loop (baseline), at the fastest layout of this machine's cached "
+        "verify-cost table when one exists (rest-measure-cost; --adaptive measures it on first use)",
     )
     add_connection_arguments(parser, "--datastore HOST:PORT")
     parser.add_argument(
@@ -296,7 +299,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
 
 def run(args: argparse.Namespace) -> None:
     """Everything after argument parsing; raises on errors."""
+    from rest_spec.drafter.cost import CorrectedCost
     from rest_spec.drafter.generate import generate
+    from rest_spec.drafter.measure import load_cached
 
     prompts = [Prompt(text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
     if args.chat:
@@ -308,6 +313,14 @@ def run(args: argparse.Namespace) -> None:
         raise CliError("--threads is for --engine llama.cpp (transformers follows OMP_NUM_THREADS)")
 
     tokenizer, model, drafter = load_parts(args)
+    # without drafts, the cached cost's fastest one-token block (the same output, faster), corrected
+    # by the steps' times like --adaptive's; measured only for --adaptive (its drafter holds it)
+    table = load_cached(model) if drafter is None else None
+    cost = CorrectedCost(table) if table is not None else None
+    if cost is not None:
+        shape = cost.block_shape([DraftTree.empty()])
+        log.info("no drafts: steps of %d position(s), linear layers %s (the cached verify-cost table)",
+                 shape.size, "transposed" if shape.transposed else "as PyTorch lays them out")  # fmt: skip
     try:
         for number, prompt in enumerate(prompts, start=1):
             ids = encode_prompt(tokenizer, prompt)
@@ -319,6 +332,7 @@ def run(args: argparse.Namespace) -> None:
                 max_new_tokens=args.max_new_tokens,
                 config=args.config,
                 overlap=args.overlap,
+                cost=cost,
             )
             remember_output(drafter, result.output_ids)
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)

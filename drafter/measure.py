@@ -248,22 +248,43 @@ def load_or_measure(
     )
 
 
+def load_cached(model: PreTrainedModel, *, directory: Path | None = None) -> VerifyCost | None:
+    """The cost cached for this model, device and dtype, or None when there is none (nothing is
+    measured): for plain decoding, which runs at the table's fastest one-token block when one exists."""
+    key = cost_key(model)
+    return _read_cached(_cost_path(key, directory), key, "not using it")
+
+
+def _cost_path(key: CostKey, directory: Path | None) -> Path:
+    return (directory or cache_dir()) / "verify-cost" / key.file_name()
+
+
+def _read_cached(path: Path, key: CostKey, otherwise: str) -> VerifyCost | None:
+    """The table at ``path`` if it holds a measurement for ``key``; else None, with a warning that
+    ends in ``otherwise`` when the file exists but is unreadable or for another key."""
+    if not path.exists():
+        return None
+    try:
+        cost = VerifyCost.from_json(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s is unreadable (%s); %s", path, exc, otherwise)
+        return None
+    if cost.key != key:
+        log.warning("%s holds a measurement for another model or device; %s", path, otherwise)
+        return None
+    check_cached(cost, path)
+    return cost
+
+
 def cached_cost(
     key: CostKey, measure: Callable[[], VerifyCost], *, directory: Path | None = None, remeasure: bool = False
 ) -> VerifyCost:
     """The cost cached for ``key`` under ``directory`` (default ``cache_dir()``), or ``measure()``'s,
     cached atomically, when there is none, it is unreadable or for another key, or ``remeasure``."""
-    path = (directory or cache_dir()) / "verify-cost" / key.file_name()
-    if path.exists() and not remeasure:
-        try:
-            cost = VerifyCost.from_json(path.read_text())
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("%s is unreadable (%s); measuring again", path, exc)
-        else:
-            if cost.key == key:
-                check_cached(cost, path)
-                return cost
-            log.warning("%s holds a measurement for another model or device; measuring again", path)
+    path = _cost_path(key, directory)
+    cached = None if remeasure else _read_cached(path, key, "measuring again")
+    if cached is not None:
+        return cached
     cost = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")

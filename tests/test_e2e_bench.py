@@ -57,12 +57,19 @@ def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index, monke
         assert len(result["per_prompt"][mode]) == 2
         assert summary["mean_accepted"] >= 1 and summary["median_tokens_per_second"] > 0
     assert result["modes"]["plain"]["mean_verified_per_step"] == 1
+    assert result["modes"]["plain-layout"]["mean_accepted"] == 1  # no drafts, at the cost's fastest block
     assert result["modes"]["hf"]["mean_verified_per_step"] == result["modes"]["hf"]["mean_accepted"] == 1
     # prompt lookup finds n-grams of the prompt's code again: its forwards verify candidates as well
     assert result["modes"]["pld"]["mean_verified_per_step"] > 1
     assert result["modes"]["paper"]["mean_verified_per_step"] > 1
     assert set(result["adaptive_mode_source_weights"]) == {"index", "request", "outputs"}
-    assert result["median_speed_adaptive_vs_pld"] > 0
+    for mode, baseline in (
+        ("adaptive", "pld"),
+        ("adaptive", "plain-layout"),
+        ("adaptive", "hf"),
+        ("plain-layout", "hf"),
+    ):
+        assert result[f"median_speed_{mode}_vs_{baseline}"] > 0
     # plain mode's outputs are the replay benchmarks' greedy reference, cached for them
     cached = json.loads(greedy_path(model, "humaneval", prompts, 8).read_text())
     assert cached == [[ids, generate(model, ids, None, max_new_tokens=8).output_ids] for ids in prompts]

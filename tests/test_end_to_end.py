@@ -200,3 +200,14 @@ def test_rest_generate_adaptive_cli_equals_plain(stdlib_index, reference, tmp_pa
     assert first["output_ids"] == second["output_ids"] == expected
     assert second["steps"] < first["steps"]  # the first output is in the store: the second copies it
     assert list((tmp_path / "cache" / "verify-cost").glob("*.json"))
+
+    # --no-draft runs at the fastest layout of the table --adaptive cached; the output is the same
+    for cache, layout in ((tmp_path / "cache", True), (tmp_path / "empty", False)):
+        plain = subprocess.run(
+            [sys.executable, "-m", "rest_spec.drafter", "--no-draft", "--prompt", prompt, "--max-new-tokens",
+             str(NEW_TOKENS), "--json", "-v"],
+            capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "REST_CACHE_DIR": str(cache)},
+        )  # fmt: skip
+        assert plain.returncode == 0, plain.stderr
+        assert json.loads(plain.stdout.strip().splitlines()[-1])["output_ids"] == expected
+        assert ("no drafts: steps of" in plain.stderr) is layout, plain.stderr
