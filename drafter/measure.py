@@ -36,7 +36,8 @@ DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128
 DEFAULT_CONTEXT_LENGTH = 512
 DEFAULT_ROUNDS = 4
 SETTLED = 0.1  # a step's time has settled when its two lowest rounds agree within this fraction
-EXTRA_ROUNDS = 4  # rounds of their own, at most, for the steps that did not settle
+EXTRA_ROUNDS = 4  # rounds of their own, at most, for the steps that did not settle ...
+RETIME_SHARE = 0.5  # ... taking at most about this share of the first rounds' time
 _BRANCHING = 4
 
 StepTimer = Callable[[DraftTree, bool], float]  # seconds of one step of a tree, transposed or not
@@ -163,8 +164,10 @@ def measure_verify_cost(
     one size all its runs), and the lowest round counts; it has settled when a second round agrees
     within ``SETTLED``. The steps that did not settle, and every step of a size whose times no
     machine explains (``drafter.cost.shape_problems``), are timed again in up to ``EXTRA_ROUNDS``
-    rounds of their own. Sizes still unsettled are left ``unconfirmed`` with a warning: the table
-    is provisional, and the decoding loop corrects it (``drafter.cost.CorrectedCost``).
+    rounds of their own, for at most about ``RETIME_SHARE`` of the first rounds' time (on a machine
+    that stays busy, more rounds only make the first run longer). Sizes still unsettled are left
+    ``unconfirmed`` with a warning: the table is provisional, and the decoding loop corrects it
+    (``drafter.cost.CorrectedCost``).
 
     ``timer`` times one step (``StepTimer``); default: one run of ``verify_timer``'s.
     """
@@ -175,21 +178,22 @@ def measure_verify_cost(
     key = cost_key(model)
     samples: dict[StepShape, list[float]] = {step: [] for step in measured_steps(sizes)}
 
-    def time_round(steps: Sequence[StepShape]) -> None:
+    def time_round(steps: Sequence[StepShape]) -> float:
+        """Time ``steps`` once each; returns the seconds they took."""
         for step in steps:
             samples[step].append(time_step(measured_tree(step.size, step.chain), step.transposed))
+        return sum(samples[step][-1] for step in steps)
 
     def unsettled() -> list[StepShape]:
         implausible = shape_problems(lowest_cost(key, context_length, samples))
         return [step for step, times in samples.items() if step.size in implausible or not settled(times)]
 
-    for _ in range(rounds):
-        time_round(list(samples))
+    budget = RETIME_SHARE * sum(time_round(list(samples)) for _ in range(rounds))
     for _ in range(EXTRA_ROUNDS):
         retime = unsettled()
-        if not retime:
+        if not retime or budget <= 0:
             break
-        time_round(retime)
+        budget -= time_round(retime)
     cost = lowest_cost(key, context_length, samples)
     for n, tree, chain in zip(cost.sizes, cost.seconds, cost.chain_seconds):
         log.info(

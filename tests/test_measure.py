@@ -165,6 +165,16 @@ def test_persistent_interference_is_retimed_then_left_unconfirmed_with_one_warni
     assert sum(timer.calls.values()) == DEFAULT_ROUNDS * len(measured_steps(SIZES)) + EXTRA_ROUNDS * 4
 
 
+def test_timing_again_takes_at_most_about_half_the_first_rounds_time(smollm2, caplog):
+    model, _ = smollm2
+    timer = SyntheticTimer(lambda step, call, run: 0.010 * call)  # every step: a machine ever busier
+    with caplog.at_level(logging.WARNING):
+        cost = measure_verify_cost(model, sizes=SIZES, timer=timer)
+    # the first rounds took 4.14 s (of step times): two more rounds (1.39 s, 1.53 s) spend the 2.07 s
+    assert set(timer.calls.values()) == {DEFAULT_ROUNDS + 2}  # not EXTRA_ROUNDS more
+    assert cost.unconfirmed == SIZES and len(caplog.records) == 1
+
+
 def test_a_table_shaped_like_noise_is_timed_again(smollm2, caplog):
     model, _ = smollm2
     # an 8-token block 10x dear in all four rounds (settled, yet 8x a 16-token block), then quiet
