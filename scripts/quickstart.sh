@@ -33,7 +33,7 @@ PY
 # REST: the adaptive drafter (the server's index, the prompt's own text, recent outputs), its trees
 # sized by this machine's measured verification cost (measured once, about a minute, then cached)
 rest-generate --datastore "127.0.0.1:$PORT" --prompts "$PROMPTS" --max-new-tokens 128 --adaptive
-echo "the same prompt without drafts (the model alone, through the same loop), for comparison:"
+echo "the same prompt without drafts (the model alone, through the same loop at its fastest layout), for comparison:"
 rest-generate --prompts "$PROMPTS" --max-new-tokens 128 --no-draft >/dev/null  # its statistics line only (stderr)
 # The same GGUF file through llama.cpp (llama-cpp-python), drafting from the same server: chains sized
 # by llama.cpp's own measured step cost (measured once, about ten seconds), then without drafts.
