@@ -88,10 +88,12 @@ class DatastoreClient:
             ("grpc.max_receive_message_length", max_reply_bytes),
             # a server that went away is reconnected to within a quarter second once it is back
             # (gRPC's default backoff grows to two minutes, during which every draft would fall
-            # back to local; a drafter's circuit breaker probes at most every half second on top)
+            # back to local; a drafter's circuit breaker probes at most every half second on top),
+            # and each attempt may take a second (gRPC names that minimum "min_reconnect_backoff"):
+            # a handshake with a server far away takes longer than the backoff
             ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 250),
+            ("grpc.min_reconnect_backoff_ms", 1000),
         ]
         self._channel = open_channel(address, tls_ca, options)
         self._stub = pb_grpc.DatastoreStub(self._channel)

@@ -40,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -384,7 +385,14 @@ class Drafting:
                     break
         if not outcome and ahead.shared.cancel():  # nothing foreseen: stale, stop the server's work
             self.stats.cancelled += 1
-        fetched = ahead.job.result()  # bounded by the job's own deadline
+        try:
+            # a quarter step after the forward at most: the job's own deadline may be later (a
+            # forward faster than the median; the first steps', whose estimate is the prefill's)
+            fetched = ahead.job.result(timeout=self._patience())
+        except FutureTimeoutError:  # late: the call is stopped, and the job with it
+            self.stats.cancelled += ahead.shared.cancel()
+            fetched = ahead.job.result()
+            fetched = None if fetched is CancelledError else fetched
         self.stats.cancelled, self._late = self.stats.cancelled + self._late, 0
         if fetched is CancelledError:
             return True
