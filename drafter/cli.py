@@ -318,7 +318,7 @@ def run(args: argparse.Namespace) -> None:
     table = load_cached(model) if drafter is None else None
     cost = CorrectedCost(table) if table is not None else None
     if cost is not None:
-        shape = cost.block_shape([DraftTree.empty()])
+        shape = cost.current.block_shape([DraftTree.empty()])  # the table's choice, not a step checking it
         log.info("no drafts: steps of %d position(s), linear layers %s (the cached verify-cost table)",
                  shape.size, "transposed" if shape.transposed else "as PyTorch lays them out")  # fmt: skip
     try:
