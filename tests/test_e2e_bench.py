@@ -96,8 +96,12 @@ def test_tradeoff_replay_accepts_what_the_real_loop_accepts(smollm2, stdlib_inde
             real_drafter, replay_drafter = make(real_base), make(replay_base)
             tokens = steps = 0
             for ids, output in examples:
-                # the replay drafts each step from the committed context, as the loop does without overlap
-                result = generate(model, ids, real_drafter, max_new_tokens=24, config=config, overlap=False)
+                # the replay drafts each step from the committed context, as the loop does without overlap,
+                # priced by a fixed table: the loop gets the table itself, so that no step time it observes
+                # corrects the drafter's cost (CorrectedCost) away from what the replay prices
+                result = generate(
+                    model, ids, real_drafter, max_new_tokens=24, config=config, overlap=False, cost=CPU_COST
+                )
                 assert result.output_ids == output
                 tokens, steps = tokens + len(output), steps + result.steps
                 if adaptive:
