@@ -251,6 +251,9 @@ class StepShape(NamedTuple):
     transposed: bool
 
 
+CONSISTENT = 2.0  # observed/tabled ratios within this factor of each other: the table's shape holds
+
+
 def corrected_cost(
     table: VerifyCost,
     observed: Mapping[StepShape, float],
@@ -264,10 +267,11 @@ def corrected_cost(
     tree) follows it by the table's chain/tree ratio there. Sizes not observed follow the table
     scaled by the median ratio of observed to tabled times: interference inflates a table unevenly,
     so no single size sets the scale, and measured sizes ``untrusted`` (unconfirmed, or implausible)
-    set none where others were observed. Per size the cheaper layout is kept: the table's, as
-    tabled (scaled) or observed, or the other one where it was observed. ``pads`` False is for
-    engines that run exactly the tokens given (llama.cpp): no size is then priced below a smaller
-    one, since no block can be padded to a cheaper larger one."""
+    set none where others were observed. Where the ratios differ by more than ``CONSISTENT`` times,
+    the table's shape is noise too: sizes between observed ones are priced by interpolating those.
+    Per size the cheaper layout is kept: the table's, or the other one where it was observed.
+    ``pads`` False is for engines that run exactly the tokens given (llama.cpp): no size is then
+    priced below a smaller one, since no block can be padded to a cheaper larger one."""
     sizes = sorted(set(table.sizes) | {shape.size for shape in observed})
     measured, at = np.asarray(table.sizes, np.float64), np.asarray(sizes, np.float64)
     tabled = {  # kind (chain?) -> {size: the table's seconds as is}
@@ -282,24 +286,39 @@ def corrected_cost(
     }
     trusted = [ratio for shape, ratio in ratios.items() if table.measured_at(shape.size) not in untrusted]
     scale = statistics.median(trusted or ratios.values()) if ratios else 1.0
-    trees, chains, layouts = [], [], []
-    for size in sizes:
+
+    def scaled(size: int) -> tuple[float, float]:
+        return scale * tabled[False][size], scale * tabled[True][size]
+
+    def estimate(size: int, guess: tuple[float, float]) -> tuple[float, float, bool]:
+        """(tree seconds, chain seconds, transposed) at ``size``; ``guess`` (tree, chain) stands
+        for the table's layout where nothing was observed in it."""
         chain_per_tree = tabled[True][size] / tabled[False][size]
-        estimates = {}  # layout -> (tree, chain) seconds; the table's layout first, so it wins ties
+        estimates = {}  # layout -> (tree, chain); the table's layout first, so it wins ties
         for transposed in (table_layout[size], not table_layout[size]):
             tree, chain = (observed.get(StepShape(size, kind, transposed)) for kind in (False, True))
             if tree is None and chain is None:
                 if transposed != table_layout[size]:
                     continue  # never timed in this layout
-                tree, chain = scale * tabled[False][size], scale * tabled[True][size]
+                tree, chain = guess
             estimates[transposed] = (
                 tree if tree is not None else chain / chain_per_tree,
                 chain if chain is not None else tree * chain_per_tree,
             )
         layout = min(estimates, key=lambda transposed: estimates[transposed][0])
-        trees.append(estimates[layout][0])
-        chains.append(estimates[layout][1])
-        layouts.append(layout)
+        return (*estimates[layout], layout)
+
+    seen = sorted({shape.size for shape in observed})
+    known = {size: estimate(size, scaled(size)) for size in seen}
+    consistent = not ratios or max(ratios.values()) <= CONSISTENT * min(ratios.values())
+
+    def guess(size: int) -> tuple[float, float]:
+        if consistent or not seen[0] < size < seen[-1]:
+            return scaled(size)
+        trees, chains = zip(*(known[s][:2] for s in seen))
+        return float(np.interp(size, seen, trees)), float(np.interp(size, seen, chains))
+
+    trees, chains, layouts = zip(*(known[size] if size in known else estimate(size, guess(size)) for size in sizes))
     if not pads:
         trees, chains = np.maximum.accumulate(trees).tolist(), np.maximum.accumulate(chains).tolist()
     return VerifyCost(

@@ -73,8 +73,10 @@ def test_observed_step_times_replace_the_table_and_scale_what_is_not_seen():
     assert cost.current.seconds[3] == 0.043
     np.testing.assert_allclose(cost.current.seconds[:3], np.array([0.078, 0.150, 0.098]) * 43 / 47)
     observe(cost, two, *[0.029] * OBSERVED_MIN)
-    scale = 43 / 47  # the median observed / tabled, but for t(2): implausible in the table, it sets no scale
-    np.testing.assert_allclose(cost.current.chain_seconds, [0.078 * scale, 0.029, 0.098 * scale, 0.043])
+    # t(2) observed at 0.19 of the table, t(8) at 0.91: the table's shape is noise, so t(4) is priced
+    # between the observed 2 and 8; t(1), past them, by the table scaled by the median ratio, but
+    # for t(2)'s: implausible in the table (3.2x t(8)), it sets no scale
+    np.testing.assert_allclose(cost.current.chain_seconds, [0.078 * 43 / 47, 0.029, 0.029 + 0.014 / 3, 0.043])
     assert corrected_cost(noisy, cost.observed()).seconds[0] == 0.078 * np.median([43 / 47, 29 / 150])
     np.testing.assert_allclose(cost.current.seconds, cost.current.chain_seconds)  # the table's chain/tree ratio
     # a moving median: stalled steps long ago and one now leave the price at the typical step
@@ -93,7 +95,14 @@ def test_llama_cpp_runs_exactly_its_tokens_so_no_size_is_priced_below_a_smaller_
     observe(cost, StepShape(2, True, False), *[100.0] * 3)  # too few to count
     scale = np.median([2.0 / 1.0, 9.0 / 1.75])  # 3 tokens tabled at 1.75 s, interpolated
     assert cost.current.sizes == (1, 2, 3, 4, 8)
-    np.testing.assert_allclose(cost.current.chain_seconds, [2.0, 1.5 * scale, 9.0, 9.0, 3.0 * scale])
+    # the ratios (2 and 5.1) disagree: t(2), between observed sizes, is interpolated; past them the
+    # table is scaled; and t(4) is priced as t(3), no less
+    np.testing.assert_allclose(cost.current.chain_seconds, [2.0, 5.5, 9.0, 9.0, 3.0 * scale])
+    consistent = CorrectedCost(chains, pads=False)
+    observe(consistent, StepShape(1, True, False), *[2.0] * 4)
+    observe(consistent, StepShape(3, True, False), *[3.0] * 4)
+    scale = np.median([2.0 / 1.0, 3.0 / 1.75])
+    np.testing.assert_allclose(consistent.current.chain_seconds, [2.0, 1.5 * scale, 3.0, 2.0 * scale, 3.0 * scale])
     assert cost.block_shape([DraftTree.empty()]) == BlockShape(1)  # nothing checked: llama.cpp cannot pad
     assert corrected_cost(chains, {}, pads=False) == chains
 
