@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import RESULTS, humaneval_inputs, report_header, save_report
-from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, eos_ids, generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.model import load_model

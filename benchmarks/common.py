@@ -165,7 +165,7 @@ class DraftRetriever:
     def draft(self, context: Sequence[int], config):
         from rest_spec.datastore.bigram import SEP
         from rest_spec.datastore.trie import top_c_tree
-        from rest_spec.datastore.types import DraftTree
+        from rest_spec.common.types import DraftTree
 
         paths = rest_paths(self.reader, context, config.budget)
         if not paths:

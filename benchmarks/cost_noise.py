@@ -44,8 +44,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import REPO, RESULTS, ensure_index, humaneval_inputs, report_header, save_report
-from rest_spec.datastore.tokenizer import load_tokenizer
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import VerifyCost, shape_problems
 from rest_spec.drafter.generate import generate

@@ -53,8 +53,8 @@ from benchmarks.common import (
 from benchmarks.e2e import INDEXES, hf_run, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
-from rest_spec.datastore.tokenizer import load_tokenizer, packaged_smollm2, tokenizer_fingerprint
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.tokenizer import load_tokenizer, packaged_smollm2, tokenizer_fingerprint
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.llamacpp import LlamaGeneration, RestDraftModel, llama_generate, require_llama_cpp, rest_llama
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.remote import RemoteDrafter

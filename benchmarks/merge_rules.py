@@ -47,8 +47,8 @@ from benchmarks.common import RESULTS, DraftRetriever, report_header, save_repor
 from benchmarks.e2e import DEFAULT_SETS, SETS
 from benchmarks.replay import Drafts, Example, replay
 from benchmarks.tradeoff import set_examples
-from rest_spec.datastore.tokenizer import load_tokenizer
-from rest_spec.datastore.types import DraftConfig, DraftTree, SourceTrees
+from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.common.types import DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.adaptive import SUFFIXES, AdaptiveDrafter
 from rest_spec.drafter.cost import VerifyCost
 from rest_spec.drafter.local import LocalDrafter

@@ -44,8 +44,8 @@ from transformers import StoppingCriteria
 from benchmarks.common import REPO, RESULTS, ensure_index, pyplot, report_header, save_figure, save_report
 from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.load import start_server
-from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.generate import GenerationResult, generate
 from rest_spec.drafter.local import LocalDrafter

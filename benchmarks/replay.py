@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import accepted_nodes
 from rest_spec.drafter.cost import VerifyCost
 from rest_spec.drafter.generate import generate

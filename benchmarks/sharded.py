@@ -60,8 +60,8 @@ from rest_spec.datastore.format import read_manifest
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import ServerConfig
 from rest_spec.datastore.shards import format_shard_spec
-from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint
-from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import VerifyCost

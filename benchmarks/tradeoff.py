@@ -33,8 +33,8 @@ from pathlib import Path
 from benchmarks.common import RESULTS, DraftRetriever, check, ensure_index, load_targets, report_header, save_report
 from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.replay import Example, greedy_outputs, replay
-from rest_spec.datastore.tokenizer import load_tokenizer
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import VerifyCost
 from rest_spec.drafter.local import LocalDrafter

@@ -21,8 +21,8 @@ from rest_spec.build_index.corpora import Corpus, CorpusSpec, Record, open_corpu
 from rest_spec.build_index.signals import STOP_SIGNALS
 from rest_spec.build_index.tokenize import BatchTokenizer, TokenizeConfig
 from rest_spec.build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
-from rest_spec.datastore.errors import first_line
-from rest_spec.datastore.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
+from rest_spec.common.cli import first_line
+from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
 
 if TYPE_CHECKING:
     from tqdm import tqdm

@@ -49,7 +49,7 @@ from itertools import chain, islice
 from pathlib import Path
 from urllib.parse import urlparse
 
-from rest_spec.datastore.errors import first_line
+from rest_spec.common.cli import first_line
 
 log = logging.getLogger(__name__)
 

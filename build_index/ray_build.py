@@ -47,7 +47,7 @@ from rest_spec.build_index.corpora import Corpus, CorpusError, CorpusSpec, ReadS
 from rest_spec.build_index.signals import STOP_SIGNALS, stop_signals_deferred
 from rest_spec.build_index.tokenize import TokenizeConfig, backend_json, encode_texts, rebuild_tokenizer
 from rest_spec.build_index.writer import IndexWriteError, IndexWriter, build_shard
-from rest_spec.datastore.errors import first_line
+from rest_spec.common.cli import first_line
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from rest_spec.datastore.server import (
     run_until_signalled,
     stop_if_ended,
 )
-from rest_spec.datastore.types import MAX_SUFFIX, DraftConfig
+from rest_spec.common.types import MAX_SUFFIX, DraftConfig
 from rest_spec.proto.v1 import shard_pb2 as spb
 
 SERVICE = spb.DESCRIPTOR.services_by_name["ShardService"]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rest_spec.datastore.types import (
+from rest_spec.common.types import (
     DEFAULT_CONFIG,
     MAX_SUFFIX,
     DraftConfig,

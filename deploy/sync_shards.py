@@ -24,7 +24,7 @@ import stat
 import sys
 from pathlib import Path
 
-from rest_spec.datastore.errors import first_line
+from rest_spec.common.cli import first_line
 from rest_spec.datastore.format import MANIFEST, FileEntry, Manifest, read_manifest, spot_digest
 from rest_spec.datastore.index import check_shard_numbers
 from rest_spec.datastore.shards import parse_shard_spec

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
-from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 
 __all__ = ["Deferred", "Drafter", "Pending", "SourceDrafter", "SourceTrees", "drafter_trees"]
 

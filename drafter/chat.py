@@ -21,7 +21,7 @@ from rest_spec.drafter.prompts import Prompt, encode_prompt
 if TYPE_CHECKING:
     from transformers.generation import BaseStreamer
 
-    from rest_spec.datastore.types import DraftConfig
+    from rest_spec.common.types import DraftConfig
     from rest_spec.drafter.base import Drafter
     from rest_spec.drafter.generate import GenerationResult
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rest_spec.datastore.client import add_connection_arguments
-from rest_spec.datastore.errors import first_line
-from rest_spec.datastore.types import DEFAULT_CONFIG, DraftConfig, DraftTree
+from rest_spec.common.cli import first_line
+from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree
 from rest_spec.drafter.prompts import Prompt, as_chat, encode_prompt
 
 if TYPE_CHECKING:
@@ -248,7 +248,7 @@ def load_parts(args: argparse.Namespace):
     (``--adaptive`` drafts with ``args.config``); the drafter is opened first (a bad datastore
     fails before the slow model load) and checked against the tokenizer. The caller closes the
     drafter."""
-    from rest_spec.datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
+    from rest_spec.common.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
     from rest_spec.drafter.model import load_model
 
     drafter = None if args.no_draft else open_drafter(args.datastore, tls_ca=args.tls_ca, auth_token=args.auth_token)
@@ -355,7 +355,7 @@ def run_llama(args: argparse.Namespace, prompts: list[Prompt]) -> None:
     and decodes the replies; llama-cpp-python decodes greedily, drafting with ``RestDraftModel``."""
     import os
 
-    from rest_spec.datastore.tokenizer import load_tokenizer, packaged_smollm2
+    from rest_spec.common.tokenizer import load_tokenizer, packaged_smollm2
     from rest_spec.drafter.llamacpp import llama_generate, require_llama_cpp, rest_llama
 
     if args.overlap or args.device:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from rest_spec.datastore.types import DraftTree
+from rest_spec.common.types import DraftTree
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter import hf_internals
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import CorrectedCost, VerifyCost

@@ -40,7 +40,7 @@ from transformers.generation import (
     StopStringCriteria,
 )
 
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter import hf_internals
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, generate

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.adaptive import SOURCES, AdaptiveDrafter
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import BlockShape, CorrectedCost, CostKey, VerifyCost, check_sizes
@@ -160,9 +160,9 @@ def load_or_measure_llama(llm: Llama, *, directory: Path | None = None, remeasur
 
 def check_vocabulary(llm: Llama, drafter: Drafter) -> None:
     """``ValueError`` unless ``llm``'s token ids mean what the datastore's do: the tokenizer read from
-    the same GGUF file must have the index's fingerprint (``datastore.tokenizer.check_tokenizer``)
+    the same GGUF file must have the index's fingerprint (``common.tokenizer.check_tokenizer``)
     and the same token text for every id as llama.cpp's own vocabulary."""
-    from rest_spec.datastore.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
+    from rest_spec.common.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
 
     tokenizer = load_tokenizer(llm.model_path)
     check_tokenizer(drafter, tokenizer_fingerprint(tokenizer))

@@ -12,8 +12,8 @@ from rest_spec.datastore.outputs import (
     check_outputs_options,
     open_output_store,
 )
-from rest_spec.datastore.tokenizer import require_tokenizer
-from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.common.tokenizer import require_tokenizer
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 
 
 class LocalDrafter:

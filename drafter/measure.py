@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rest_spec.datastore.errors import first_line
-from rest_spec.datastore.types import DraftTree
+from rest_spec.common.cli import first_line
+from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import BlockShape, CostKey, StepShape, VerifyCost, check_sizes, shape_problems
 
 if TYPE_CHECKING:

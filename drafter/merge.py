@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
-from rest_spec.datastore.types import DraftTree
+from rest_spec.common.types import DraftTree
 
 
 @numba.vectorize(["int64(int64, int64)"], nopython=True, cache=True)

@@ -1,7 +1,7 @@
 """Loading the target model from a spec (shared by the CLI, tests and benchmarks); the tokenizer
-for the same spec comes from ``datastore.tokenizer.load_tokenizer``.
+for the same spec comes from ``common.tokenizer.load_tokenizer``.
 
-A spec is what ``datastore.tokenizer.split_model_spec`` accepts: a Hugging Face id, a local
+A spec is what ``common.tokenizer.split_model_spec`` accepts: a Hugging Face id, a local
 directory, a ``.gguf`` file, or ``None`` for the packaged SmolLM2-135M-Instruct GGUF.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rest_spec.datastore.tokenizer import split_model_spec
+from rest_spec.common.tokenizer import split_model_spec
 
 
 def default_device() -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rest_spec.datastore.types import DraftTree
+from rest_spec.common.types import DraftTree
 from rest_spec.drafter.kv_cache import CacheRows
 
 # Columns of the packed host buffer, before the q ancestor columns.

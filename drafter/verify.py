@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from rest_spec.datastore.types import DraftTree
+from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import BlockShape
 from rest_spec.drafter.hf_internals import DynamicCache, forward_with_cache
 from rest_spec.drafter.kv_cache import CacheRows, cache_length

@@ -24,10 +24,10 @@ _API = {
     "LocalDrafter": "rest_spec.drafter.local",
     "RemoteDrafter": "rest_spec.drafter.remote",
     "AdaptiveDrafter": "rest_spec.drafter.adaptive",
-    "DraftConfig": "rest_spec.datastore.types",
+    "DraftConfig": "rest_spec.common.types",
     "OverlapConfig": "rest_spec.drafter.overlap",
     "load_model": "rest_spec.drafter.model",
-    "load_tokenizer": "rest_spec.datastore.tokenizer",
+    "load_tokenizer": "rest_spec.common.tokenizer",
 }
 __all__ = sorted(_API)
 

@@ -13,7 +13,7 @@ import torch
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer): the packaged SmolLM2-135M-Instruct, fp32 on CPU, eval mode."""
-    from rest_spec.datastore.tokenizer import load_tokenizer
+    from rest_spec.common.tokenizer import load_tokenizer
     from rest_spec.drafter.model import load_model
 
     model = load_model(None)

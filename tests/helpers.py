@@ -24,7 +24,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from rest_spec.build_index.writer import IndexWriter
-from rest_spec.datastore.types import DraftConfig, DraftTree, IndexInfo
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 
 # ---- indexes ----------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.generate import BatchGenerationResult, generate
 from tests.helpers import OracleTreeDrafter, RecordingStreamer, StopAfterToken, chunks, reference_tokens, tiny_causal_lm
 

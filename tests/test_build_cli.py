@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from rest_spec.datastore import format as fmt
-from rest_spec.datastore.tokenizer import tokenizer_fingerprint
+from rest_spec.common.tokenizer import tokenizer_fingerprint
 
 CONVERSATIONS = [
     {"id": f"c{i}", "conversations": [
@@ -173,7 +173,7 @@ def test_truncated_sharegpt_with_skip_last_and_all_turns(tmp_path, tiny_tokenize
 
 def test_default_smollm2_tokenizer_on_stdlib_files(tmp_path):
     from rest_spec.build_index.corpora import CorpusSpec, iter_records
-    from rest_spec.datastore.tokenizer import load_tokenizer
+    from rest_spec.common.tokenizer import load_tokenizer
 
     summary = built(
         "--corpus", "python-stdlib", "--max-docs", 3, "--workers", 2, "--out", tmp_path / "idx", cwd=tmp_path

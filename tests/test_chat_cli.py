@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers.generation import BaseStreamer
 
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.chat import ChatSession, chat
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.prompts import chat_ids

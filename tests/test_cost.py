@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rest_spec.datastore.types import DraftTree
+from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, path_to, select_chain, select_tree
 
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")

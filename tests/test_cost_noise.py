@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from benchmarks.common import humaneval_inputs
-from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import (
     OBSERVED_MIN,

@@ -13,8 +13,8 @@ from benchmarks import tradeoff
 from benchmarks.common import chat_prompt, humaneval_inputs, humaneval_prompts
 from benchmarks.e2e import MODES, parse_args, run_set, set_prompts, targets
 from benchmarks.replay import greedy_path, replay
-from rest_spec.datastore.tokenizer import load_tokenizer
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.local import LocalDrafter

@@ -15,14 +15,14 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from rest_spec.datastore.index import Datastore  # noqa: E402
 from rest_spec.datastore.server import DatastoreServer, ServerConfig  # noqa: E402
-from rest_spec.datastore.tokenizer import (  # noqa: E402
+from rest_spec.common.tokenizer import (  # noqa: E402
     TokenizerMismatchError,
     load_tokenizer,
     packaged_smollm2,
     tokenizer_fingerprint,
     vocab_size,
 )
-from rest_spec.datastore.types import DraftConfig  # noqa: E402
+from rest_spec.common.types import DraftConfig  # noqa: E402
 from rest_spec.drafter.cost import VerifyCost  # noqa: E402
 from rest_spec.drafter.llamacpp import (  # noqa: E402
     RestDraftModel,

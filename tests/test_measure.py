@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rest_spec.datastore.types import DraftTree
+from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import StepShape, VerifyCost
 from rest_spec.drafter.measure import (
     DEFAULT_ROUNDS,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rest_spec.datastore.bigram import SEP, RequestMatcher
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.hf_internals import forward_with_cache
 from rest_spec.drafter.kv_cache import CacheRows, new_cache
 from rest_spec.drafter.merge import SourceCalibration, merge_trees
@@ -232,7 +232,7 @@ def test_request_and_output_store_drafts_verified_on_a_real_model():
 
 DRAFTER_SCRIPT = """
 import json, sys
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.merge import _merge, compile_kernels

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.logs import JsonFormatter, configure_logging
+from rest_spec.common.logs import JsonFormatter, configure_logging
 from rest_spec.datastore.metrics import LATENCY_BUCKETS, ServerMetrics, start_metrics_server
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.server import SERVICE_NAME, DatastoreServer, DatastoreServicer, ServerConfig
@@ -351,7 +351,7 @@ def test_unknown_role_is_refused():
 
 LOGGING_SCRIPT = """
 import logging, sys
-from rest_spec.datastore.logs import configure_logging
+from rest_spec.common.logs import configure_logging
 configure_logging(logging.INFO, sys.argv[1])
 log = logging.getLogger("rest_spec.datastore.server")
 log.debug("not shown")

@@ -24,8 +24,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from benchmarks.common import humaneval_prompts
-from rest_spec.datastore.tokenizer import tokenizer_fingerprint
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.tokenizer import tokenizer_fingerprint
+from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.breaker import Admission, BreakerState, CircuitBreaker
 from rest_spec.drafter.cost import CostKey, VerifyCost

@@ -29,7 +29,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from rest_spec.datastore.types import DraftConfig, DraftTree
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.generate import StopConditions, decode, generate, prefill
 from rest_spec.drafter.kv_cache import new_cache
 from rest_spec.drafter.sampling import TokenChooser, prepare_generation_config, row_logits_processors

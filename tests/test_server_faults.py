@@ -39,7 +39,7 @@ from rest_spec.datastore.server import (
     is_loopback,
     status_of,
 )
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.types import DraftConfig
 from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 from tests.helpers import CORPUS_VOCAB as VOCAB

@@ -22,8 +22,8 @@ from benchmarks.sharded import (
     throughput,
 )
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.tokenizer import load_tokenizer
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.common.types import DraftConfig
 from tests.helpers import CORPUS_VOCAB, contexts_from, synthetic_corpus, write_index
 
 REPEATED = [7, 8, 9]  # a phrase in 1,500 places: matching it samples, so routers run their second round

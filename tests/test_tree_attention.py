@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedModel
 
-from rest_spec.datastore.types import DraftTree
+from rest_spec.common.types import DraftTree
 from rest_spec.drafter.generate import prefill
 from rest_spec.drafter.kv_cache import CacheRows, new_cache
 from rest_spec.drafter.tree_attention import PADDING_DEPTH, ancestor_matrix, build_tree_inputs, padded_prefill_mask

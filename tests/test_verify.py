@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, PreTrainedModel, StaticCache
 
-from rest_spec.datastore.types import DraftTree
+from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import BlockShape
 from rest_spec.drafter.generate import prefill
 from rest_spec.drafter.hf_internals import forward_with_cache

@@ -24,7 +24,7 @@ from benchmarks.retrieval import (
 )
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.types import DraftConfig
 
 DraftFn = Callable[[list[int], int], object]  # (context, budget) -> a draft, result unused
 

@@ -17,7 +17,7 @@ import numpy as np
 from benchmarks.common import REPO
 from benchmarks.retrieval import CLIENT_SETUP_SECONDS, CLIENTS, GRPC_BUDGET, WARMUP_QUERIES
 from benchmarks.retrieval.engines import latency_ms
-from rest_spec.datastore.types import DraftConfig
+from rest_spec.common.types import DraftConfig
 
 log = logging.getLogger(__name__)
 

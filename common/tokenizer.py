@@ -12,6 +12,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from rest_spec.common.errors import TokenizerMismatchError
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -76,10 +78,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def vocab_size(tokenizer) -> int:
     """Number of ids the tokenizer can emit (added tokens included)."""
     return max(len(tokenizer), max(tokenizer.get_vocab().values()) + 1)
-
-
-class TokenizerMismatchError(ValueError):
-    """The datastore was built with a different tokenizer than the model uses."""
 
 
 def check_tokenizer(source, fingerprint: str) -> None:
