@@ -163,9 +163,9 @@ class DraftRetriever:
         self.reader = open_draftretriever(path)
 
     def draft(self, context: Sequence[int], config):
+        from rest_spec.common.types import DraftTree
         from rest_spec.datastore.bigram import SEP
         from rest_spec.datastore.trie import top_c_tree
-        from rest_spec.common.types import DraftTree
 
         paths = rest_paths(self.reader, context, config.budget)
         if not paths:

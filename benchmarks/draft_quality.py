@@ -25,9 +25,9 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, DraftRetriever, humaneval_inputs, report_header, save_report
 from benchmarks.replay import Example, greedy_outputs, replay
-from rest_spec.datastore.index import Datastore
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
+from rest_spec.datastore.index import Datastore
 from rest_spec.drafter.model import load_model
 
 

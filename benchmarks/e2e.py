@@ -67,9 +67,9 @@ from benchmarks.common import (
 )
 from benchmarks.replay import greedy_path, save_greedy_outputs
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
-from rest_spec.datastore.format import read_manifest
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
+from rest_spec.datastore.format import read_manifest
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import CorrectedCost, VerifyCost

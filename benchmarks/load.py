@@ -203,8 +203,8 @@ def drive(
 
 def draft_requests(contexts: list[list[int]], config=None) -> list[bytes]:
     """Serialized Draft requests of ``contexts`` with ``config`` (default: the default parameters)."""
-    from rest_spec.datastore import wire
     from rest_spec.common.types import DraftConfig
+    from rest_spec.datastore import wire
 
     return [wire.draft_request(c, config or DraftConfig()).SerializeToString() for c in contexts]
 

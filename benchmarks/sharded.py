@@ -55,13 +55,13 @@ from benchmarks.overlap import record, stop, summarize
 from benchmarks.replay import greedy_path, save_greedy_outputs
 from benchmarks.retrieval.engines import compare_latency, sample_queries
 from rest_spec.build_index.corpora import CorpusSpec
+from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.format import read_manifest
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import ServerConfig
 from rest_spec.datastore.shards import format_shard_spec
-from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
-from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import VerifyCost

@@ -33,15 +33,15 @@ from pathlib import Path
 # is first imported, so it is set before the imports below (GRPC_VERBOSITY=debug still wins)
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from rest_spec.datastore.client import DatastoreClient, add_connection_arguments  # noqa: E402
 from rest_spec.common.cli import first_line  # noqa: E402
-from rest_spec.datastore.index import Datastore  # noqa: E402
 from rest_spec.common.logs import LOG_FORMATS, configure_logging  # noqa: E402
+from rest_spec.common.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
+from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree  # noqa: E402
+from rest_spec.datastore.client import DatastoreClient, add_connection_arguments  # noqa: E402
+from rest_spec.datastore.index import Datastore  # noqa: E402
 from rest_spec.datastore.router import RouterConfig, route  # noqa: E402
 from rest_spec.datastore.server import AUTH_SCOPES, ServerConfig, serve  # noqa: E402
 from rest_spec.datastore.shards import parse_shard_spec, serve_shards  # noqa: E402
-from rest_spec.common.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
-from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree  # noqa: E402
 
 DEFAULT_SERVER = ServerConfig()
 EXIT_STATUSES = (

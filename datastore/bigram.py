@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree, token_ids
 from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree, token_ids
 
 SEP = 0xFFFFFFFF  # document separator: larger than every token id, as top_c_tree needs
 _MIN_TAIL = 4096  # unsorted bigram entries a lookup scans before they are merged into the table

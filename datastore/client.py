@@ -16,9 +16,9 @@ from pathlib import Path
 
 import grpc
 
-from rest_spec.datastore import wire
 from rest_spec.common.tokenizer import require_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.datastore import wire
 from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 

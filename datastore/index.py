@@ -40,9 +40,9 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
 
 log = logging.getLogger(__name__)
 

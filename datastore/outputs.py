@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from rest_spec.common.types import DraftConfig, DraftTree, token_ids
 from rest_spec.datastore.bigram import SEP, BigramIndex
 from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES
-from rest_spec.common.types import DraftConfig, DraftTree, token_ids
 
 log = logging.getLogger(__name__)
 

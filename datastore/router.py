@@ -37,6 +37,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore import wire
 from rest_spec.datastore.client import open_channel
@@ -61,7 +62,6 @@ from rest_spec.datastore.server import (
     start_datastore,
 )
 from rest_spec.datastore.shards import MAX_ROWS, format_shard_spec, rows_from_bytes
-from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.proto.v1 import shard_pb2 as spb
 from rest_spec.proto.v1 import shard_pb2_grpc as spb_grpc
 

@@ -38,8 +38,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from rest_spec.datastore import wire
 from rest_spec.common.cli import first_line
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
+from rest_spec.datastore import wire
 from rest_spec.datastore.format import IndexCorruptError
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.metrics import ServerMetrics
@@ -50,7 +51,6 @@ from rest_spec.datastore.outputs import (
     check_outputs_options,
     open_output_store,
 )
-from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.proto.v1 import datastore_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from rest_spec.common.types import MAX_SUFFIX, DraftConfig
 from rest_spec.datastore import wire
 from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES, Datastore, ShardMatch, index_id, query_tokens
 from rest_spec.datastore.server import (
@@ -32,7 +33,6 @@ from rest_spec.datastore.server import (
     run_until_signalled,
     stop_if_ended,
 )
-from rest_spec.common.types import MAX_SUFFIX, DraftConfig
 from rest_spec.proto.v1 import shard_pb2 as spb
 
 SERVICE = spb.DESCRIPTOR.services_by_name["ShardService"]

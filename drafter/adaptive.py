@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.drafter.base import Deferred, Drafter, Pending, SourceDrafter, drafter_trees
 from rest_spec.drafter.cost import CorrectedCost, VerifyCost, select_chain, select_tree
 from rest_spec.drafter.merge import SourceCalibration, merge_trees

@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rest_spec.datastore.client import add_connection_arguments
 from rest_spec.common.cli import first_line
 from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree
+from rest_spec.datastore.client import add_connection_arguments
 from rest_spec.drafter.prompts import Prompt, as_chat, encode_prompt
 
 if TYPE_CHECKING:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from rest_spec.common.tokenizer import require_tokenizer
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import (
     DEFAULT_OUTPUTS_MAX_TOKENS,
@@ -12,8 +14,6 @@ from rest_spec.datastore.outputs import (
     check_outputs_options,
     open_output_store,
 )
-from rest_spec.common.tokenizer import require_tokenizer
-from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 
 
 class LocalDrafter:

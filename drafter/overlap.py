@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rest_spec.datastore.client import DatastoreClient
 from rest_spec.common.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
+from rest_spec.datastore.client import DatastoreClient
 from rest_spec.drafter.adaptive import AdaptiveDrafter, continued_rows
 from rest_spec.drafter.base import Deferred, Drafter, Pending, drafter_trees
 from rest_spec.drafter.breaker import Admission, CircuitBreaker

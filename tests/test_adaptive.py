@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from benchmarks.common import humaneval_inputs
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import SUFFIXES, AdaptiveDrafter, accepted_nodes
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import generate

@@ -17,9 +17,9 @@ from benchmarks.common import DraftRetriever
 from benchmarks.retrieval import QUERY_TOKENS, ROUNDS
 from benchmarks.retrieval.engines import sample_queries
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
-from rest_spec.datastore.index import Datastore
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
+from rest_spec.datastore.index import Datastore
 from tests.helpers import write_index
 
 REPO = Path(__file__).resolve().parents[1]

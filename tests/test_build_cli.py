@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rest_spec.datastore import format as fmt
 from rest_spec.common.tokenizer import tokenizer_fingerprint
+from rest_spec.datastore import format as fmt
 
 CONVERSATIONS = [
     {"id": f"c{i}", "conversations": [

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from benchmarks.common import humaneval_prompts
-from rest_spec.datastore.index import Datastore
 from rest_spec.common.tokenizer import check_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
+from rest_spec.datastore.index import Datastore
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.remote import RemoteDrafter

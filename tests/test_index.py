@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rest_spec.build_index.writer import IndexWriter
+from rest_spec.common.types import DraftConfig
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore.index import Datastore
-from rest_spec.common.types import DraftConfig
 from tests.helpers import brute_draft, write_index
 
 

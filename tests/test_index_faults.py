@@ -25,11 +25,11 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from rest_spec.common.types import DraftConfig
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore import index as engine
 from rest_spec.datastore import trie
 from rest_spec.datastore.index import Datastore
-from rest_spec.common.types import DraftConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SPOT = 1 << 16  # bytes at each end of a file that the spot digest covers

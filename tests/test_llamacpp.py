@@ -13,8 +13,6 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from rest_spec.datastore.index import Datastore  # noqa: E402
-from rest_spec.datastore.server import DatastoreServer, ServerConfig  # noqa: E402
 from rest_spec.common.tokenizer import (  # noqa: E402
     TokenizerMismatchError,
     load_tokenizer,
@@ -23,6 +21,8 @@ from rest_spec.common.tokenizer import (  # noqa: E402
     vocab_size,
 )
 from rest_spec.common.types import DraftConfig  # noqa: E402
+from rest_spec.datastore.index import Datastore  # noqa: E402
+from rest_spec.datastore.server import DatastoreServer, ServerConfig  # noqa: E402
 from rest_spec.drafter.cost import VerifyCost  # noqa: E402
 from rest_spec.drafter.llamacpp import (  # noqa: E402
     RestDraftModel,

@@ -14,10 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.bigram import SEP, RequestMatcher
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.hf_internals import forward_with_cache
 from rest_spec.drafter.kv_cache import CacheRows, new_cache
 from rest_spec.drafter.merge import SourceCalibration, merge_trees

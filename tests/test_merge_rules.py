@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from benchmarks import merge_rules
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.bigram import SEP
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.common.types import DraftConfig, DraftTree
 from tests.test_adaptive import CPU_COST
 
 CONFIG = DraftConfig(budget=4)

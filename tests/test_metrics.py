@@ -22,8 +22,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from rest_spec.datastore.index import Datastore
 from rest_spec.common.logs import JsonFormatter, configure_logging
+from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.metrics import LATENCY_BUCKETS, ServerMetrics, start_metrics_server
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.server import SERVICE_NAME, DatastoreServer, DatastoreServicer, ServerConfig

@@ -27,11 +27,11 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from benchmarks.common import humaneval_inputs
 from benchmarks.latency_proxy import LatencyProxy
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import BatchGenerationResult, generate

@@ -10,10 +10,10 @@ from transformers import TextStreamer
 from transformers.generation import BaseStreamer, GenerateDecoderOnlyOutput, StoppingCriteria, StoppingCriteriaList
 
 from benchmarks.common import humaneval_prompts
-from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.server import DatastoreServer, ServerConfig
 from rest_spec.common.tokenizer import tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.server import DatastoreServer, ServerConfig
 from rest_spec.drafter.hf import REST_GENERATE_DIR, RestGenerateOutput, generate_with_drafts, rest_generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.remote import RemoteDrafter

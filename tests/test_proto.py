@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rest_spec.datastore import wire
 from rest_spec.common.types import MAX_BUDGET, MAX_DEPTH, MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo, ShardInfo
+from rest_spec.datastore import wire
 from rest_spec.proto import generate
 from rest_spec.proto.v1 import datastore_pb2 as pb
 

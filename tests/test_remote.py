@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
+from rest_spec.common.tokenizer import TokenizerMismatchError, check_tokenizer
+from rest_spec.common.types import DraftConfig, SourceTrees
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.common.tokenizer import TokenizerMismatchError, check_tokenizer
-from rest_spec.common.types import DraftConfig, SourceTrees
 from rest_spec.drafter.base import Drafter, SourceDrafter
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.remote import RemoteDrafter

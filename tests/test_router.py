@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.router import Router, RouterConfig
 from rest_spec.datastore.server import EngineUnavailable, GrpcServer, ServerConfig
 from rest_spec.datastore.shards import SERVICE_NAME, ShardServicer, parse_shard_spec
-from rest_spec.common.types import DraftConfig
 from tests.helpers import contexts_from, synthetic_corpus, write_index
 
 SERVER = ServerConfig(port=0, workers=2, grace_seconds=0)

@@ -21,12 +21,12 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore import wire
 from rest_spec.datastore.__main__ import main as cli
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.server import SERVICE_NAME, DatastoreServer, ServerConfig
-from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 from tests.helpers import CORPUS_VOCAB as VOCAB

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rest_spec.common.types import DraftConfig
 from rest_spec.datastore import wire
 from rest_spec.datastore.__main__ import main as cli
 from rest_spec.datastore.client import DatastoreClient
@@ -39,7 +40,6 @@ from rest_spec.datastore.server import (
     is_loopback,
     status_of,
 )
-from rest_spec.common.types import DraftConfig
 from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 from tests.helpers import CORPUS_VOCAB as VOCAB

@@ -13,10 +13,10 @@ import re
 import grpc
 import pytest
 
+from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.__main__ import main
 from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.index import Datastore, index_id
-from rest_spec.common.types import DraftConfig
 from rest_spec.proto.v1 import shard_pb2 as spb
 from rest_spec.proto.v1 import shard_pb2_grpc as spb_grpc
 from tests.helpers import CORPUS_VOCAB as VOCAB

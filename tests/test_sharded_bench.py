@@ -21,9 +21,9 @@ from benchmarks.sharded import (
     shard_specs,
     throughput,
 )
-from rest_spec.datastore.index import Datastore
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
+from rest_spec.datastore.index import Datastore
 from tests.helpers import CORPUS_VOCAB, contexts_from, synthetic_corpus, write_index
 
 REPEATED = [7, 8, 9]  # a phrase in 1,500 places: matching it samples, so routers run their second round

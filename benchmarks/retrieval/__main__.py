@@ -31,8 +31,8 @@ from benchmarks.retrieval.engines import (
 )
 from benchmarks.retrieval.report import evaluate_targets, format_table
 from benchmarks.retrieval.service import grpc_figures
-from rest_spec.datastore.index import Datastore
 from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.datastore.index import Datastore
 
 log = logging.getLogger("benchmarks.retrieval")
 

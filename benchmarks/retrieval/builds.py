@@ -22,8 +22,8 @@ from benchmarks.common import REPO, open_draftretriever, write_draftretriever
 from benchmarks.retrieval import BUILD_RECORD_VERSION, GROWTH_SEED
 from rest_spec.build_index.corpora import CorpusSpec, iter_records
 from rest_spec.build_index.writer import IndexWriter
-from rest_spec.datastore.index import Datastore
 from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.datastore.index import Datastore
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from benchmarks.retrieval import (
     WARMUP_QUERIES,
 )
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
-from rest_spec.datastore.index import Datastore
 from rest_spec.common.types import DraftConfig
+from rest_spec.datastore.index import Datastore
 
 DraftFn = Callable[[list[int], int], object]  # (context, budget) -> a draft, result unused
 
