@@ -198,7 +198,7 @@ def run_tables(model, tokenizer, index: Path, directories: dict[str, Path], args
             drafters[name] = AdaptiveDrafter(base, cost=table, config=config)
         # compiled kernels, caches, allocator: a throwaway drafter (no outputs, a fresh correction)
         warm = prompts[0][:32]
-        throwaway = AdaptiveDrafter(drafters["quiet"].base, cost=drafters["quiet"].cost.table, config=config)
+        throwaway = AdaptiveDrafter(drafters["quiet"].source, cost=drafters["quiet"].cost.table, config=config)
         generate(model, warm, throwaway, max_new_tokens=8)
         generate(model, warm, None, max_new_tokens=8)
         rows: dict[str, list[dict]] = {name: [] for name in TABLES}

@@ -71,12 +71,12 @@ from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.datastore.format import read_manifest
 from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import CorrectedCost, VerifyCost
 from rest_spec.drafter.generate import GenerationResult, generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.measure import load_or_measure
 from rest_spec.drafter.model import load_model
+from rest_spec.drafter.protocol import Drafter
 
 log = logging.getLogger("benchmarks.e2e")
 

@@ -10,7 +10,7 @@ the store of past outputs (each drafter its own store, fed with each output afte
 
 - ``ours``: ``AdaptiveDrafter`` as is (calibrated per-source path probabilities, noisy-OR);
 - ``ours+suffixes``: ours with the index asked again for the context cut to its last 4, 2 and 1
-  tokens (``AdaptiveDrafter(suffixes=SUFFIXES)``; only the cuts whose match is shorter than the
+  tokens (``AdaptiveDrafter(suffixes=SUFFIX_CUTS)``; only the cuts whose match is shorter than the
   longest), each an extra source with its own calibration;
 - ``arctic`` (ArcticInference's suffix decoding): each source's own tree, the one whose expected
   accepted tokens (sum of its node probabilities) is highest;
@@ -49,12 +49,13 @@ from benchmarks.replay import Drafts, Example, replay
 from benchmarks.tradeoff import set_examples
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, SourceTrees
-from rest_spec.drafter.adaptive import SUFFIXES, AdaptiveDrafter
+from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import VerifyCost
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.measure import load_or_measure
 from rest_spec.drafter.merge import merge_trees
 from rest_spec.drafter.model import load_model
+from rest_spec.drafter.protocol import SUFFIX_CUTS
 
 STATIC_SUFFIX = 2  # llama.cpp's static n-gram size (LLAMA_NGRAM_STATIC)
 SGLANG_PRIORS = {"index": 1.0, "request": 1.0, "outputs": 1.0}
@@ -155,9 +156,9 @@ def drafters(config: DraftConfig, cost: VerifyCost) -> dict[str, Callable[[Stati
     """Label -> the drafter built over a freshly opened ``StaticDrafter`` (its own output store)."""
     return {
         "ours": lambda base: AdaptiveDrafter(base, cost=None, config=config),
-        "ours+suffixes": lambda base: AdaptiveDrafter(base, cost=None, config=config, suffixes=SUFFIXES),
+        "ours+suffixes": lambda base: AdaptiveDrafter(base, cost=None, config=config, suffixes=SUFFIX_CUTS),
         "ours sized": lambda base: AdaptiveDrafter(base, cost=cost, config=config),
-        "ours+suffixes sized": lambda base: AdaptiveDrafter(base, cost=cost, config=config, suffixes=SUFFIXES),
+        "ours+suffixes sized": lambda base: AdaptiveDrafter(base, cost=cost, config=config, suffixes=SUFFIX_CUTS),
         "arctic": lambda base: RuleDrafter(base, "arctic", config),
         "sglang": lambda base: RuleDrafter(base, "sglang", config),
         "llama.cpp": lambda base: RuleDrafter(base, "llama.cpp", config),

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Protocol
 
 from rest_spec.common.types import DraftConfig, DraftTree
-from rest_spec.drafter.adaptive import accepted_nodes
 from rest_spec.drafter.cost import VerifyCost
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.measure import cache_dir, cost_key
@@ -86,7 +85,7 @@ def replay(
             tree = drafter.draft(prompt + output[:k], config)
             draft_seconds.append(time.perf_counter() - start)
             # the last token is always the model's own: a path never runs past the output
-            k += min(len(accepted_nodes(tree, output[k:])), len(output) - k - 1) + 1
+            k += min(len(tree.accepted_nodes(output[k:])), len(output) - k - 1) + 1
             steps += 1
             verified += 1 + len(tree)
             if cost is not None:

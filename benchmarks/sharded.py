@@ -63,12 +63,12 @@ from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import ServerConfig
 from rest_spec.datastore.shards import format_shard_spec
 from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import VerifyCost
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.measure import load_or_measure
 from rest_spec.drafter.model import load_model
+from rest_spec.drafter.protocol import Drafter
 from rest_spec.drafter.remote import RemoteDrafter
 
 log = logging.getLogger("benchmarks.sharded")

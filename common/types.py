@@ -72,12 +72,8 @@ class DraftConfig:
 DEFAULT_CONFIG = DraftConfig()
 
 
-def _optional_equal(a: np.ndarray | None, b: np.ndarray | None) -> bool:
-    """Both absent, or both present and equal."""
-    return a is None and b is None or a is not None and b is not None and np.array_equal(a, b)
-
-
-def _frozen_array(values, dtype) -> np.ndarray:
+def frozen_array(values, dtype) -> np.ndarray:
+    """``values`` as a contiguous read-only array of ``dtype``: trees are immutable once built."""
     array = np.ascontiguousarray(values, dtype=dtype)
     array.setflags(write=False)
     return array
@@ -98,14 +94,10 @@ class DraftTree:
                              path; None (the default) derives it as counts / num_sampled. Explicit
                              scores (merged trees) must lie in [0, 1] and never grow down a path,
                              so the top-k nodes by score always form a tree.
-    source_probs  float64 [n, S] or None: in a tree merged from S sources, each source's own
-                             probability of the node given its parent (0 where that source did not
-                             propose it); what ``drafter.merge.SourceCalibration`` learns from.
-    source_samples int64 [n, S] or None: beside ``source_probs``, how many continuations each
-                             source's probability rests on (its count of the node's parent; 0
-                             where it did not propose the node). One occurrence claiming
-                             certainty is worth less than a hundred agreeing: the calibration
-                             weighs sources per sample-size class.
+
+    This is what crosses the wire. A drafter's own per-node data (``drafter.merge.MergedTree``'s
+    per-source columns) lives in subclasses, which ``subset`` and ``after`` preserve through
+    ``_take``.
     """
 
     tokens: np.ndarray
@@ -115,14 +107,12 @@ class DraftTree:
     num_matches: int = 0
     num_sampled: int = 0
     scores: np.ndarray | None = None
-    source_probs: np.ndarray | None = field(default=None, repr=False)
-    source_samples: np.ndarray | None = field(default=None, repr=False)
     depths: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        tokens = _frozen_array(self.tokens, np.int32)
-        parents = _frozen_array(self.parents, np.int32)
-        counts = _frozen_array(self.counts, np.int64)
+        tokens = frozen_array(self.tokens, np.int32)
+        parents = frozen_array(self.parents, np.int32)
+        counts = frozen_array(self.counts, np.int64)
         n = tokens.shape[0]
         if tokens.ndim != 1 or parents.shape != (n,) or counts.shape != (n,):
             raise ValueError("tokens, parents and counts must be 1-D arrays of one length")
@@ -145,28 +135,14 @@ class DraftTree:
         object.__setattr__(self, "counts", counts)
         object.__setattr__(self, "depths", depths)
         object.__setattr__(self, "scores", self._checked_scores())
-        if self.source_probs is not None:
-            probs = _frozen_array(self.source_probs, np.float64)
-            if probs.ndim != 2 or probs.shape[0] != n:
-                raise ValueError(f"source_probs must be [n={n}, sources], got shape {probs.shape}")
-            if not np.all((probs >= 0) & (probs <= 1)):
-                raise ValueError("source_probs must lie in [0, 1]")
-            object.__setattr__(self, "source_probs", probs)
-        if self.source_samples is not None:
-            samples = _frozen_array(self.source_samples, np.int64)
-            if self.source_probs is None or samples.shape != self.source_probs.shape:
-                raise ValueError("source_samples must come with source_probs, in the same [n, sources] shape")
-            if np.any(samples < 0):
-                raise ValueError("source_samples must be non-negative")
-            object.__setattr__(self, "source_samples", samples)
 
     def _checked_scores(self) -> np.ndarray:
         """The explicit scores, validated, or counts / num_sampled (all 0 when nothing was sampled)."""
         n = len(self)
         if self.scores is None:
             derived = self.counts / float(self.num_sampled) if self.num_sampled else np.zeros(n)
-            return _frozen_array(derived, np.float64)
-        scores = _frozen_array(self.scores, np.float64)
+            return frozen_array(derived, np.float64)
+        scores = frozen_array(self.scores, np.float64)
         if scores.shape != (n,):
             raise ValueError(f"scores must be a 1-D array of the {n} node scores, got shape {scores.shape}")
         if not np.all((scores >= 0) & (scores <= 1)):  # False for NaN as well
@@ -194,9 +170,14 @@ class DraftTree:
         [-1, 0, 1, ...]``): such a tree is verified on the model's plain causal path."""
         return bool(np.array_equal(self.parents, np.arange(-1, len(self) - 1)))
 
+    def _take(self, keep: np.ndarray, parents: np.ndarray, **fields) -> DraftTree:
+        """A tree of this one's nodes ``keep`` under new ``parents``, with ``fields`` (match
+        statistics, scores); a subclass carries its own per-node columns along."""
+        return DraftTree(self.tokens[keep], parents, self.counts[keep], **fields)
+
     def subset(self, keep: np.ndarray) -> DraftTree:
         """The tree of nodes ``keep`` (ascending indices; every kept node's parent kept too), with
-        their counts, scores and source probabilities and samples; the match statistics are unchanged."""
+        their counts and scores (and a subclass's columns); the match statistics are unchanged."""
         keep = np.asarray(keep, dtype=np.int64)
         if keep.ndim != 1 or np.any(np.diff(keep) <= 0) or (keep.size and not 0 <= keep[0] <= keep[-1] < len(self)):
             raise ValueError(f"keep must be ascending distinct node indices in [0, {len(self)})")
@@ -206,16 +187,13 @@ class DraftTree:
         parents = new_index[old_parents]
         if np.any((old_parents >= 0) & (parents < 0)):
             raise ValueError("keep is not prefix-closed: a kept node's parent is dropped")
-        return DraftTree(
-            self.tokens[keep],
+        return self._take(
+            keep,
             parents,
-            self.counts[keep],
-            self.match_len,
-            self.num_matches,
-            self.num_sampled,
+            match_len=self.match_len,
+            num_matches=self.num_matches,
+            num_sampled=self.num_sampled,
             scores=self.scores[keep],
-            source_probs=None if self.source_probs is None else self.source_probs[keep],
-            source_samples=None if self.source_samples is None else self.source_samples[keep],
         )
 
     def after(self, token: int) -> DraftTree | None:
@@ -223,7 +201,7 @@ class DraftTree:
         ``token``, re-rooted, its scores conditioned on that child (divided by its score), the
         match one token longer; None when no root child is ``token``. A tree drafted one token
         ahead of a context this way equals, on the index, the tree drafted after the token
-        whenever the longer match exists -- what ``drafter.overlap`` prepares during a forward."""
+        whenever the longer match exists -- what ``drafter.scheduler`` prepares during a forward."""
         child = np.flatnonzero((self.parents == -1) & (self.tokens == token))
         if child.size == 0:
             return None
@@ -240,17 +218,35 @@ class DraftTree:
         parents = np.where(self.parents[keep] == top, -1, new_index[self.parents[keep]])
         top_score = float(self.scores[top])
         scores = self.scores[keep] / top_score if top_score > 0 else np.zeros(keep.size)
-        return DraftTree(
-            self.tokens[keep],
+        return self._take(
+            keep,
             parents,
-            self.counts[keep],
-            self.match_len + 1 if self.match_len else 0,
-            int(self.counts[top]),
-            int(self.counts[top]),
+            match_len=self.match_len + 1 if self.match_len else 0,
+            num_matches=int(self.counts[top]),
+            num_sampled=int(self.counts[top]),
             scores=np.minimum(scores, 1.0),
-            source_probs=None if self.source_probs is None else self.source_probs[keep],
-            source_samples=None if self.source_samples is None else self.source_samples[keep],
         )
+
+    def path_to(self, node: int) -> np.ndarray:
+        """int64 [depth]: the nodes from the root's child down to ``node``, in order."""
+        path = [node]
+        while self.parents[path[-1]] >= 0:
+            path.append(int(self.parents[path[-1]]))
+        return np.array(path[::-1], dtype=np.int64)
+
+    def accepted_nodes(self, appended: Sequence[int]) -> np.ndarray:
+        """int64 [k]: the nodes on the longest path from the root that ``appended`` (the tokens
+        committed since this tree was drafted) follows, root first: the nodes the verifier
+        accepted. The token after them, the verifier's own, matches no child by construction."""
+        path: list[int] = []
+        node = -1
+        for token in appended:
+            child = np.flatnonzero((self.parents == node) & (self.tokens == token))
+            if child.size == 0:
+                break
+            node = int(child[0])
+            path.append(node)
+        return np.array(path, dtype=np.int64)
 
     def paths(self) -> list[tuple[int, ...]]:
         """The token path from the root to each node (for tests and debugging)."""
@@ -270,8 +266,6 @@ class DraftTree:
             and (self.match_len, self.num_matches, self.num_sampled)
             == (other.match_len, other.num_matches, other.num_sampled)
             and np.array_equal(self.scores, other.scores)
-            and _optional_equal(self.source_probs, other.source_probs)
-            and _optional_equal(self.source_samples, other.source_samples)
         )
 
     __hash__ = None  # type: ignore[assignment]

@@ -1,9 +1,9 @@
-"""A growable bigram index over token documents, and the request matcher that drafts from it.
+"""A growable bigram index over token documents, the structure behind the drafting sources that grow.
 
 REST cannot copy from the prompt (its paper: "no in-context ability"), which is exactly where
 prompt lookup and SuffixDecoding gain most, together with a model's earlier outputs.
-The sources built on ``BigramIndex`` -- ``RequestMatcher`` here (the request's own text, client
-side) and ``datastore.outputs.OutputStore`` (recent outputs, service side) -- draft like the index:
+The sources built on ``BigramIndex`` -- ``drafter.request_matcher.RequestMatcher`` (the request's own
+text, client side) and ``datastore.outputs.OutputStore`` (recent outputs, service side) -- draft like the index:
 the longest context suffix of ``n_min..n_max`` tokens, the continuations that follow its
 occurrences, ``top_c_tree`` -- so their trees mean the same thing and ``drafter.merge`` can
 combine them with the index's.
@@ -18,12 +18,10 @@ as 2: one shared token predicts little).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
-from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree, token_ids
-from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES
+from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree
 from rest_spec.datastore.trie import top_c_tree
 
 SEP = 0xFFFFFFFF  # document separator: larger than every token id, as top_c_tree needs
@@ -121,45 +119,3 @@ class BigramIndex:
         rows[np.maximum.accumulate(rows == SEP, axis=1)] = SEP  # a continuation stops at its document's end
         tokens, parents, counts = top_c_tree(rows, SEP, config.budget)
         return DraftTree(tokens, parents, counts, match_len, int(ends.size), int(counted.size))
-
-
-class RequestMatcher:
-    """Drafts from one request's own tokens: the prompt and everything generated so far.
-
-    ``draft(context, config)`` takes the whole live context each step but indexes only the tokens
-    added since the previous call, then counts the continuations of earlier occurrences of the
-    context's longest suffix (the occurrence that *is* the suffix has none). One per request."""
-
-    def __init__(self, max_candidates: int = DEFAULT_MAX_CANDIDATES) -> None:
-        if max_candidates < 1:
-            raise ValueError(f"max_candidates must be positive, got {max_candidates}")
-        self.max_candidates = max_candidates
-        self._index = BigramIndex()
-
-    def __len__(self) -> int:
-        return self._index.size - 1
-
-    def extend(self, context: Sequence[int] | np.ndarray) -> None:
-        """Index the tokens of ``context`` (the whole live context) added since the last call."""
-        seen = len(self)
-        if len(context) < seen or (seen and context[seen - 1] != self._index.tokens[seen]):
-            raise ValueError(
-                "context does not extend the tokens this matcher has seen; use one RequestMatcher per request"
-            )
-        if len(context) == 0:
-            raise ValueError("context must be a non-empty 1-D sequence of token ids")
-        self._index.append(token_ids(context, "context", SEP, last=len(context) - seen).astype(np.uint32))
-
-    def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:
-        self.extend(context)
-        return self.draft_ahead((), config)
-
-    def draft_ahead(self, extra: Sequence[int], config: DraftConfig = DraftConfig()) -> DraftTree:
-        """The draft for the indexed context continued by ``extra``, tokens not committed yet (a
-        path the verifier may accept): they take part in the match but are not indexed, so the
-        matcher's state is unchanged and any number of such drafts can be asked for."""
-        size = self._index.size
-        query = self._index.tokens[max(1, size - config.n_max) : size]
-        if len(extra):
-            query = np.concatenate((query, token_ids(extra, "extra", SEP).astype(np.uint32)))[-config.n_max :]
-        return self._index.draft(query[::-1], config, 1, self.max_candidates)

@@ -9,12 +9,13 @@ maximizes expected tokens per second of verification, (1 + sum of kept scores) /
 (``drafter.cost.select_tree``, Sequoia's hardware-aware size). Where verifying many tokens costs
 several 1-token steps, as on a CPU, that is a small tree, or none at all.
 
-The decoding loop (``drafter.generate``) needs no change: it only calls ``draft``. What the
-verifier accepted is read from the next call's context -- the tokens appended since the last
-call are the accepted path of the previous tree and the verifier's bonus token -- and credited to
-the sources (``SourceCalibration.observe``) before drafting again. A context that does not extend
-the previous one is a new request: it gets a new matcher (the calibration carries over). Outputs
-enter the output store only through ``add_output``, called by whoever finished a generation.
+It implements the per-step protocol (``drafter.protocol.StepDrafter``) that the scheduler
+(``drafter.scheduler``) runs; ``draft`` runs the same sequence at once. What the verifier accepted
+is read from the next step's context -- the tokens appended since the last step are the accepted
+path of the previous tree and the verifier's bonus token -- and credited to the sources
+(``SourceCalibration.observe``) before drafting again. A context that does not extend the previous
+one is a new request: it gets a new matcher (the calibration carries over). Outputs enter the
+output store only through ``add_output``, called by whoever finished a generation.
 """
 
 from __future__ import annotations
@@ -24,17 +25,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from rest_spec.datastore.bigram import RequestMatcher
-from rest_spec.drafter.base import Deferred, Drafter, Pending, SourceDrafter, drafter_trees
 from rest_spec.drafter.cost import CorrectedCost, VerifyCost, select_chain, select_tree
 from rest_spec.drafter.merge import SourceCalibration, merge_trees
+from rest_spec.drafter.protocol import Deferred, Drafter, Pending, SourceDrafter, as_source, continued_rows, draft_step
+from rest_spec.drafter.request_matcher import RequestMatcher
 
 SOURCES = ("index", "request", "outputs")
-# Context cuts that add the index's shorter matches as sources (``AdaptiveDrafter(suffixes=...)``):
-# in replay at 64 nodes they raised accepted length 10% on HumanEval and 22% on ShareGPT
-# (``benchmarks.merge_rules``), as a longest match often has few continuations, or none.
-SUFFIXES = (4, 2, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,41 +73,6 @@ class _Regrouped:
         return self.pending.cancel()
 
 
-def accepted_nodes(tree: DraftTree, appended: Sequence[int]) -> np.ndarray:
-    """int64 [k]: the nodes of ``tree`` on the longest path from the root that ``appended`` (the
-    tokens committed since ``tree`` was drafted) follows, root first: the nodes the verifier
-    accepted. The token after them, the verifier's own, matches no child by construction."""
-    path: list[int] = []
-    node = -1
-    for token in appended:
-        child = np.flatnonzero((tree.parents == node) & (tree.tokens == token))
-        if child.size == 0:
-            break
-        node = int(child[0])
-        path.append(node)
-    return np.array(path, dtype=np.int64)
-
-
-def continued_rows(previous: Sequence[list[int]], rows: Sequence[list[int]]) -> list[int | None]:
-    """For each of ``rows`` (live contexts as lists, in batch order), the index of the row of ``previous``
-    (the last step's contexts) it continues -- strictly longer, same prefix -- or None for a new
-    request. Rows keep their order, so row i continues a previous row after row i-1's."""
-    found: list[int | None] = []
-    after = 0
-    for row in rows:
-        k = next(
-            (
-                k
-                for k in range(after, len(previous))
-                if len(row) > len(previous[k]) and row[: len(previous[k])] == previous[k]
-            ),
-            None,
-        )
-        found.append(k)
-        after = after if k is None else k + 1
-    return found
-
-
 def _token_list(context: Sequence[int] | np.ndarray) -> list[int]:
     """A copy of ``context`` (the loop's list changes in place after the call)."""
     return context.tolist() if isinstance(context, np.ndarray) else list(context)
@@ -130,14 +93,16 @@ class AdaptiveDrafter:
     scored tree and, with a ``cost``, verifies only the part that pays on this hardware.
 
     base         where the index and outputs trees come from: a ``SourceDrafter`` (``LocalDrafter``,
-                 ``RemoteDrafter``); a plain ``Drafter`` does when "outputs" is not a source
+                 ``RemoteDrafter``); a plain ``Drafter`` does when "outputs" is not a source.
+                 Kept as ``source`` (``drafter.protocol.as_source``)
     cost         the measured verification cost (``drafter.measure.load_or_measure``), kept as a
                  ``CorrectedCost`` (given one, that one): the loop that verifies these trees
                  corrects it by the steps it times (``generate``), across requests; None keeps
                  the ``budget`` best-scored nodes (no hardware-aware size)
     config       how each source drafts its candidates (budget 64 per source and for the merge)
-    suffixes     context cuts (descending token counts, e.g. ``SUFFIXES``) whose index trees are
+    suffixes     context cuts (descending token counts, e.g. ``SUFFIX_CUTS``) whose index trees are
                  extra sources, after ``sources`` in the calibration; needs "index"; () for none
+                 (``benchmarks.merge_rules`` measures what they add)
     calibration  per-source, per-sample-class weights, learned from what the verifier accepts;
                  default: prior 1 everywhere. Shared by all rows and requests.
     chains       verify a chain, never a branching tree: the root path that pays most under the
@@ -183,7 +148,7 @@ class AdaptiveDrafter:
         self.calibration = calibration if calibration is not None else SourceCalibration(num_sources)
         if self.calibration.num_sources != num_sources:
             raise ValueError(f"calibration has {self.calibration.num_sources} sources, expected {num_sources}")
-        self.base, self.config, self.chains = base, config, chains
+        self.source, self.config, self.chains = as_source(base), config, chains
         self.cost = cost if cost is None or isinstance(cost, CorrectedCost) else CorrectedCost(cost)
         self._requests: list[_Request] = []  # one per row of the last call, in row order
 
@@ -191,19 +156,10 @@ class AdaptiveDrafter:
         return self.draft_batch([context], config)[0]
 
     def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
-        rows = [_token_list(context) for context in contexts]
-        requests = self.advance(rows)
-        candidates = self.candidates(config)
-        shared = self.start_shared(rows, candidates).result()
-        trees = [
-            self.select(self.merge(base_trees, self.request_tree(request, (), candidates), candidates))
-            for request, base_trees in zip(requests, shared)
-        ]
-        self.record(trees)
-        return trees
+        return draft_step(self, [_token_list(context) for context in contexts], config)
 
-    # The steps of ``draft_batch``, apart so that ``drafter.overlap`` can run the slow ones (the
-    # base's call, the merges) for likely next contexts while the model verifies the current ones.
+    # The steps of ``drafter.protocol.StepDrafter``: the scheduler runs the slow ones (the
+    # source's call, the merges) for likely next contexts while the model verifies the current ones.
 
     def advance(self, rows: list[list[int]]) -> list[_Request]:
         """Each row's request: the previous call's row it continues (in order; crediting what the
@@ -216,7 +172,7 @@ class AdaptiveDrafter:
             else:
                 request = previous[found]
                 if len(request.tree):
-                    self.calibration.observe(request.tree, accepted_nodes(request.tree, row[len(request.context) :]))
+                    self.calibration.observe(request.tree, request.tree.accepted_nodes(row[len(request.context) :]))
             request.context, request.tree = row, DraftTree.empty()
             if request.matcher is not None:
                 request.matcher.extend(row)
@@ -242,8 +198,7 @@ class AdaptiveDrafter:
 
     def start_shared(self, rows: list[list[int]], config: DraftConfig, timeout: float | None = None) -> Pending:
         """The index and outputs trees per row (empty where off; ``CutTrees`` with the cuts when
-        there are ``suffixes``), in one call to the base: an RPC started now where the base can
-        (``draft_batch_future``), else work done when collected."""
+        there are ``suffixes``), in one call to the source (``DraftSource.start_sources``)."""
         if not self.suffixes:
             return self._start_base(rows, config, timeout)
         cuts = [row[-k:] for row in rows for k in self.suffixes]
@@ -251,16 +206,14 @@ class AdaptiveDrafter:
         return _Regrouped(pending, lambda trees: with_cuts(trees, len(rows), self.suffixes, config.n_min))
 
     def _start_base(self, rows: list[list[int]], config: DraftConfig, timeout: float | None) -> Pending:
-        include_outputs = "outputs" in self.sources
-        start = getattr(self.base, "draft_batch_future", None)
-        if start is not None and "index" in self.sources:
-            return start(rows, config, include_outputs=include_outputs, timeout=timeout)
-        return Deferred(lambda: self._shared_sources(rows, config))
+        if "index" not in self.sources and "outputs" not in self.sources:
+            return Deferred(lambda: [SourceTrees(DraftTree.empty(), DraftTree.empty())] * len(rows))
+        return self.source.start_sources(rows, config, outputs="outputs" in self.sources, timeout=timeout)
 
     def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
         """Every source's candidates merged into one scored tree (``config.budget`` nodes)."""
         by_source = {"index": shared.index, "outputs": shared.outputs, "request": request}
-        # trees fetched without the cuts (``drafter.overlap``'s speculation) have none
+        # trees fetched without the cuts (the scheduler's speculation) have none
         shorter = shared.shorter if isinstance(shared, CutTrees) else (DraftTree.empty(),) * len(self.suffixes)
         trees = [by_source[s] for s in self.sources] + list(shorter)
         return merge_trees(trees, self.calibration.weights, config.budget)
@@ -271,29 +224,18 @@ class AdaptiveDrafter:
             return tree
         return select_chain(tree, self.cost) if self.chains else select_tree(tree, self.cost)
 
-    def _shared_sources(self, rows: list[list[int]], config: DraftConfig) -> list[SourceTrees]:
-        """The index and outputs trees per row (empty where off), in one call to the base."""
-        empty = DraftTree.empty()
-        if "outputs" in self.sources:
-            if len(rows) == 1:
-                return [self.base.draft_sources(rows[0], config)]
-            return self.base.draft_sources_batch(rows, config)
-        if "index" in self.sources:
-            return [SourceTrees(tree, empty) for tree in drafter_trees(self.base, rows, config)]
-        return [SourceTrees(empty, empty)] * len(rows)
-
     def add_output(self, tokens: Sequence[int]) -> int:
         """Store a finished generation in the base's output store (later requests draft from it);
         returns its sequence number."""
-        if not isinstance(self.base, SourceDrafter):
-            raise TypeError(f"{type(self.base).__name__} keeps no outputs")
-        return self.base.add_output(tokens)
+        if not isinstance(self.source, SourceDrafter):
+            raise NoOutputStoreError(f"{type(self.source).__name__} keeps no outputs")
+        return self.source.add_output(tokens)
 
     def info(self) -> IndexInfo:
-        return self.base.info()
+        return self.source.info()
 
     def close(self) -> None:
-        self.base.close()
+        self.source.close()
 
     def __enter__(self) -> AdaptiveDrafter:
         return self

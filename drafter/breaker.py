@@ -4,7 +4,7 @@ steps, then nothing.
 While the datastore answers, the breaker is ``CLOSED`` and every step asks it. After ``failures``
 consecutive failed or late calls it opens: no step asks it (each drafts from local sources), until
 a backoff has passed; then it is ``HALF_OPEN`` and lets one call through, a probe, which the
-caller sends without waiting for it (``drafter.overlap.Drafting``). A probe answered in time
+caller sends without waiting for it (``drafter.scheduler.DraftScheduler``). A probe answered in time
 closes the breaker; a failed one opens it again for twice the backoff, up to ``max_backoff``, so
 that drafting resumes within about that long once the datastore is back, while a datastore that
 stays down is asked a couple of times a second at most.

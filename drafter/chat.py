@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from transformers.generation import BaseStreamer
 
     from rest_spec.common.types import DraftConfig
-    from rest_spec.drafter.base import Drafter
     from rest_spec.drafter.generate import GenerationResult
+    from rest_spec.drafter.protocol import Drafter
 
 COMMANDS = {"/reset": "forget the conversation", "/exit": "quit (so does end of input)"}
 

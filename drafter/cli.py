@@ -25,9 +25,9 @@ from rest_spec.datastore.client import add_connection_arguments
 from rest_spec.drafter.prompts import Prompt, as_chat, encode_prompt
 
 if TYPE_CHECKING:
-    from rest_spec.drafter.base import Drafter
     from rest_spec.drafter.generate import GenerationResult
     from rest_spec.drafter.llamacpp import LlamaGeneration
+    from rest_spec.drafter.protocol import Drafter
 
 log = logging.getLogger("rest_spec.drafter.cli")
 

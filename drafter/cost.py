@@ -427,7 +427,7 @@ def select_tree(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: in
     best = int(np.argmax(rate))
     chain_end, chain_rate = _best_chain(tree, cost, candidates)
     if chain_rate > rate[best] * (1 + 1e-12):
-        return tree.subset(path_to(tree, chain_end))
+        return tree.subset(tree.path_to(chain_end))
     if best == len(tree):
         return tree  # all of it: no copy
     return tree.subset(np.sort(ranked[:best]))
@@ -441,7 +441,7 @@ def select_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: i
     end, rate = _best_chain(tree, cost, candidates)
     if rate <= (1 + 1e-12) / float(cost.chain(1)):
         return DraftTree.empty()
-    return tree.subset(path_to(tree, end))
+    return tree.subset(tree.path_to(end))
 
 
 def _best_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, candidates: np.ndarray) -> tuple[int, float]:
@@ -449,20 +449,12 @@ def _best_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, candidates: n
     cost, and that rate (-1 and 0.0 without candidates); of equal rates the shallowest wins."""
     if candidates.size == 0:
         return -1, 0.0
-    rate = (1.0 + path_sums(tree)[candidates]) / cost.chain(1 + tree.depths[candidates])
+    rate = (1.0 + _path_sums(tree)[candidates]) / cost.chain(1 + tree.depths[candidates])
     best = int(np.argmax(rate))
     return int(candidates[best]), float(rate[best])
 
 
-def path_to(tree: DraftTree, node: int) -> np.ndarray:
-    """int64 [depth]: the nodes from the root's child down to ``node``, in order."""
-    path = [node]
-    while tree.parents[path[-1]] >= 0:
-        path.append(int(tree.parents[path[-1]]))
-    return np.array(path[::-1], dtype=np.int64)
-
-
-def path_sums(tree: DraftTree) -> np.ndarray:
+def _path_sums(tree: DraftTree) -> np.ndarray:
     """float64 [n]: the sum of the scores on the path from the root to each node, itself included
     (one vectorized step per depth level; parents precede children)."""
     sums = np.asarray(tree.scores, dtype=np.float64).copy()

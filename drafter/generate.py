@@ -28,11 +28,11 @@ from transformers.generation.streamers import BaseStreamer
 
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter import hf_internals
-from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import CorrectedCost, VerifyCost
 from rest_spec.drafter.kv_cache import CacheRows, compact_cache, new_cache, select_rows
-from rest_spec.drafter.overlap import NO_OVERLAP, Drafting, DraftingStats, OverlapConfig
+from rest_spec.drafter.protocol import Drafter
 from rest_spec.drafter.sampling import TokenChooser, prepare_generation_config
+from rest_spec.drafter.scheduler import NO_OVERLAP, DraftingStats, DraftScheduler, OverlapConfig
 from rest_spec.drafter.tree_attention import padded_prefill_mask
 from rest_spec.drafter.verify import verify_trees
 
@@ -236,10 +236,11 @@ def decode(
 ) -> BatchGenerationResult:
     """The loop behind ``generate``: one row per prompt (unpadded ids); ``chooser`` has one row per
     prompt too. ``on_step`` receives, after every step, the tokens each row committed in it
-    (empty for rows that had finished). Drafts come through ``drafter.overlap.Drafting``
+    (empty for rows that had finished). Drafts come through ``drafter.scheduler.DraftScheduler``
     (deadlines, local fallback; with ``overlap`` enabled, the next step's drafts fetched during
-    each forward); with a ``cost``, each step runs at the block shape it says is fastest, and a
-    ``CorrectedCost`` is told how long each one-row step took."""
+    each forward); with a ``cost`` (default: the drafter's, ``StepDrafter.cost``), each step runs
+    at the block shape it says is fastest, and a ``CorrectedCost`` is told how long each one-row
+    step took."""
     start = time.perf_counter()
     contexts = [list(prompt) for prompt in prompts]  # prompt + committed tokens, per row
     prompt_lengths = [len(prompt) for prompt in prompts]
@@ -251,7 +252,7 @@ def decode(
 
     steps = 0
     draft_seconds = verify_seconds = 0.0
-    drafting = Drafting(drafter, config, overlap, step_seconds=prefill_seconds)
+    drafting = DraftScheduler(drafter, config, overlap, step_seconds=prefill_seconds)
     try:
         while active:
             t0 = time.perf_counter()
@@ -354,7 +355,7 @@ def generate(
     stopping_criteria   checked after every committed token (e.g. ``StopStringCriteria``)
     streamer            ``put`` with each step's committed tokens (see ``stream_to``), then ``end``
     generator           randomness of sampling, on the model's device; a fixed seed reproduces
-    overlap             fetch each step's drafts during the previous forward (``drafter.overlap``;
+    overlap             fetch each step's drafts during the previous forward (``drafter.scheduler``;
                         an ``OverlapConfig``, or True for its defaults). Off by default: on this
                         project's 2-core CPU it costs more than it saves (``benchmarks/overlap.py``).
                         Remote drafts have deadlines and a local fallback either way.
@@ -384,8 +385,6 @@ def generate(
         on_step = stream_to(streamer, batched, None if pad is None else int(pad))
     if isinstance(overlap, bool):
         overlap = OverlapConfig(enabled=overlap)
-    if cost is None:
-        cost = getattr(drafter, "cost", None)
     result = decode(
         model,
         prompts,

@@ -42,10 +42,10 @@ from transformers.generation import (
 
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter import hf_internals
-from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, generate
-from rest_spec.drafter.overlap import OverlapConfig
+from rest_spec.drafter.protocol import Drafter
 from rest_spec.drafter.sampling import row_logits_processors
+from rest_spec.drafter.scheduler import OverlapConfig
 
 log = logging.getLogger(__name__)
 

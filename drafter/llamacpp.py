@@ -42,9 +42,9 @@ import numpy as np
 
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.adaptive import SOURCES, AdaptiveDrafter
-from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cost import BlockShape, CorrectedCost, CostKey, VerifyCost, check_sizes
 from rest_spec.drafter.measure import cached_cost, check_timing
+from rest_spec.drafter.protocol import Drafter
 
 try:
     import llama_cpp

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.tokenizer import require_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.datastore.index import Datastore
@@ -14,11 +15,15 @@ from rest_spec.datastore.outputs import (
     check_outputs_options,
     open_output_store,
 )
+from rest_spec.drafter.protocol import DraftSource
 
 
-class LocalDrafter:
+class LocalDrafter(DraftSource):
     """``SourceDrafter`` over a ``Datastore`` and an optional ``OutputStore`` in this process;
-    returns the same trees as the gRPC service. Owns both (``close`` closes them)."""
+    returns the same trees as the gRPC service. Owns both (``close`` closes them). Its batches
+    are drafted when collected, in the thread that collects them."""
+
+    reads_suffixes = True
 
     def __init__(self, datastore: Datastore, outputs: OutputStore | None = None) -> None:
         self.datastore = datastore
@@ -63,7 +68,7 @@ class LocalDrafter:
 
     def add_output(self, tokens: Sequence[int]) -> int:
         if self.outputs is None:
-            raise RuntimeError("this drafter keeps no outputs (it was opened with outputs_max_tokens=0)")
+            raise NoOutputStoreError("this drafter keeps no outputs (it was opened with outputs_max_tokens=0)")
         return self.outputs.add(tokens)
 
     def info(self) -> IndexInfo:

@@ -32,11 +32,66 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
 
-from rest_spec.common.types import DraftTree
+from rest_spec.common.types import DraftTree, frozen_array
+
+
+@dataclass(frozen=True, eq=False)
+class MergedTree(DraftTree):
+    """A tree merged from S sources (``merge_trees``) with what the calibration learns from, kept
+    through ``subset`` and ``after``; never sent anywhere.
+
+    source_probs   float64 [n, S]: each source's own probability of the node given its parent
+                   (0 where that source did not propose it)
+    source_samples int64 [n, S]: how many continuations each of those rests on (the source's
+                   count of the node's parent; 0 where it did not propose the node). One
+                   occurrence claiming certainty is worth less than a hundred agreeing: the
+                   calibration weighs sources per sample-size class.
+    """
+
+    source_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 1)), repr=False)
+    source_samples: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int64), repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        probs = frozen_array(self.source_probs, np.float64)
+        samples = frozen_array(self.source_samples, np.int64)
+        if probs.ndim != 2 or probs.shape[0] != len(self):
+            raise ValueError(f"source_probs must be [n={len(self)}, sources], got shape {probs.shape}")
+        if not np.all((probs >= 0) & (probs <= 1)):
+            raise ValueError("source_probs must lie in [0, 1]")
+        if samples.shape != probs.shape:
+            raise ValueError("source_samples must have source_probs' [n, sources] shape")
+        if np.any(samples < 0):
+            raise ValueError("source_samples must be non-negative")
+        object.__setattr__(self, "source_probs", probs)
+        object.__setattr__(self, "source_samples", samples)
+
+    def _take(self, keep: np.ndarray, parents: np.ndarray, **fields) -> MergedTree:
+        return MergedTree(
+            self.tokens[keep],
+            parents,
+            self.counts[keep],
+            **fields,
+            source_probs=self.source_probs[keep],
+            source_samples=self.source_samples[keep],
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DraftTree):
+            return NotImplemented
+        return (
+            isinstance(other, MergedTree)
+            and super().__eq__(other)
+            and np.array_equal(self.source_probs, other.source_probs)
+            and np.array_equal(self.source_samples, other.source_samples)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @numba.vectorize(["int64(int64, int64)"], nopython=True, cache=True)
@@ -47,12 +102,12 @@ def sample_class(samples, classes):
     return min(int(np.floor(np.log2(max(samples, 1)))), classes - 1)
 
 
-def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarray, budget: int) -> DraftTree:
+def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarray, budget: int) -> MergedTree:
     """The ``budget`` best-scored nodes of the union of ``trees`` (one per source), in BFS order.
 
     weights  float [S] or [S, K], >= 0: each source's per-token calibration, per sample class
              when 2-D (``SourceCalibration.weights``; ``sample_class``); [S] is one class
-    returns  a tree whose ``scores`` are the noisy-OR of the weighted per-source path probabilities
+    returns  a ``MergedTree`` whose ``scores`` are the noisy-OR of the weighted per-source path probabilities
              (see module docstring), ``source_probs`` [n, S] the sources' own conditional
              probabilities and ``source_samples`` [n, S] the parent counts behind them, ``counts``
              the summed counts, ``num_matches`` / ``num_sampled`` the sums and ``match_len`` the
@@ -85,7 +140,7 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
         weights,
         budget,
     )
-    return DraftTree(
+    return MergedTree(
         tokens,
         parents,
         counts,
@@ -261,14 +316,14 @@ class SourceCalibration:
         """float64 [S, K]: each source's current per-token weight per sample class."""
         return (self.observed + self.strength * self.prior[:, None]) / (self.predicted + self.strength)
 
-    def observe(self, tree: DraftTree, accepted: Sequence[int] | np.ndarray) -> None:
+    def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:
         """Learn from one verified ``tree`` (from ``merge_trees``, possibly cut by
         ``select_tree``); ``accepted`` = indices of its accepted nodes (``Verification.keep[1:] - 1``)."""
-        probs, samples = tree.source_probs, tree.source_samples
-        if probs is None or samples is None or probs.shape[1] != self.num_sources:
+        if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != self.num_sources:
             raise ValueError(
                 f"tree must carry source_probs and source_samples for {self.num_sources} sources (a merge_trees result)"
             )
+        probs, samples = tree.source_probs, tree.source_samples
         accepted = np.asarray(accepted, dtype=np.int64)
         if accepted.size and (accepted.min() < 0 or accepted.max() >= len(tree)):
             raise ValueError(f"accepted node indices must be in [0, {len(tree)})")

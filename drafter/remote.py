@@ -6,7 +6,7 @@ outputs); ``RemoteDrafter(address, tls_ca="ca.pem", auth_token=...)`` reaches a 
 with ``--tls-cert``/``--auth-token``. See ``datastore.client.DatastoreClient`` for timeouts and errors.
 
 Its ``breaker`` (``drafter.breaker.CircuitBreaker``) outlives generations: the decoding loop
-(``drafter.overlap.Drafting``) stops asking a datastore that failed a few calls in a row and probes
+(``drafter.scheduler.DraftScheduler``) stops asking a datastore that failed a few calls in a row and probes
 it until it answers again, and the outputs added after each prompt are not sent while it is open.
 """
 
@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rest_spec.common.types import DraftConfig, SourceTrees
 from rest_spec.datastore.client import DatastoreClient
 from rest_spec.drafter.breaker import CircuitBreaker
+from rest_spec.drafter.protocol import DraftSource, Pending
 
 __all__ = ["ADD_OUTPUT_TIMEOUT", "RemoteDrafter"]
 
@@ -25,13 +27,26 @@ __all__ = ["ADD_OUTPUT_TIMEOUT", "RemoteDrafter"]
 ADD_OUTPUT_TIMEOUT = 1.0
 
 
-class RemoteDrafter(DatastoreClient):
+class RemoteDrafter(DatastoreClient, DraftSource):
     """A ``DatastoreClient`` (same arguments) whose ``breaker`` the decoding loop shares across
-    generations."""
+    generations, and whose batches are RPCs started at once."""
+
+    reads_suffixes = True
 
     def __init__(self, address: str, **kwargs) -> None:
         super().__init__(address, **kwargs)
         self.breaker = CircuitBreaker(f"datastore at {address}")
+
+    def start_sources(
+        self,
+        contexts: Sequence[Sequence[int]],
+        config: DraftConfig,
+        *,
+        outputs: bool = False,
+        timeout: float | None = None,
+    ) -> Pending[list[SourceTrees]]:
+        """One ``DraftBatch`` RPC in flight (``DatastoreClient.draft_batch_future``)."""
+        return self.draft_batch_future(contexts, config, include_outputs=outputs, timeout=timeout)
 
     def add_output(self, tokens: Sequence[int]) -> int:
         """``DatastoreClient.add_output``, waiting at most ``ADD_OUTPUT_TIMEOUT`` (or the client's

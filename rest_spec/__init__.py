@@ -25,7 +25,7 @@ _API = {
     "RemoteDrafter": "rest_spec.drafter.remote",
     "AdaptiveDrafter": "rest_spec.drafter.adaptive",
     "DraftConfig": "rest_spec.common.types",
-    "OverlapConfig": "rest_spec.drafter.overlap",
+    "OverlapConfig": "rest_spec.drafter.scheduler",
     "load_model": "rest_spec.drafter.model",
     "load_tokenizer": "rest_spec.common.tokenizer",
 }

@@ -12,11 +12,12 @@ from benchmarks.common import humaneval_inputs
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.drafter.adaptive import SUFFIXES, AdaptiveDrafter, accepted_nodes
+from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.merge import SourceCalibration
+from rest_spec.drafter.protocol import SUFFIX_CUTS
 from rest_spec.drafter.remote import RemoteDrafter
 from tests.helpers import MODEL_VOCAB, tiny_causal_lm, tree_from_paths, write_index
 
@@ -44,10 +45,10 @@ def base(index):
 def test_accepted_nodes_follow_the_committed_tokens_down_the_tree():
     tree = tree_from_paths([(3, 4, 5), (3, 4, 6), (7, 8)])  # BFS: 3 7 | 4 8 | 5 6
     paths = tree.paths()
-    assert [paths[i] for i in accepted_nodes(tree, [3, 4, 6, 99])] == [(3,), (3, 4), (3, 4, 6)]
-    assert [paths[i] for i in accepted_nodes(tree, [7, 5])] == [(7,)]  # 5 is no child of 7: the bonus token
-    assert accepted_nodes(tree, [5]).size == 0
-    assert accepted_nodes(DraftTree.empty(), [3]).size == 0
+    assert [paths[i] for i in tree.accepted_nodes([3, 4, 6, 99])] == [(3,), (3, 4), (3, 4, 6)]
+    assert [paths[i] for i in tree.accepted_nodes([7, 5])] == [(7,)]  # 5 is no child of 7: the bonus token
+    assert tree.accepted_nodes([5]).size == 0
+    assert DraftTree.empty().accepted_nodes([3]).size == 0
 
 
 def test_calibration_observes_the_nodes_the_verifier_accepted(base):
@@ -128,7 +129,7 @@ def test_bad_arguments_are_refused(base):
 def test_shorter_suffixes_are_sources_where_the_context_matches_longer(base):
     """After a 6-token match every cut (4, 2, 1 tokens) adds its shorter match as a source; where
     the index matches one token (under n_min) only the cut to one token does, and it drafts."""
-    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, suffixes=SUFFIXES)
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, suffixes=SUFFIX_CUTS)
     assert drafter.calibration.num_sources == 6  # index, request, outputs, then the cuts to 4, 2, 1
     long = drafter.draft([20, 21, 22, 23, 24, 25], CONFIG)
     assert long.source_probs.any(axis=0).tolist() == [True, False, False, True, True, True]
@@ -150,14 +151,14 @@ def test_a_remote_base_answers_the_cuts_as_a_local_one(index):
         LocalDrafter.open(index) as local,
     ):
         remote_trees, local_trees = (
-            AdaptiveDrafter(b, cost=None, config=CONFIG, suffixes=SUFFIXES).draft_batch(contexts, CONFIG)
+            AdaptiveDrafter(b, cost=None, config=CONFIG, suffixes=SUFFIX_CUTS).draft_batch(contexts, CONFIG)
             for b in (remote, local)
         )
     assert remote_trees == local_trees and all(len(tree) for tree in local_trees)
 
 
 @pytest.mark.parametrize(
-    "cost, suffixes", [(None, ()), (CPU_COST, ()), (CPU_COST, SUFFIXES)], ids=["budget", "cost", "suffixes"]
+    "cost, suffixes", [(None, ()), (CPU_COST, ()), (CPU_COST, SUFFIX_CUTS)], ids=["budget", "cost", "suffixes"]
 )
 def test_batched_greedy_generation_equals_plain_decoding(base, cost, suffixes):
     model = tiny_causal_lm("llama")

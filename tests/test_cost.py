@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftTree
-from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, path_to, select_chain, select_tree
+from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, select_chain, select_tree
 
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
 
@@ -86,7 +86,7 @@ def test_select_chain_is_the_best_root_path(tree, times, max_depth):
     chosen = select_chain(tree, cost, max_depth)
     assert chosen.is_chain()
     paths = [[]] + [
-        path_to(tree, node).tolist() for node in range(len(tree)) if max_depth is None or tree.depths[node] <= max_depth
+        tree.path_to(node).tolist() for node in range(len(tree)) if max_depth is None or tree.depths[node] <= max_depth
     ]
     chain_cost = cost_curve(times)
     best = max(rate(tree, path, chain_cost) for path in paths)

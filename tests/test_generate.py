@@ -18,9 +18,9 @@ from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from rest_spec.common.types import DraftConfig, DraftTree
-from rest_spec.drafter.base import Drafter
 from rest_spec.drafter.cli import main
 from rest_spec.drafter.generate import GenerationResult, eos_ids, generate
+from rest_spec.drafter.protocol import Drafter
 from rest_spec.drafter.sampling import prepare_generation_config
 from tests.helpers import (
     FAMILIES,

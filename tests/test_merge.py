@@ -15,12 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftConfig, DraftTree
-from rest_spec.datastore.bigram import SEP, RequestMatcher
+from rest_spec.datastore.bigram import SEP
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.trie import top_c_tree
 from rest_spec.drafter.hf_internals import forward_with_cache
 from rest_spec.drafter.kv_cache import CacheRows, new_cache
 from rest_spec.drafter.merge import SourceCalibration, merge_trees
+from rest_spec.drafter.request_matcher import RequestMatcher
 from rest_spec.drafter.verify import verify_trees
 from tests.helpers import tiny_causal_lm
 

@@ -1,4 +1,4 @@
-"""Overlapped drafting (``drafter.overlap``): the pieces it rests on (``DraftTree.after``,
+"""Overlapped drafting (``drafter.scheduler``): the pieces it rests on (``DraftTree.after``,
 ``RequestMatcher.draft_ahead``), its bookkeeping driven step by step with a scripted datastore
 (foreseen outcomes, stale speculation, deadlines, falling back to local sources), and generation
 on real parts -- SmolLM2, a real index of Python code, a real gRPC server in process and as a
@@ -28,23 +28,23 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from benchmarks.common import humaneval_inputs
 from benchmarks.latency_proxy import LatencyProxy
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from rest_spec.datastore.bigram import RequestMatcher
-from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import BatchGenerationResult, generate
 from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.overlap import (
-    SUFFIX_LADDER,
-    Drafting,
+from rest_spec.drafter.merge import MergedTree
+from rest_spec.drafter.protocol import SUFFIX_CUTS
+from rest_spec.drafter.remote import RemoteDrafter
+from rest_spec.drafter.request_matcher import RequestMatcher
+from rest_spec.drafter.scheduler import (
     DraftingStats,
+    DraftScheduler,
     OverlapConfig,
     ahead_config,
     likely_outcomes,
 )
-from rest_spec.drafter.remote import RemoteDrafter
 from tests.helpers import (
     CORPUS_VOCAB,
     ScriptedDrafter,
@@ -88,12 +88,10 @@ def assert_after_is_the_subtree(tree: DraftTree) -> None:
         np.testing.assert_array_equal(sub.scores, np.minimum(expected, 1.0))
         assert (sub.num_matches, sub.num_sampled) == (int(tree.counts[top]), int(tree.counts[top]))
         assert sub.match_len == (tree.match_len + 1 if tree.match_len else 0)
-        for name in ("source_probs", "source_samples"):
-            original = getattr(tree, name)
-            if original is None:
-                assert getattr(sub, name) is None
-            else:
-                np.testing.assert_array_equal(getattr(sub, name), original[below])
+        assert isinstance(sub, MergedTree) == isinstance(tree, MergedTree)
+        if isinstance(tree, MergedTree):
+            for name in ("source_probs", "source_samples"):
+                np.testing.assert_array_equal(getattr(sub, name), getattr(tree, name)[below])
         if not below:  # a leaf: the empty tree, not None
             assert len(sub) == 0
     root_tokens = set(tree.tokens[roots].tolist())
@@ -120,7 +118,7 @@ def test_after_on_merged_trees_carries_scores_and_source_columns(store):
     merged = 0
     for context in contexts_from(DOCS, 30, seed=22):
         tree = drafter.draft(context + context[-6:], DraftConfig())  # the repeat feeds the request source
-        assert tree.source_probs is not None
+        assert isinstance(tree, MergedTree)
         assert_after_is_the_subtree(tree)
         merged += len(tree) > 0
     assert merged > 20
@@ -271,7 +269,7 @@ def test_likely_outcomes_rank_accepted_paths_by_probability():
     assert [h.path for h in likely_outcomes(DraftTree.empty(), 4)] == [()]
 
 
-# ---- Drafting, step by step, with a scripted datastore ------------------------------------------------
+# ---- DraftScheduler, step by step, with a scripted datastore ------------------------------------------------
 
 
 class ScriptedPending:
@@ -298,8 +296,8 @@ class ScriptedPending:
         return True
 
 
-class ScriptedDatastore(DatastoreClient):
-    """A remote datastore as the overlap sees it (a ``DatastoreClient``: one that reads only
+class ScriptedDatastore(RemoteDrafter):
+    """A remote datastore as the overlap sees it (a ``RemoteDrafter``: one that reads only
     suffixes, so speculation is on; its ``draft_batch_future``): each context's tree is
     ``trees[its last token]`` (empty if none); while ``hold`` is set, calls never answer. Every
     call is kept in ``calls`` as (contexts, config, timeout, pending). Connects nowhere."""
@@ -334,12 +332,12 @@ STEP_ONE = scored_tree([(10, 11)], {(10,): 0.9, (10, 11): 0.8})
 AHEAD = scored_tree([(20, 22, 23), (21, 24)], {(20,): 0.6, (21,): 0.3, (20, 22): 0.5, (20, 22, 23): 0.4, (21, 24): 0.2})
 
 
-def scripted(overlap: OverlapConfig, step_seconds: float) -> tuple[ScriptedDatastore, Drafting]:
+def scripted(overlap: OverlapConfig, step_seconds: float) -> tuple[ScriptedDatastore, DraftScheduler]:
     remote = ScriptedDatastore({3: STEP_ONE, 11: AHEAD, 20: tree_from_paths([(90,)]), 55: tree_from_paths([(91,)])})
-    return remote, Drafting(remote, LOOP, overlap, step_seconds=step_seconds)
+    return remote, DraftScheduler(remote, LOOP, overlap, step_seconds=step_seconds)
 
 
-def first_step(remote: ScriptedDatastore, drafting: Drafting) -> None:
+def first_step(remote: ScriptedDatastore, drafting: DraftScheduler) -> None:
     trees = drafting.trees([[1, 2, 3]])
     assert trees == [STEP_ONE]  # nothing prepared yet: drafted now
     drafting.speculate(trees)
@@ -424,7 +422,7 @@ def test_a_fresh_draft_waits_a_share_of_a_step_then_drafts_from_the_request_alon
     remote = ScriptedDatastore({})
     remote.hold = True
     drafter = AdaptiveDrafter(remote, cost=None, sources=("index", "request"))
-    drafting = Drafting(drafter, LOOP, OverlapConfig(deadline=0.5), step_seconds=0.04)
+    drafting = DraftScheduler(drafter, LOOP, OverlapConfig(deadline=0.5), step_seconds=0.04)
     context = [5, 6, 7, 8, 9, 1, 2, 5, 6]
     start = time.perf_counter()
     (tree,) = drafting.trees([context])
@@ -473,7 +471,7 @@ def test_a_drafter_reading_whole_contexts_gets_them_and_no_speculation(overlap):
     assert result.drafting.launches == [] and result.drafting.fresh == 6
 
 
-# ---- Drafting on a real index: what a foreseen outcome gets ------------------------------------------
+# ---- DraftScheduler on a real index: what a foreseen outcome gets ------------------------------------------
 
 STEP = DraftConfig(budget=8, max_depth=4, n_max=6, n_min=2)
 
@@ -483,12 +481,12 @@ def foreseen_steps(store: Datastore):
     is accepted, and each token b that can follow that path on the index at one of the suffix
     bounds asked ahead (and is no child of the path's end, so can be a bonus token) comes as the
     bonus token. Yields (level, b, prepared, own): ``level`` the tree fetched ahead that b extends
-    (the longest), ``prepared`` the tree ``Drafting`` hands the next step from what it fetched
+    (the longest), ``prepared`` the tree ``DraftScheduler`` hands the next step from what it fetched
     during the forward (None when the outcome was not foreseen), ``own`` the tree that step would
     draft itself."""
     deeper = ahead_config(STEP)
     for context in contexts_from(DOCS, 60, seed=31):
-        drafting = Drafting(LocalDrafter(store), STEP, OverlapConfig(hypotheses=1), step_seconds=10.0)
+        drafting = DraftScheduler(LocalDrafter(store), STEP, OverlapConfig(hypotheses=1), step_seconds=10.0)
         (tree,) = drafting.trees([context])
         drafting.speculate([tree])
         (hypothesis,) = likely_outcomes(tree, 1)
@@ -499,12 +497,12 @@ def foreseen_steps(store: Datastore):
             end = int(np.flatnonzero((tree.parents == end) & (tree.tokens == token))[0])
         children = set(tree.tokens[tree.parents == end].tolist())
         tail = (context + path)[-deeper.n_max :]
-        bounds = [len(tail), *(n for n in SUFFIX_LADDER if n < len(tail))]
+        bounds = [len(tail), *(n for n in SUFFIX_CUTS if n < len(tail))]
         levels = [store.draft(tail[-n:], deeper) for n in bounds]
         bonuses = sorted({int(t) for level in levels for t in level.tokens[level.parents == -1]} - children)
         for bonus in bonuses:
             level = next(level for level in levels if level.after(bonus) is not None)
-            drafting = Drafting(LocalDrafter(store), STEP, OverlapConfig(hypotheses=1), step_seconds=10.0)
+            drafting = DraftScheduler(LocalDrafter(store), STEP, OverlapConfig(hypotheses=1), step_seconds=10.0)
             (tree,) = drafting.trees([context])
             drafting.speculate([tree])
             (prepared,) = drafting.trees([context + path + [bonus]])

@@ -30,8 +30,8 @@ from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.breaker import Admission, BreakerState, CircuitBreaker
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import generate
-from rest_spec.drafter.overlap import Drafting, OverlapConfig
 from rest_spec.drafter.remote import RemoteDrafter
+from rest_spec.drafter.scheduler import DraftScheduler, OverlapConfig
 from tests.helpers import CORPUS_VOCAB, DatastoreProcess, synthetic_corpus, write_index
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,7 +231,7 @@ def synthetic_index(tmp_path_factory):
     ids=FAULT_IDS + ["frozen-overlap"],
 )
 def test_the_scheduler_stops_asking_a_dead_datastore_and_asks_again_once_it_is_back(synthetic_index, how, overlap):
-    """``Drafting`` steps (a sleep stands for each forward, one token commits per step) against a
+    """``DraftScheduler`` steps (a sleep stands for each forward, one token commits per step) against a
     real server: after a few failed steps none asks the datastore or waits for it, a few probes go
     out, and once the server is back (resumed, or started again on its port) a probe is answered
     within about a second and the steps draft from it again."""
@@ -251,7 +251,7 @@ def test_the_scheduler_stops_asking_a_dead_datastore_and_asks_again_once_it_is_b
     try:
         with RemoteDrafter(server.address) as remote:
             fault = Fault(server, synthetic_index, remote.breaker, how, hold=1.0)
-            drafting = Drafting(remote, DraftConfig(budget=16), OverlapConfig(enabled=overlap), step_seconds=step)
+            drafting = DraftScheduler(remote, DraftConfig(budget=16), OverlapConfig(enabled=overlap), step_seconds=step)
             waits = []  # per step after the fault, seconds it waited for its draft
             for number, context in enumerate(contexts[:-10]):
                 if number == 10:

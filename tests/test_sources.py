@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftConfig
-from rest_spec.datastore.bigram import RequestMatcher
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore, OutputStoreError
+from rest_spec.drafter.request_matcher import RequestMatcher
 from tests.helpers import brute_draft, request_oracle, synthetic_corpus, write_index
 
 configs = st.tuples(st.integers(1, 3), st.integers(0, 3)).flatmap(

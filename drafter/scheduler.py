@@ -1,17 +1,19 @@
-"""Drafting that never makes the model wait: step k+1's drafts are prepared while the model
-verifies step k, remote drafts have deadlines, and a late or dead datastore means a local draft,
-never a stalled or failed generation (PipeInfer: speculation beside verification, stale
-speculation cancelled, committed state kept apart from speculative state).
+"""The draft scheduler: every decoding loop's drafts, step by step, through the drafting protocol
+(``drafter.protocol.StepDrafter``). Remote drafts have deadlines, and a late or dead datastore
+means a local draft, never a stalled or failed generation. In its overlap mode (``OverlapConfig``)
+step k+1's drafts are prepared while the model verifies step k (PipeInfer: speculation beside
+verification, stale speculation cancelled, committed state kept apart from speculative state);
+without it each step drafts after the previous forward.
 
-Before each forward, ``Drafting.speculate`` takes the most likely outcomes of the tree about to
+Before each forward, ``DraftScheduler.speculate`` takes the most likely outcomes of the tree about to
 be verified -- the accepted path ends at node v (or at the root) with probability
 score(v) - sum of its children's scores -- and, for each, asks the datastore for the context
 extended by that path, one level deeper, one token shorter in its suffix bounds and wider than a
-step's tree (``ahead_config``): the next step's context is that plus the verifier's bonus token,
+step's tree (``ahead_config``), and for its cuts (``SUFFIX_CUTS``): the next step's context is that plus the verifier's bonus token,
 which nobody knows yet, and the tree under that token (``DraftTree.after``) is what the step
 would draft once the token is known, whenever the match extends by it. One call (one RPC)
 carries every hypothesis of every row; a background thread waits for it (or, in process, does
-the search, beside the forward). After the forward, ``Drafting.trees`` reads each row's outcome
+the search, beside the forward). After the forward, ``DraftScheduler.trees`` reads each row's outcome
 from its new context: a foreseen outcome whose bonus token continues the index's match takes
 the trees under it; any other row gets its sources fetched now. The request's own text is
 matched on the spot (it is local and cheap), and the sources are merged and sized as the
@@ -28,8 +30,9 @@ steps after it do not ask the datastore at all, and once in a while one of them 
 no step waits for; the first probe answered in time closes the breaker. Verification is lossless
 whatever tree it gets, so output never changes.
 
-The background thread touches no drafter state (request matchers, calibration): only the
-decoding thread does, and speculative contexts are never committed anywhere.
+Speculation needs a source that reads only a context's suffix (``DraftSource.reads_suffixes``):
+it sends contexts cut short. The background thread touches no drafter state (request matchers,
+calibration): only the decoding thread does, and speculative contexts are never committed.
 """
 
 from __future__ import annotations
@@ -46,20 +49,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rest_spec.common.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
-from rest_spec.datastore.client import DatastoreClient
-from rest_spec.drafter.adaptive import AdaptiveDrafter, continued_rows
-from rest_spec.drafter.base import Deferred, Drafter, Pending, drafter_trees
 from rest_spec.drafter.breaker import Admission, CircuitBreaker
-from rest_spec.drafter.cost import path_to
-from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.cost import CorrectedCost
+from rest_spec.drafter.protocol import SUFFIX_CUTS, Drafter, Pending, continued_rows, finish_step, steps_for
 
 log = logging.getLogger(__name__)
 
 AHEAD_WIDTH = 4  # a hypothesis's tree holds this many step trees' worth of nodes
-# Besides the longest match, each hypothesis asks for the matches of its last 4, 2 and 1 tokens
-# (a context cut to n tokens matches at most n): when the bonus token does not continue the
-# longest match, the step's own draft backs off to a shorter one that it does continue.
-SUFFIX_LADDER = (4, 2, 1)
 MIN_WAIT = 0.005  # seconds: a loopback or same-rack round trip with room to spare
 NO_SOURCES = SourceTrees(DraftTree.empty(), DraftTree.empty())
 # What a datastore that cannot answer raises: unreachable or late (ConnectionError, TimeoutError),
@@ -73,7 +69,7 @@ class OverlapConfig:
     """How drafting runs beside verification.
 
     enabled        prepare step k+1's drafts during step k's forward (False: draft after it);
-                   only for this project's drafters (``reads_suffixes``)
+                   only for sources that read a context's suffix alone (``reads_suffixes``)
     hypotheses     accepted-path outcomes per row drafted ahead, most likely first
     deadline       the longest a datastore reply may keep the loop waiting, as a share of the
                    step time (at least ``MIN_WAIT``); past it the step drafts from local sources only
@@ -138,49 +134,11 @@ class DraftingStats:
         }
 
 
-class _PlainSources:
-    """A ``Drafter`` taken as it drafts (``LocalDrafter``, ``RemoteDrafter``, any other): one
-    source, its tree verified as is, nothing local to fall back on."""
-
-    def __init__(self, drafter: Drafter) -> None:
-        self.drafter = drafter
-
-    def advance(self, rows: list[list[int]]) -> list[None]:
-        return [None] * len(rows)
-
-    def record(self, trees: Sequence[DraftTree]) -> None:
-        pass
-
-    def candidates(self, config: DraftConfig) -> DraftConfig:
-        return config
-
-    def request_tree(self, request: None, extra: Sequence[int], config: DraftConfig) -> DraftTree:
-        return DraftTree.empty()
-
-    def start_shared(self, rows: list[list[int]], config: DraftConfig, timeout: float | None = None) -> Pending:
-        start = getattr(self.drafter, "draft_batch_future", None)
-        if start is not None:
-            return start(rows, config, timeout=timeout)
-        return Deferred(
-            lambda: [SourceTrees(tree, DraftTree.empty()) for tree in drafter_trees(self.drafter, rows, config)]
-        )
-
-    def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
-        """The index tree, cut to the budget (a tree under a bonus token comes from a wider one)."""
-        tree = shared.index
-        if len(tree) <= config.budget:
-            return tree
-        return tree.subset(np.sort(np.argsort(-tree.scores, kind="stable")[: config.budget]))
-
-    def select(self, tree: DraftTree) -> DraftTree:
-        return tree
-
-
 @dataclass(frozen=True)
 class _Hypothesis:
     """One foreseen outcome of verifying a row's tree: the accepted ``path`` (tokens), and where
-    its source trees are in the speculative call's answer: ``first``, then one per suffix bound
-    of ``SUFFIX_LADDER`` shorter than the context (``levels`` in all)."""
+    its source trees are in the speculative call's answer: ``first``, then one per cut of
+    ``SUFFIX_CUTS`` shorter than the context (``levels`` in all)."""
 
     row: int
     path: tuple[int, ...]
@@ -197,23 +155,6 @@ class _Ahead:
     hypotheses: list[_Hypothesis]
     shared: Pending
     job: Future
-
-
-def reads_suffixes(drafter: Drafter | None) -> bool:
-    """Whether ``drafter`` drafts from a context's last ``n_max`` tokens alone, as this project's
-    datastores do: speculation sends hypothesis contexts cut short (``SUFFIX_LADDER``), which a
-    drafter reading whole contexts (any other ``Drafter``) would misread, so it drafts them
-    between forwards instead."""
-    base = drafter.base if isinstance(drafter, AdaptiveDrafter) else drafter
-    return isinstance(base, (LocalDrafter, DatastoreClient))
-
-
-def breaker_of(drafter: Drafter | None) -> CircuitBreaker:
-    """The circuit breaker of ``drafter``'s datastore: its own where it keeps one across
-    generations (``RemoteDrafter``), else a new one for this generation."""
-    base = drafter.base if isinstance(drafter, AdaptiveDrafter) else drafter
-    breaker = getattr(base, "breaker", None)
-    return breaker if isinstance(breaker, CircuitBreaker) else CircuitBreaker(f"datastore {type(base).__name__}")
 
 
 def ahead_config(config: DraftConfig) -> DraftConfig:
@@ -237,17 +178,17 @@ def likely_outcomes(tree: DraftTree, count: int) -> list[_Hypothesis]:
     chance = np.concatenate(([1.0], tree.scores)) - ends
     hypotheses = []
     for end in np.argsort(-chance, kind="stable")[:count] - 1:  # -1: the root
-        nodes = path_to(tree, int(end)) if end >= 0 else np.zeros(0, np.int64)
+        nodes = tree.path_to(int(end)) if end >= 0 else np.zeros(0, np.int64)
         hypotheses.append(_Hypothesis(0, tuple(tree.tokens[nodes].tolist())))
     return hypotheses
 
 
-class Drafting:
+class DraftScheduler:
     """The decoding loop's drafts, step by step: ``trees`` before each forward, ``speculate``
     right before it, ``verified`` after it; ``close`` at the end. One per generation.
 
-    drafter   an ``AdaptiveDrafter`` (its request source is what a step falls back on), any
-              other ``Drafter``, or None (no drafts)
+    drafter   a ``StepDrafter`` (``AdaptiveDrafter``: its request source is what a step falls
+              back on), any other ``Drafter`` (driven as ``PlainSteps``), or None (no drafts)
     config    the loop's tree size (``budget``, ``max_depth``)
     overlap   see ``OverlapConfig``
     step_seconds  a first estimate of a step's time (the prefill's), until forwards are measured
@@ -260,16 +201,16 @@ class Drafting:
         overlap: OverlapConfig = OverlapConfig(),
         step_seconds: float = 0.1,
     ) -> None:
-        self.sources = (
-            None if drafter is None else drafter if isinstance(drafter, AdaptiveDrafter) else _PlainSources(drafter)
-        )
+        self.sources = None if drafter is None else steps_for(drafter)
+        source = None if self.sources is None else self.sources.source
         self.config, self.overlap = config, overlap
-        self.breaker = breaker_of(drafter)
+        # the datastore's own breaker where it keeps one across generations, else one for this one
+        self.breaker = (source and source.breaker) or CircuitBreaker(f"datastore {type(source).__name__}")
         self.stats = DraftingStats()
         self._forwards: deque[float] = deque([step_seconds], maxlen=16)
         self._worker = (
             ThreadPoolExecutor(1, thread_name_prefix="rest-speculate")
-            if overlap.enabled and reads_suffixes(drafter)
+            if overlap.enabled and source is not None and source.reads_suffixes
             else None
         )
         self._ahead: _Ahead | None = None
@@ -277,6 +218,11 @@ class Drafting:
         self._rows: list[list[int]] = []  # the contexts of the last ``trees`` call, copied
         self._warned = False
         self._late = 0  # speculative calls the background job gave up on
+
+    @property
+    def cost(self) -> CorrectedCost | None:
+        """The drafter's verification cost, which the loop corrects from the steps it times."""
+        return None if self.sources is None else self.sources.cost
 
     def step_seconds(self) -> float:
         """The median of the recent forwards (the prefill's time before the first)."""
@@ -311,11 +257,7 @@ class Drafting:
             fresh = self._fresh([rows[i] for i in missing], config, remote_ok)
             for i, trees in zip(missing, fresh):
                 shared[i] = trees
-        trees = [
-            self.sources.select(self.sources.merge(both, self.sources.request_tree(request, (), config), config))
-            for request, both in zip(requests, shared)
-        ]
-        self.sources.record(trees)
+        trees = finish_step(self.sources, requests, shared, config)
         self.stats.steps += 1
         self.stats.ready_steps += ready and not missing
         self.stats.predicted += len(rows) - len(missing)
@@ -338,7 +280,7 @@ class Drafting:
         for row, tree in enumerate(trees):
             for hypothesis in likely_outcomes(tree, self.overlap.hypotheses):
                 tail = [*self._rows[row][-deeper.n_max :], *hypothesis.path][-deeper.n_max :]  # all a source reads
-                bounds = [len(tail), *(n for n in SUFFIX_LADDER if n < len(tail))]
+                bounds = [len(tail), *(n for n in SUFFIX_CUTS if n < len(tail))]
                 hypotheses.append(dataclasses.replace(hypothesis, row=row, first=len(tails), levels=len(bounds)))
                 tails += [tail[-n:] for n in bounds]
         deadline = start + self.step_seconds() + self._patience()
