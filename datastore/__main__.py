@@ -40,7 +40,8 @@ from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree  # noq
 from rest_spec.datastore.client import DatastoreClient, add_connection_arguments  # noqa: E402
 from rest_spec.datastore.index import Datastore  # noqa: E402
 from rest_spec.datastore.router import RouterConfig, route  # noqa: E402
-from rest_spec.datastore.server import AUTH_SCOPES, ServerConfig, serve  # noqa: E402
+from rest_spec.datastore.rpc import AUTH_SCOPES, ServerConfig  # noqa: E402
+from rest_spec.datastore.server import serve  # noqa: E402
 from rest_spec.datastore.shards import parse_shard_spec, serve_shards  # noqa: E402
 
 DEFAULT_SERVER = ServerConfig()

@@ -16,7 +16,8 @@ A draft is three steps, each with one implementation, so a router over shard ser
 (``datastore.router``) computes exactly what one process with every shard does: each shard's
 longest match (``Datastore.match``), the global choice of what to count (``plan_draft``: the
 longest match over all shards, the hit shards in manifest order, the seeded sample above the cap),
-and the tree of the counted rows (``tree_from_rows``).
+and the tree of the counted rows (``tree_from_rows``). ``Datastore`` and the router are both an
+``Engine``: what the datastore service (``datastore.server``) drafts from.
 
 The binary searches, the continuation gather and the trie (``datastore.trie``) are numba-compiled
 kernels that release the GIL: a draft costs a few Python-level calls, and a server's threads
@@ -36,6 +37,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numba
 import numpy as np
@@ -307,9 +309,38 @@ def index_info(manifest: fmt.Manifest) -> IndexInfo:
     )
 
 
+class EngineUnavailable(ConnectionError):
+    """The engine cannot answer now: a shard server behind a router is down, late or answered
+    nonsense (UNAVAILABLE on the wire; retrying later may succeed)."""
+
+
+class Engine(Protocol):
+    """What the datastore service (``datastore.server``) drafts from: an opened ``Datastore``, or a
+    ``Router`` (``datastore.router``) that fans out to shard servers and merges their answers into
+    the same trees."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def info(self) -> IndexInfo: ...
+
+    def warm_up(self) -> float:
+        """Get ready to answer at full speed (compile kernels); returns the seconds it took."""
+        ...
+
+    def drafts(
+        self, contexts: Iterable[np.ndarray], config: DraftConfig, timeout: float | None = None
+    ) -> Iterator[DraftTree]:
+        """The trees of ``contexts``, in order; the caller may stop asking at any one. ``timeout``:
+        the seconds the client still waits (its deadline; None: none), which bounds what an engine
+        that calls other servers waits for them. Raises ``EngineUnavailable`` when the engine
+        cannot answer now."""
+        ...
+
+
 class Datastore:
     """An opened index, or some of its shards: answers draft trees for token contexts (over the
-    shards it opened), their shards' matches and rows. Thread-safe and read-only."""
+    shards it opened; an ``Engine``), their shards' matches and rows. Thread-safe and read-only."""
 
     def __init__(self, path: Path, manifest: fmt.Manifest, shards: dict[int, _Shard], max_candidates: int) -> None:
         self.path = path
@@ -429,7 +460,7 @@ class Datastore:
     ) -> Iterator[DraftTree]:
         """The trees of ``contexts`` one by one, each drafted only when asked for (a server stops
         asking once a reply is too large or its client is gone; ``timeout`` does not apply: a
-        draft is local work of well under a millisecond)."""
+        draft is local work, with no other server to wait for)."""
         for context in contexts:
             yield self.draft(context, config)
 

@@ -44,6 +44,7 @@ from rest_spec.datastore.client import open_channel
 from rest_spec.datastore.index import (
     DEFAULT_MAX_CANDIDATES,
     DraftPlan,
+    EngineUnavailable,
     ShardMatch,
     index_id,
     index_info,
@@ -52,15 +53,8 @@ from rest_spec.datastore.index import (
     tree_from_rows,
     warm_up_top_c_tree,
 )
-from rest_spec.datastore.server import (
-    MAX_MESSAGE_BYTES,
-    DatastoreServer,
-    EngineUnavailable,
-    LogBudget,
-    ServerConfig,
-    run_until_signalled,
-    start_datastore,
-)
+from rest_spec.datastore.rpc import MAX_MESSAGE_BYTES, LogBudget, ServerConfig, run_until_signalled
+from rest_spec.datastore.server import DatastoreServer, start_datastore
 from rest_spec.datastore.shards import MAX_ROWS, format_shard_spec, rows_from_bytes
 from rest_spec.proto.v1 import shard_pb2 as spb
 from rest_spec.proto.v1 import shard_pb2_grpc as spb_grpc

@@ -15,6 +15,7 @@ rows on the wire (``rows_to_bytes`` / ``rows_from_bytes``) is here too, so both 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,9 +24,10 @@ import grpc
 import numpy as np
 
 from rest_spec.common.types import MAX_SUFFIX, DraftConfig
+from rest_spec.datastore import format as fmt
 from rest_spec.datastore import wire
 from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES, Datastore, ShardMatch, index_id, query_tokens
-from rest_spec.datastore.server import (
+from rest_spec.datastore.rpc import (
     BoundedServicer,
     CallRefused,
     GrpcServer,
@@ -84,7 +86,7 @@ def rows_from_bytes(data: bytes, num_rows: int, max_depth: int, dtype: np.dtype,
     if len(data) != expected:
         raise ValueError(f"{len(data)} bytes of rows, expected {expected} ({num_rows} rows of {max_depth} {dtype.str})")
     rows = np.frombuffer(data, dtype=dtype).reshape(num_rows, max_depth)
-    sep = np.iinfo(dtype).max
+    sep = fmt.separator(dtype)
     if np.any((rows >= vocab_size) & (rows != sep)):
         raise ValueError(f"rows hold a value that is neither a token id below {vocab_size} nor the separator")
     return rows
@@ -99,6 +101,8 @@ def _request_config(n_max: int, max_depth: int, n_min: int = 1) -> DraftConfig:
 class ShardServicer(BoundedServicer):
     """The shard service over ``store`` (some shards of an index). Every call needs the bearer
     token when the server has one."""
+
+    log = logging.getLogger(__name__)
 
     def __init__(self, store: Datastore, config: ServerConfig) -> None:
         super().__init__(SERVICE, config)
@@ -213,6 +217,8 @@ class ShardServicer(BoundedServicer):
 class ShardServer(GrpcServer):
     """A running shard service over ``store`` (which the caller keeps and closes): compiles the
     retrieval kernels, then binds and starts."""
+
+    log = logging.getLogger(__name__)
 
     def __init__(self, store: Datastore, config: ServerConfig) -> None:
         store.warm_up()

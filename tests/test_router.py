@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftConfig
-from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.index import Datastore, EngineUnavailable
 from rest_spec.datastore.router import Router, RouterConfig
-from rest_spec.datastore.server import EngineUnavailable, GrpcServer, ServerConfig
+from rest_spec.datastore.rpc import GrpcServer, ServerConfig
 from rest_spec.datastore.shards import SERVICE_NAME, ShardServicer, parse_shard_spec
 from tests.helpers import contexts_from, synthetic_corpus, write_index
 

@@ -29,17 +29,8 @@ from rest_spec.datastore.client import DatastoreClient
 from rest_spec.datastore.format import IndexCorruptError
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore, OutputStoreWriteError, open_output_store
-from rest_spec.datastore.server import (
-    MAX_MESSAGE_BYTES,
-    SERVICE,
-    SERVICE_NAME,
-    DatastoreServer,
-    LogBudget,
-    ServerConfig,
-    exposure_warning,
-    is_loopback,
-    status_of,
-)
+from rest_spec.datastore.rpc import MAX_MESSAGE_BYTES, LogBudget, ServerConfig, exposure_warning, is_loopback, status_of
+from rest_spec.datastore.server import SERVICE, SERVICE_NAME, DatastoreServer
 from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 from tests.helpers import CORPUS_VOCAB as VOCAB
