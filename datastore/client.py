@@ -3,6 +3,9 @@
 It returns the same trees as an in-process ``LocalDrafter`` on the same index and outputs: both
 sides convert through ``datastore.wire``. Only the last ``n_max`` context tokens are sent, since
 the server never looks further back; one call per step answers both the index and the output store.
+The channel options every client of this package's servers uses (``RECONNECT_OPTIONS``,
+``auth_metadata``, ``open_channel``) are here too: the router (``datastore.router``) reaches its
+shard servers with them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.tokenizer import require_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.datastore import wire
@@ -23,6 +27,23 @@ from rest_spec.proto.v1 import datastore_pb2 as pb
 from rest_spec.proto.v1 import datastore_pb2_grpc as pb_grpc
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+# A server that went away is reconnected to within a quarter second once it is back (gRPC's
+# default backoff grows to two minutes, during which every draft would fall back to local; a
+# drafter's circuit breaker probes at most every half second on top), and each attempt may take a
+# second (gRPC names that minimum "min_reconnect_backoff"): a handshake with a server far away
+# takes longer than the backoff.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 1000),
+)
+
+
+def auth_metadata(auth_token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata every call carries: the bearer token (``wire.bearer_metadata``), or nothing.
+    Raises ``ValueError`` for a token metadata cannot carry."""
+    return () if auth_token is None else (wire.bearer_metadata(auth_token),)
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser, server_flag: str) -> None:
@@ -83,18 +104,8 @@ class DatastoreClient:
     ) -> None:
         self.address = address
         self.timeout = timeout
-        self._metadata = () if auth_token is None else (wire.bearer_metadata(auth_token),)
-        options = [
-            ("grpc.max_receive_message_length", max_reply_bytes),
-            # a server that went away is reconnected to within a quarter second once it is back
-            # (gRPC's default backoff grows to two minutes, during which every draft would fall
-            # back to local; a drafter's circuit breaker probes at most every half second on top),
-            # and each attempt may take a second (gRPC names that minimum "min_reconnect_backoff"):
-            # a handshake with a server far away takes longer than the backoff
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 250),
-            ("grpc.min_reconnect_backoff_ms", 1000),
-        ]
+        self._metadata = auth_metadata(auth_token)
+        options = [("grpc.max_receive_message_length", max_reply_bytes), *RECONNECT_OPTIONS]
         self._channel = open_channel(address, tls_ca, options)
         self._stub = pb_grpc.DatastoreStub(self._channel)
         try:
@@ -114,24 +125,26 @@ class DatastoreClient:
             return exc.details()
         return f"no connection within {self.timeout:g} s"
 
-    def _error(self, exc: grpc.RpcError) -> Exception:
+    def _error(self, exc: grpc.RpcError, failed_precondition: type[RuntimeError] = RuntimeError) -> Exception:
         """The exception a failed call raises: INVALID_ARGUMENT -> ValueError, unreachable ->
-        ConnectionError, else RuntimeError (e.g. FAILED_PRECONDITION: an output sent to a server
-        that keeps none; UNAUTHENTICATED; RESOURCE_EXHAUSTED: a limit of the server), each with
-        the server's message."""
+        ConnectionError, FAILED_PRECONDITION -> ``failed_precondition`` (the calls that have one
+        name its type), else RuntimeError (e.g. UNAUTHENTICATED; RESOURCE_EXHAUSTED: a limit of the
+        server), each with the server's message."""
         code, details = exc.code(), exc.details()
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return ValueError(details)
         if code in _UNREACHABLE:
             return ConnectionError(f"datastore at {self.address}: {code.name}: {details}")
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return failed_precondition(f"datastore at {self.address}: {code.name}: {details}")
         return RuntimeError(f"datastore at {self.address}: {code.name}: {details}")
 
-    def _call(self, rpc, request, timeout: float | None = None):
+    def _call(self, rpc, request, timeout: float | None = None, failed_precondition: type[RuntimeError] = RuntimeError):
         """One RPC, waiting at most ``timeout`` (default: the client's); errors as ``_error``."""
         try:
             return rpc(request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise self._error(exc) from None
+            raise self._error(exc, failed_precondition) from None
 
     def draft(self, context: Sequence[int], config: DraftConfig = DraftConfig()) -> DraftTree:
         reply = self._call(self._stub.Draft, wire.draft_request(context, config))
@@ -185,8 +198,9 @@ class DatastoreClient:
     def add_output(self, tokens: Sequence[int], timeout: float | None = None) -> int:
         """Store one generation in the server's output store; returns its sequence number once
         stored (durable on a server with ``--outputs-dir``), waiting at most ``timeout`` (default:
-        the client's). ``RuntimeError`` when the server keeps no outputs."""
-        return self._call(self._stub.AddOutput, wire.add_output_request(tokens), timeout).seq
+        the client's). ``NoOutputStoreError`` (a ``RuntimeError``) when the server keeps no outputs:
+        AddOutput's FAILED_PRECONDITION."""
+        return self._call(self._stub.AddOutput, wire.add_output_request(tokens), timeout, NoOutputStoreError).seq
 
     def info(self) -> IndexInfo:
         return wire.info_from_message(self._call(self._stub.Info, pb.InfoRequest()))
@@ -202,7 +216,7 @@ class DatastoreClient:
 
 
 class PendingDrafts:
-    """A ``DraftBatch`` call in flight (``DatastoreClient.draft_sources_batch_future``)."""
+    """A ``DraftBatch`` call in flight (``DatastoreClient.draft_batch_future``)."""
 
     def __init__(self, client: DatastoreClient, call: grpc.Future) -> None:
         self._client, self._call = client, call

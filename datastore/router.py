@@ -40,7 +40,7 @@ import numpy as np
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore import wire
-from rest_spec.datastore.client import open_channel
+from rest_spec.datastore.client import auth_metadata, open_channel
 from rest_spec.datastore.index import (
     DEFAULT_MAX_CANDIDATES,
     DraftPlan,
@@ -146,7 +146,7 @@ class Router:
         self._sep = manifest.separator
         self._owner: dict[int, _Server] = {}  # shard -> the server of it, set by _describe_all
         self._sa_lengths = [fmt.sa_length(s.num_tokens, s.num_documents) for s in manifest.shards]
-        self._metadata = () if config.auth_token is None else (wire.bearer_metadata(config.auth_token),)
+        self._metadata = auth_metadata(config.auth_token)
         self._loss_log = LogBudget()
         self.calls: Counter[str] = Counter()  # fan-out rounds made, by method ("Match", "Gather")
         self._calls_lock = threading.Lock()
