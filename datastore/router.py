@@ -40,7 +40,7 @@ import numpy as np
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore import wire
-from rest_spec.datastore.client import auth_metadata, open_channel
+from rest_spec.datastore.client import RECONNECT_OPTIONS, auth_metadata, open_channel
 from rest_spec.datastore.index import (
     DEFAULT_MAX_CANDIDATES,
     DraftPlan,
@@ -159,12 +159,7 @@ class Router:
         ``connect_timeout``, ``ValueError`` (``IndexFormatError`` for the manifest) for servers
         that do not make up the index."""
         manifest = load_manifest(manifest_path)
-        options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.initial_reconnect_backoff_ms", 100),  # a restarted server is asked again within a second
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ]
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *RECONNECT_OPTIONS]
         servers: list[_Server] = []
         try:
             for address in config.shard_servers:
