@@ -246,7 +246,7 @@ class IndexWriter:
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
             try:
-                _fsync_directory(parent)
+                fmt.fsync_directory(parent)
             except OSError as exc:  # the index is in place; only its durability across a crash is in doubt
                 log.warning("cannot fsync %s after renaming the index into place: %s", parent, exc)
 
@@ -328,12 +328,3 @@ def _running(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
-
-
-def _fsync_directory(path: Path) -> None:
-    """Make the renames in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

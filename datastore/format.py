@@ -460,6 +460,16 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
         os.fsync(f.fileno())
 
 
+def fsync_directory(path: Path) -> None:
+    """Make the names created, renamed or cut in the directory ``path`` durable (its files' own
+    contents need their own fsync). Raises ``OSError``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 # ---- reading ----------------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from rest_spec.common.types import DraftConfig, DraftTree, token_ids
+from rest_spec.datastore import format as fmt
 from rest_spec.datastore.bigram import SEP, BigramIndex
 from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES
 
@@ -266,15 +267,8 @@ class _Log:
         assert self._fd is not None
         os.ftruncate(self._fd, self._committed)
         os.fsync(self._fd)
-        self._fsync_directory()
+        fmt.fsync_directory(self.directory)
         self._needs_cut_back = False
-
-    def _fsync_directory(self) -> None:
-        directory = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
 
     def rewrite(self, records: list[bytes]) -> None:
         """Replace the log by ``records`` atomically (temporary file, fsync, rename, fsync dir);
@@ -301,7 +295,7 @@ class _Log:
         if previous is not None:
             os.close(previous)
         try:
-            self._fsync_directory()
+            fmt.fsync_directory(self.directory)
             self._needs_cut_back = False
         except OSError as exc:  # the rename may not be durable yet: appends wait until it is
             self._needs_cut_back = True

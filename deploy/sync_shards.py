@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from rest_spec.common.cli import first_line
-from rest_spec.datastore.format import MANIFEST, FileEntry, Manifest, read_manifest, spot_digest
+from rest_spec.datastore.format import MANIFEST, FileEntry, Manifest, fsync_directory, read_manifest, spot_digest
 from rest_spec.datastore.index import check_shard_numbers
 from rest_spec.datastore.shards import parse_shard_spec
 
@@ -66,11 +66,7 @@ def _publish_manifest(dest: Path, manifest: Manifest) -> None:
     with open(part, "rb") as f:
         os.fsync(f.fileno())
     part.replace(dest / MANIFEST)
-    dir_fd = os.open(dest, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_directory(dest)
 
 
 def sync_shards(source: Path, dest: Path, shards: list[int]) -> tuple[int, int]:
