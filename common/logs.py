@@ -1,5 +1,6 @@
-"""Log output of the servers: human-readable lines, or one JSON object per line for log collectors
-(``--log-format json``), so fields such as a call's peer or a shard stay machine-readable."""
+"""Log output of the commands: human-readable lines, or (the servers' ``--log-format json``) one
+JSON object per line for log collectors, so fields such as a call's peer or a shard stay
+machine-readable."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from datetime import datetime, timezone
 from typing import TextIO
 
 LOG_FORMATS = ("text", "json")
+# The text lines: a server's and a generation's carry the time; build_index's do not (its progress
+# bar and summary say how long it took); rest-measure-cost narrates its measurement, messages only.
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+UNTIMED_FORMAT = "%(levelname)s %(name)s: %(message)s"
+MESSAGE_FORMAT = "%(message)s"
 # The attributes every LogRecord has; anything else on a record came from ``extra=``.
 _RECORD_ATTRIBUTES = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
@@ -37,11 +42,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(level: int | str, fmt: str = "text", stream: TextIO | None = None) -> None:
-    """Log records at ``level`` and above to ``stream`` (default: stderr) as ``fmt`` ("text" or
-    "json"). Like ``logging.basicConfig``, does nothing when the root logger already has handlers."""
+def configure_logging(
+    level: int | str, fmt: str = "text", stream: TextIO | None = None, *, text_format: str = TEXT_FORMAT
+) -> None:
+    """Log records at ``level`` and above to ``stream`` (default: stderr) as ``fmt`` ("text", lines
+    of ``text_format``, or "json"). Like ``logging.basicConfig``, does nothing when the root logger
+    already has handlers."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(text_format))
     logging.basicConfig(level=level, handlers=[handler])

@@ -33,8 +33,9 @@ from pathlib import Path
 # is first imported, so it is set before the imports below (GRPC_VERBOSITY=debug still wins)
 os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from rest_spec.common.cli import first_line  # noqa: E402
-from rest_spec.common.logs import LOG_FORMATS, configure_logging  # noqa: E402
+from rest_spec.common.cli import exit_statuses, first_line, run_command, setup_logging  # noqa: E402
+from rest_spec.common.errors import UsageError  # noqa: E402
+from rest_spec.common.logs import LOG_FORMATS  # noqa: E402
 from rest_spec.common.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
 from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree  # noqa: E402
 from rest_spec.datastore.client import DatastoreClient, add_connection_arguments  # noqa: E402
@@ -45,14 +46,12 @@ from rest_spec.datastore.server import serve  # noqa: E402
 from rest_spec.datastore.shards import parse_shard_spec, serve_shards  # noqa: E402
 
 DEFAULT_SERVER = ServerConfig()
-EXIT_STATUSES = (
-    "exit status: 0 done; 2 usage error (an unknown flag, a missing --index, a value out of range); "
-    "1 failure (index missing or corrupt, server unreachable, call refused, port in use); 130 Ctrl-C."
+EXIT_STATUSES = exit_statuses(
+    ("index missing or corrupt", "server unreachable", "call refused", "port in use"),
+    usage=("an unknown flag", "a missing --index", "a value out of range"),
 )
-
-
-class UsageError(Exception):
-    """A command line the command cannot run: reported like argparse's own errors, with status 2."""
+# What the index, the connections, the tokenizer and the requests raise for a problem to report.
+FAILURES = (OSError, ValueError, RuntimeError)
 
 
 def _flag_values(make, **values):
@@ -469,22 +468,11 @@ def format_tree(tree: DraftTree, tokenizer=None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(
+    setup_logging(
         logging.INFO if args.command in ("serve", "route") else logging.WARNING,
         getattr(args, "log_format", "text"),  # a server flag
     )
-    try:
-        args.run(args)
-    except UsageError as exc:
-        args.parser.print_usage(sys.stderr)
-        print(f"{args.parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, RuntimeError) as exc:  # index, connection, tokenizer and request errors
-        print(f"rest-datastore: error: {first_line(exc)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run_command("rest-datastore", lambda: args.run(args), failures=FAILURES, parser=args.parser)
 
 
 if __name__ == "__main__":
