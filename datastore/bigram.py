@@ -22,9 +22,10 @@ import math
 import numpy as np
 
 from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree
+from rest_spec.datastore import format as fmt
 from rest_spec.datastore.trie import top_c_tree
 
-SEP = 0xFFFFFFFF  # document separator: larger than every token id, as top_c_tree needs
+SEP = fmt.separator(np.dtype(np.uint32))  # the index's separator of uint32 tokens, as top_c_tree needs
 _MIN_TAIL = 4096  # unsorted bigram entries a lookup scans before they are merged into the table
 
 

@@ -39,8 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 log = logging.getLogger(__name__)
 
 ROLES = ("serve", "shard", "route")
-# A draft on a warm index takes ~50-300 us in process; a routed batch or a cold disk, milliseconds
-# to seconds.
+# From a draft on a warm index in process (tens to hundreds of microseconds:
+# benchmarks/results/retrieval.json, in_process_latency) to a routed batch or a cold disk (seconds).
 LATENCY_BUCKETS = (
     50e-6,
     100e-6,
@@ -91,8 +91,7 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
     """Times each unary-unary call and counts it by its final status: the code the handler set
     (``set_code``, or ``abort``, which sets it and raises), else OK when it returned and UNKNOWN
     when it raised (what gRPC answers then). The labelled children are looked up once per method
-    and code (a ``labels`` call costs more than the update): about 10 us per call in all on a
-    2-core machine."""
+    and code (a ``labels`` call costs more than the update)."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         role = metrics.role

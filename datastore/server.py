@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Datastore"]
 SERVICE_NAME = SERVICE.full_name  # "rest.datastore.v1.Datastore"
 # the default of ``DatastoreServer`` and ``serve`` (a frozen dataclass: one shared instance is safe)
-DEFAULT_SERVER_CONFIG = ServerConfig()
 
 
 class DatastoreServicer(BoundedServicer):
@@ -117,7 +116,7 @@ class DatastoreServer(GrpcServer):
     def __init__(
         self,
         store: Engine,
-        config: ServerConfig = DEFAULT_SERVER_CONFIG,
+        config: ServerConfig = ServerConfig(),
         outputs: OutputStore | None = None,
         role: str = "serve",
     ) -> None:
@@ -152,7 +151,7 @@ def start_datastore(
 
 
 def serve(
-    index_path: str | Path, config: ServerConfig = DEFAULT_SERVER_CONFIG, *, ready: Callable[[str], None] | None = None
+    index_path: str | Path, config: ServerConfig = ServerConfig(), *, ready: Callable[[str], None] | None = None
 ) -> None:
     """Serve the index at ``index_path`` (and the output store ``config`` asks for) until SIGTERM
     or SIGINT, then stop gracefully and return; a persistent output store has then written every
