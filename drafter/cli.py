@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rest_spec.common.cli import first_line
+from rest_spec.common.cli import exit_statuses, first_line, run_command, setup_logging
+from rest_spec.common.errors import CliError, NoOutputStoreError
 from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree
 from rest_spec.datastore.client import add_connection_arguments
 from rest_spec.drafter.prompts import Prompt, as_chat, encode_prompt
@@ -42,14 +43,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
-EXIT_STATUSES = (
-    "exit status: 0 done; 2 usage error (an unknown flag, a value out of range); 1 failure (prompts "
-    "file unreadable or malformed, datastore missing or unreachable, tokenizer mismatch, model not found)."
+EXIT_STATUSES = exit_statuses(
+    (
+        "prompts file unreadable or malformed",
+        "datastore missing or unreachable",
+        "tokenizer mismatch",
+        "model not found",
+    )
 )
-
-
-class CliError(Exception):
-    """A user-facing problem: printed as one line, exit status 1."""
+# What a generation command reports as one line besides CliError (TokenizerMismatchError is a ValueError).
+FAILURES = (OSError, ValueError)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -278,11 +281,11 @@ def remember_output(drafter, output_ids: list[int]) -> None:
         return
     try:
         add_output(output_ids)
+    except NoOutputStoreError as exc:  # a store started with --outputs-max-tokens 0 keeps none, by design
+        log.debug("output not stored: %s", exc)
     except (RuntimeError, ConnectionError) as exc:
-        # a server started with --outputs-max-tokens 0 keeps none by design (FAILED_PRECONDITION);
         # any other refusal (a token, a full disk, a dead server) is worth a line, not the generation
-        expected = "FAILED_PRECONDITION" in str(exc)
-        log.log(logging.DEBUG if expected else logging.WARNING, "output not stored: %s", exc)
+        log.warning("output not stored: %s", exc)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -399,18 +402,11 @@ def run_llama(args: argparse.Namespace, prompts: list[Prompt]) -> None:
 
 
 def run_cli(prog: str, args: argparse.Namespace, body: Callable[[argparse.Namespace], None]) -> int:
-    """Set up logging for ``args.verbose``, run ``body(args)``; a library or user error becomes one
-    line on stderr and exit status 1."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    # this project's loggers only, not every library's
-    logging.getLogger("rest_spec").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
-    try:
-        body(args)
-    except (CliError, OSError, ValueError) as exc:  # TokenizerMismatchError is a ValueError
-        log.debug("failed", exc_info=True)
-        print(f"{prog}: error: {first_line(exc)}", file=sys.stderr)
-        return 1
-    return 0
+    """Run ``body(args)`` in the command shell (``common.cli.run_command``: ``CliError`` and
+    ``FAILURES`` become one line and exit status 1), this project's loggers -- not every library's
+    -- at DEBUG with ``--verbose`` (failures' tracebacks included), else at WARNING."""
+    setup_logging(logging.DEBUG if args.verbose else logging.WARNING, only="rest_spec")
+    return run_command(prog, lambda: body(args), failures=FAILURES)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
