@@ -1,7 +1,7 @@
 """build_index: tokenize a corpus with the target model's tokenizer into a sharded suffix-array index.
 
 The thin CLI over ``build_index.build.build``: flags -> ``BuildConfig``, summary to stdout. Exit
-statuses follow every rest-spec command: 2 for a command line no build could use,
+statuses follow every rest-spec command (``common.cli``): 2 for a command line no build could use,
 1 for a build that failed (one line on stderr), 128 + N for stop signal N; see --help.
 """
 
@@ -19,6 +19,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
+import textwrap  # noqa: E402
 from concurrent.futures.process import BrokenProcessPool  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -27,6 +28,28 @@ from rest_spec.build_index.corpora import DEFAULT_MAX_FILE_MIB, NAMED_CORPORA, T
 from rest_spec.build_index.ray_build import RayBuildError  # noqa: E402
 from rest_spec.build_index.tokenize import DEFAULT_BATCH_SIZE, TokenizeConfig, default_workers  # noqa: E402
 from rest_spec.build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriteError  # noqa: E402
+from rest_spec.common.cli import exit_statuses, first_line, run_command, setup_logging, signal_status  # noqa: E402
+from rest_spec.common.errors import UsageError  # noqa: E402
+from rest_spec.common.logs import UNTIMED_FORMAT  # noqa: E402
+
+# What a build reports as one line, exit status 1: these as their message says, and those that
+# need a sentence more (what became of --out) as ``EXPLAIN`` writes them.
+FAILURES = (CorpusError, BuildInputError, FileExistsError)
+EXPLAIN = {
+    IndexWriteError: lambda exc: f"{first_line(exc)}; the partial build was removed, {exc.directory} is unchanged",
+    BrokenProcessPool: lambda exc: "a tokenizer worker process died (killed, or out of memory?); no index was written",
+    RayBuildError: lambda exc: f"{first_line(exc)}; no index was written",
+}
+EXIT_STATUSES = exit_statuses(
+    (
+        "the corpus cannot be found or read or holds nothing to index",
+        "the tokenizer cannot be loaded",
+        "--out exists or is not an index",
+        "the index cannot be written",
+        "a worker died",
+    ),
+    signals=True,
+)
 
 _EPILOG = """\
 records and documents:
@@ -57,18 +80,20 @@ on Ray (--ray):
   whole build as one task on the cluster (paths are the cluster's; --out must be absolute). Needs
   pip install 'rest-spec[ray]'.
 
-exit status:
-  0 built; 2 usage error: an unknown flag or a value out of range (with the usage line); 1 the build
-  failed: the corpus cannot be found or read or holds nothing to index, the tokenizer cannot be
-  loaded, --out exists or is not an index, the index cannot be written, a worker died;
-  128+N stopped by signal N. Errors are one line on stderr.
+{exit_statuses}
 
 examples:
   build_index --corpus python-stdlib --out indexes/stdlib
   build_index --corpus sharegpt --skip-last 200
   build_index --corpus ultrachat --data-files 'ultrachat/*.jsonl'
   build_index --corpus docs/ --extensions .py,.md --tokenizer HuggingFaceTB/SmolLM2-135M-Instruct
-"""
+""".format(
+    exit_statuses=textwrap.fill(
+        f"{EXIT_STATUSES} A usage error comes with the usage line; errors are one line on stderr.",
+        width=100,
+        subsequent_indent="  ",
+    )
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -175,35 +200,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    setup_logging(level, text_format=UNTIMED_FORMAT)
+    return run_command("build_index", lambda: _run(args), failures=FAILURES, explain=EXPLAIN, parser=parser)
+
+
+def _run(args: argparse.Namespace) -> int | None:
+    """Build the index ``args`` describe and print its summary; the exit status of a build a
+    signal stopped (the errors are ``run_command``'s)."""
     try:
         config = _config(args)
     except ValueError as exc:  # a flag value the configs refuse: a usage error, like argparse's own
-        parser.print_usage(sys.stderr)
-        print(f"build_index: error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(first_line(exc)) from None
     try:
         report = build(config)
-    except (CorpusError, BuildInputError, FileExistsError) as exc:
-        print(f"build_index: error: {exc}", file=sys.stderr)
-        return 1
-    except IndexWriteError as exc:
-        print(
-            f"build_index: error: {exc}; the partial build was removed, {exc.directory} is unchanged", file=sys.stderr
-        )
-        return 1
-    except BrokenProcessPool:
-        print("build_index: error: a tokenizer worker process died (killed, or out of memory?); "
-              "no index was written", file=sys.stderr)  # fmt: skip
-        return 1
-    except RayBuildError as exc:
-        print(f"build_index: error: {exc}; no index was written", file=sys.stderr)
-        return 1
-    except BuildInterrupted as exc:
+    except BuildInterrupted as exc:  # stopped as asked, not a failure: says what became of --out
         print(f"build_index: {exc}", file=sys.stderr)
-        return 128 + exc.signum
+        return signal_status(exc.signum)
     print(json.dumps(report.to_dict()) if args.json else report.format())
-    return 0
+    return None
 
 
 if __name__ == "__main__":
