@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rest_spec.common.cli import first_line
+from rest_spec.common.cli import exit_statuses, run_command, setup_logging
+from rest_spec.common.logs import MESSAGE_FORMAT
 from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import BlockShape, CostKey, StepShape, VerifyCost, check_sizes, shape_problems
 
@@ -304,8 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure how long one tree-verification step takes for n tokens on this model, device "
         "and dtype; the drafter sizes its trees from it. Results are cached under $REST_CACHE_DIR "
         "or ~/.cache/rest-spec.",
-        epilog="exit status: 0 done; 2 usage error (an unknown flag, malformed --sizes); 1 failure (model not "
-        "found, sizes or timing refused, cache not writable).",
+        epilog=exit_statuses(
+            ("model not found", "sizes or timing refused", "cache not writable"),
+            usage=("an unknown flag", "malformed --sizes"),
+        ),
     )
     parser.add_argument(
         "--model",
@@ -349,26 +352,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = tuple(int(s) for s in args.sizes.split(","))
     except ValueError:
         parser.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    setup_logging(logging.INFO, text_format=MESSAGE_FORMAT)
+    return run_command(parser.prog, lambda: _measure(args, sizes), failures=(OSError, ValueError), parser=parser)
+
+
+def _measure(args: argparse.Namespace, sizes: tuple[int, ...]) -> None:
+    """``rest-measure-cost`` after its arguments are parsed: measure, cache and print the table."""
     import torch
 
     from rest_spec.drafter.model import load_model
 
-    try:
-        model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
-        cost = load_or_measure(
-            model,
-            directory=args.cache_dir,
-            remeasure=True,
-            sizes=sizes,
-            context_length=args.context_length,
-            rounds=args.rounds,
-        )
-    except (OSError, ValueError) as exc:
-        print(f"{parser.prog}: error: {first_line(exc)}", file=sys.stderr)
-        return 1
+    model = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    cost = load_or_measure(
+        model,
+        directory=args.cache_dir,
+        remeasure=True,
+        sizes=sizes,
+        context_length=args.context_length,
+        rounds=args.rounds,
+    )
     print(cost.to_json())
-    return 0
 
 
 if __name__ == "__main__":
