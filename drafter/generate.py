@@ -356,8 +356,11 @@ def generate(
     streamer            ``put`` with each step's committed tokens (see ``stream_to``), then ``end``
     generator           randomness of sampling, on the model's device; a fixed seed reproduces
     overlap             fetch each step's drafts during the previous forward (``drafter.scheduler``;
-                        an ``OverlapConfig``, or True for its defaults). Off by default: on this
-                        project's 2-core CPU it costs more than it saves (``benchmarks/overlap.py``).
+                        an ``OverlapConfig``, or True for its defaults). Off by default: the
+                        fetch and its server take CPU from the forward it runs beside, and the
+                        trees drafted from hypotheses accept less, so it pays only where the
+                        round trip it hides costs more (measured by ``benchmarks/overlap.py``,
+                        recorded in ``benchmarks/README.md`` under "Overlap").
                         Remote drafts have deadlines and a local fallback either way.
     cost                the measured verification cost (``drafter.measure.load_or_measure``): each
                         step runs at the block size and linear-layer layout it measured fastest

@@ -21,10 +21,9 @@ layers keep state outside ``.keys``, so compacting them by slot index would be w
 refused.
 
 ``new_cache`` builds its layers as ``ReservedLayer``: ``DynamicLayer`` appends a step's q slots by
-concatenating, which copies the whole cache every forward (24 MB for SmolLM2-135M at 512
-tokens: 1.8-2.3 ms of ``aten::cat`` in a 40-90 ms CPU step, about 1 ms net once attention reads
-the strided slices, and more as the context grows); a ``ReservedLayer`` writes the q slots into
-spare capacity in place.
+concatenating, which copies the whole cache every forward, a cost that grows with the context
+(measured by ``benchmarks/verify_cost.py``'s profile, recorded in ``benchmarks/README.md`` under
+"The verifier's cost"); a ``ReservedLayer`` writes the q slots into spare capacity in place.
 """
 
 from __future__ import annotations

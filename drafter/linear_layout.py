@@ -1,15 +1,16 @@
 """Running a model's linear layers as ``(W @ x.T).T`` instead of PyTorch's ``x @ W.T``, for blocks
 whose measured cost says that is faster.
 
-The two products are the same matrix; the BLAS kernel that computes them is not. On this
-project's CPU (fp32, MKL, 2 threads) ``x @ W.T`` with one to a few rows of ``x`` -- exactly the
-shapes of decoding and of small verification blocks -- runs at about 40% of the bandwidth the
-other layout reaches: SmolLM2-135M's linear layers take 36.6 ms for one row either way, 15.7 ms
-for two rows as ``(W @ x.T).T`` and 52 ms as ``x @ W.T`` (``benchmarks/verify_cost.py``). Which
-layout wins depends on the BLAS, the CPU, the dtype and the device, so it is never assumed: it is
-measured per block size with the rest of the cost (``drafter.measure``) and chosen per step
-(``drafter.cost.BlockShape``). The results agree with PyTorch's to rounding (summation order),
-like any change of kernel; the verifier's outputs are checked against plain decoding in the tests.
+The two products are the same matrix; the BLAS kernel that computes them is not. On a CPU (fp32,
+MKL) ``x @ W.T`` with one to a few rows of ``x`` -- exactly the shapes of decoding and of small
+verification blocks -- can run at a fraction of the memory bandwidth the other layout reaches, so
+a two-row block may take longer than a one-row step as ``x @ W.T`` and less as ``(W @ x.T).T``
+(this project's figures: ``benchmarks/verify_cost.py``, recorded in ``benchmarks/README.md``
+under "The verifier's cost"). Which layout wins depends on the BLAS, the CPU, the dtype and the
+device, so it is never assumed: it is measured per block size with the rest of the cost
+(``drafter.measure``) and chosen per step (``drafter.cost.BlockShape``). The results agree with
+PyTorch's to rounding (summation order), like any change of kernel; the verifier's outputs are
+checked against plain decoding in the tests.
 """
 
 from __future__ import annotations
