@@ -8,7 +8,7 @@ Three tables of the packaged SmolLM2, each in a cache directory of its own (``RE
 - ``quiet``: measured by ``load_or_measure`` with nothing else of ours running;
 - ``busy``: measured the same way while ``--busy`` CPU-bound processes (``python -c "while True:
   pass"``) run, started for the measurement only and killed after it;
-- ``planted``: the issue's noisy table -- t(1) 78 ms, t(2) 150 ms, t(8) 47 ms, trees and chains alike,
+- ``planted``: a noisy table found in the cache of a user's first run -- t(1) 78 ms, t(2) 150 ms, t(8) 47 ms, trees and chains alike,
   t(3..7) interpolated linearly between t(2) and t(8), the sizes above 8 at the quiet table's times
   scaled by 47 ms / its t(8), its layouts -- written into the cache as a settled table (nothing
   ``unconfirmed``): a noisy table that escaped the checks, as every table measured before them did.
@@ -63,7 +63,7 @@ from rest_spec.drafter.model import load_model
 log = logging.getLogger("benchmarks.cost_noise")
 
 TABLES = ("quiet", "busy", "planted")
-PLANTED_MS = {1: 78.0, 2: 150.0, 8: 47.0}  # the issue's noisy table
+PLANTED_MS = {1: 78.0, 2: 150.0, 8: 47.0}  # a noisy table found in the cache of a user's first run
 TARGET_RATIO = 0.95  # busy and planted medians against quiet's
 
 
@@ -130,7 +130,7 @@ def back_to_back_cost(model, sizes: Sequence[int]) -> VerifyCost:
 
 
 def planted_table(quiet: VerifyCost) -> VerifyCost:
-    """The issue's noisy table on ``quiet``'s sizes and layouts (see the module docstring)."""
+    """The noisy table on ``quiet``'s sizes and layouts (see the module docstring)."""
     sizes = np.asarray(quiet.sizes, np.float64)
     small = np.interp(sizes, [1, 2, 8], [PLANTED_MS[1], PLANTED_MS[2], PLANTED_MS[8]]) / 1e3
     scale = PLANTED_MS[8] / 1e3 / float(np.interp(8, sizes, quiet.seconds))

@@ -24,7 +24,7 @@ import stat
 import sys
 from pathlib import Path
 
-from rest_spec.common.cli import first_line
+from rest_spec.common.cli import exit_statuses, run_command, setup_logging
 from rest_spec.datastore.format import MANIFEST, FileEntry, Manifest, fsync_directory, read_manifest, spot_digest
 from rest_spec.datastore.index import check_shard_numbers
 from rest_spec.datastore.shards import parse_shard_spec
@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sync_shards",
         description="Copy a range of an index's shards (and its manifest) to local disk for a shard server.",
-        epilog="exit status: 0 done; 2 usage error; 1 failure (bad source, range outside the index, I/O error).",
+        epilog=exit_statuses(["bad source", "range outside the index", "I/O error"]),
     )
     p.add_argument("--source", type=Path, required=True, help="the whole index, as mounted (read only)")
     p.add_argument("--dest", type=Path, required=True, help="the local index directory the shard server opens")
@@ -117,14 +117,13 @@ def _spec(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
+    setup_logging(logging.INFO)
+
+    def body() -> None:
         copied, kept = sync_shards(args.source, args.dest, args.shards)
-    except (OSError, ValueError) as exc:
-        print(f"sync_shards: error: {first_line(exc)}", file=sys.stderr)
-        return 1
-    log.info("%d shards in %s: %d files copied, %d already in place", len(args.shards), args.dest, copied, kept)
-    return 0
+        log.info("%d shards in %s: %d files copied, %d already in place", len(args.shards), args.dest, copied, kept)
+
+    return run_command("sync_shards", body, failures=(OSError, ValueError))
 
 
 if __name__ == "__main__":

@@ -275,12 +275,12 @@ def load_parts(args: argparse.Namespace):
 
 
 def remember_output(drafter, output_ids: list[int]) -> None:
-    """Add a finished generation to the drafter's store of recent outputs, where it has one."""
-    add_output = getattr(drafter, "add_output", None)
-    if add_output is None or not output_ids:
+    """Add a finished generation to the drafter's store of recent outputs (``load_parts`` opens
+    drafters that take them; None: --no-draft)."""
+    if drafter is None or not output_ids:
         return
     try:
-        add_output(output_ids)
+        drafter.add_output(output_ids)
     except NoOutputStoreError as exc:  # a store started with --outputs-max-tokens 0 keeps none, by design
         log.debug("output not stored: %s", exc)
     except (RuntimeError, ConnectionError) as exc:
