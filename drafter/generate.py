@@ -37,29 +37,41 @@ from rest_spec.drafter.tree_attention import padded_prefill_mask
 from rest_spec.drafter.verify import verify_trees
 
 
-@dataclass(frozen=True)
-class GenerationResult:
-    """What one ``generate`` call on one prompt produced and what it cost.
+@dataclass(frozen=True, kw_only=True)
+class CallTimes:
+    """What a ``generate`` call cost, for one prompt or a batch.
 
-    output_ids         new tokens only (the prompt excluded), cut after the first eos or stop
-    steps              verification forward passes (the prefill not counted)
-    accepted_per_step  draft tokens accepted at each step (the bonus token not counted)
     seconds            wall-clock time of the whole call, prefill included
-    prefill_seconds    the prompt's forward pass
+    prefill_seconds    the prompts' forward pass
     draft_seconds      time the loop spent drafting: waiting for drafts, starting the next ones
     verify_seconds     forward + acceptance + cache compaction
     drafting           how drafting overlapped verification (``DraftingStats.summary()``: share
                        of steps whose draft was ready, waits, fallbacks, cancellations)
     """
 
-    output_ids: list[int]
-    steps: int
-    accepted_per_step: list[int]
     seconds: float
     prefill_seconds: float
     draft_seconds: float
     verify_seconds: float
     drafting: DraftingStats = field(default_factory=DraftingStats)
+
+    def times(self) -> dict:
+        """The fields above, to build another result with the same costs."""
+        return {name: getattr(self, name) for name in CallTimes.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class GenerationResult(CallTimes):
+    """What one ``generate`` call on one prompt produced (and, as ``CallTimes``, what it cost).
+
+    output_ids         new tokens only (the prompt excluded), cut after the first eos or stop
+    steps              verification forward passes (the prefill not counted)
+    accepted_per_step  draft tokens accepted at each step (the bonus token not counted)
+    """
+
+    output_ids: list[int]
+    steps: int
+    accepted_per_step: list[int]
 
     @property
     def mean_accepted(self) -> float:
@@ -72,25 +84,19 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
-class BatchGenerationResult:
-    """What one ``generate`` call on B prompts produced and what it cost.
+class BatchGenerationResult(CallTimes):
+    """What one ``generate`` call on B prompts produced (and, as ``CallTimes``, what the whole
+    batch cost).
 
     output_ids         per row: its new tokens, cut as in ``GenerationResult``
     accepted_per_step  per row: draft tokens accepted at each step the row took part in (a row
                        leaves the batch when it finishes, so rows have different step counts)
     steps              batched verification forward passes (the prefill not counted)
-    seconds, prefill_seconds, draft_seconds, verify_seconds, drafting: as in
-                       ``GenerationResult``, for the whole batch
     """
 
     output_ids: list[list[int]]
     accepted_per_step: list[list[int]]
     steps: int
-    seconds: float
-    prefill_seconds: float
-    draft_seconds: float
-    verify_seconds: float
-    drafting: DraftingStats = field(default_factory=DraftingStats)
 
     @property
     def new_tokens(self) -> int:
@@ -113,11 +119,7 @@ class BatchGenerationResult:
             output_ids=self.output_ids[index],
             steps=len(self.accepted_per_step[index]),
             accepted_per_step=self.accepted_per_step[index],
-            seconds=self.seconds,
-            prefill_seconds=self.prefill_seconds,
-            draft_seconds=self.draft_seconds,
-            verify_seconds=self.verify_seconds,
-            drafting=self.drafting,
+            **self.times(),
         )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rest_spec.common.types import DraftConfig, SourceTrees
+from rest_spec.common.types import SourceTrees
 from rest_spec.datastore.client import DatastoreClient
 from rest_spec.drafter.breaker import CircuitBreaker
 from rest_spec.drafter.protocol import DraftSource, Pending
@@ -37,14 +37,7 @@ class RemoteDrafter(DatastoreClient, DraftSource):
         super().__init__(address, **kwargs)
         self.breaker = CircuitBreaker(f"datastore at {address}")
 
-    def start_sources(
-        self,
-        contexts: Sequence[Sequence[int]],
-        config: DraftConfig,
-        *,
-        outputs: bool = False,
-        timeout: float | None = None,
-    ) -> Pending[list[SourceTrees]]:
+    def start_sources(self, contexts, config, *, outputs=False, timeout=None) -> Pending[list[SourceTrees]]:
         """One ``DraftBatch`` RPC in flight (``DatastoreClient.draft_batch_future``)."""
         return self.draft_batch_future(contexts, config, include_outputs=outputs, timeout=timeout)
 
