@@ -388,6 +388,25 @@ class CorrectedCost:
                 return other
         return shape
 
+    def unchecked_below(self, size: int) -> int | None:
+        """The smallest measured size below ``size`` that the table does not vouch for (unconfirmed,
+        or implausible) and that no step has run ``OBSERVED_MIN`` times yet, in any layout, as a
+        tree or a chain; None when there is none (or the engine runs exactly the tokens given).
+        Selection prices a larger block as cheaper than such a size only on the table's word,
+        so it would never run it: ``select_tree`` runs it instead, ``OBSERVED_MIN`` steps each,
+        once per cost -- a few steps of smaller trees -- and the prices follow what they took."""
+        if not self.pads:
+            return None
+        for measured in sorted(self.untrusted):
+            if measured >= size:
+                return None
+            counts = (
+                self.seen(BlockShape(measured, layout), chain) for layout in (False, True) for chain in (False, True)
+            )
+            if max(counts) < OBSERVED_MIN:
+                return measured
+        return None
+
     def seen(self, shape: BlockShape, chain: bool) -> int:
         """Steps of ``shape`` (chains or trees) observed, up to ``OBSERVED_WINDOW``."""
         return len(self._times.get(StepShape(shape.size, chain, shape.transposed), ()))
@@ -419,14 +438,20 @@ def select_tree(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: in
     Two kinds of candidates compete: for each size k, the top k nodes by score at the tree cost
     ``cost(1 + k)``; and for each node, the chain from the root to it at the chain cost
     ``cost.chain(1 + depth)`` (the causal path, no custom mask). Of equally good choices the
-    smaller, and then the tree, wins."""
+    smaller, and then the tree, wins. With a ``CorrectedCost``, a smaller size whose price it
+    still has to check (``CorrectedCost.unchecked_below``) is kept instead: its top nodes."""
     candidates = np.arange(len(tree)) if max_depth is None else np.flatnonzero(tree.depths <= max_depth)
     ranked = candidates[np.lexsort((candidates, -tree.scores[candidates]))]  # a parent before its children
     gain = 1.0 + np.concatenate(([0.0], np.cumsum(tree.scores[ranked])))  # [k + 1]: keeping the top 0..k
     rate = gain / cost(1 + np.arange(ranked.size + 1))
     best = int(np.argmax(rate))
     chain_end, chain_rate = _best_chain(tree, cost, candidates)
-    if chain_rate > rate[best] * (1 + 1e-12):
+    chain_wins = chain_rate > rate[best] * (1 + 1e-12)
+    if isinstance(cost, CorrectedCost):  # a size the loop still has to time: this step runs it
+        probe = cost.unchecked_below(1 + (int(tree.depths[chain_end]) if chain_wins else best))
+        if probe is not None and probe - 1 <= ranked.size:
+            best, chain_wins = probe - 1, False
+    if chain_wins:
         return tree.subset(tree.path_to(chain_end))
     if best == len(tree):
         return tree  # all of it: no copy

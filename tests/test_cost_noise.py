@@ -132,6 +132,28 @@ def test_block_shape_checks_the_padding_and_layout_claims_the_loop_acts_on():
     assert cost.block_shape(batch) == cost.current.block_shape(batch)
 
 
+def test_sizes_the_table_does_not_vouch_for_are_run_a_few_times_then_priced_as_run():
+    """The issue's noisy table prices t(2) at 3.2x t(8): selection pads every small tree to 8 and
+    would never run 2. So it runs its top node alone ``OBSERVED_MIN`` times (t(2) is implausible),
+    then keeps what pays by the prices those steps set."""
+    cost = CorrectedCost(ISSUE_NOISY)
+    assert cost.untrusted == {2}
+    tree = DraftTree(np.array([5, 6, 7, 8, 9]), np.array([-1, 0, 1, 2, 3]), np.ones(5), scores=np.full(5, 0.5))
+    assert len(select_tree(tree, ISSUE_NOISY)) == 5  # the table alone: the whole chain
+    observe(cost, StepShape(8, False, False), *[0.043] * OBSERVED_MIN)  # the padded blocks ran
+    for _ in range(OBSERVED_MIN):
+        probe = select_tree(tree, cost)
+        assert probe.paths() == [(5,)] and cost.block_shape([probe]) == BlockShape(2)  # run as is, not padded
+        cost.observe(BlockShape(2), True, 0.029)
+    assert cost.unchecked_below(16) is None and cost.current.chain_seconds[1] == 0.029
+    # observed at 0.19 and 0.91 of the table: t(4) lies between what 2 and 8 took, not at the table's
+    np.testing.assert_allclose(cost.current.seconds[1:4], [0.029, 0.029 + 0.014 / 3, 0.043])
+    assert len(select_tree(tree, cost)) == 5  # 1.5 tokens at 29 ms < 3.5 at 64 ms: the chain again
+    cheap_tree = DraftTree(np.array([5, 6]), np.array([-1, 0]), np.ones(2), scores=np.array([0.5, 0.05]))
+    assert len(select_tree(cheap_tree, cost)) == 1  # its second node is not worth t(4) - t(2)
+    assert CorrectedCost(ISSUE_NOISY, pads=False).unchecked_below(16) is None  # llama.cpp: nothing to pad
+
+
 # ---- the real loop ------------------------------------------------------------------------------
 
 
