@@ -255,6 +255,8 @@ def decode(
     steps = 0
     draft_seconds = verify_seconds = 0.0
     drafting = DraftScheduler(drafter, config, overlap, step_seconds=prefill_seconds)
+    if cost is None:
+        cost = drafting.cost
     try:
         while active:
             t0 = time.perf_counter()
