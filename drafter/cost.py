@@ -264,10 +264,10 @@ def corrected_cost(
     """``table`` corrected by the typical seconds of the step shapes a loop observed.
 
     An observed shape prices itself, and the other kind of step of its size and layout (chain or
-    tree) follows it by the table's chain/tree ratio there. Sizes not observed follow the table
-    scaled by the median ratio of observed to tabled times: interference inflates a table unevenly,
-    so no single size sets the scale, and measured sizes ``untrusted`` (unconfirmed, or implausible)
-    set none where others were observed. Where the ratios differ by more than ``CONSISTENT`` times,
+    tree) follows it by the table's chain/tree ratio there (1 where it is ``untrusted``). Sizes not
+    observed follow the table scaled by the median ratio of observed to tabled times: interference
+    inflates a table unevenly, so no single size sets the scale, and measured sizes ``untrusted``
+    (unconfirmed, or implausible) set none where others were observed. Where the ratios differ by more than ``CONSISTENT`` times,
     the table's shape is noise too: sizes between observed ones are priced by interpolating those.
     Per size the cheaper layout is kept: the table's, or the other one where it was observed.
     ``pads`` False is for engines that run exactly the tokens given (llama.cpp): no size is then
@@ -293,7 +293,10 @@ def corrected_cost(
     def estimate(size: int, guess: tuple[float, float]) -> tuple[float, float, bool]:
         """(tree seconds, chain seconds, transposed) at ``size``; ``guess`` (tree, chain) stands
         for the table's layout where nothing was observed in it."""
-        chain_per_tree = tabled[True][size] / tabled[False][size]
+        # a chain costs about a tree of its size (the causal path skips only the mask); the
+        # table's own ratio is trusted where the table is
+        trusted_here = table.measured_at(size) not in untrusted
+        chain_per_tree = tabled[True][size] / tabled[False][size] if trusted_here else 1.0
         estimates = {}  # layout -> (tree, chain); the table's layout first, so it wins ties
         for transposed in (table_layout[size], not table_layout[size]):
             tree, chain = (observed.get(StepShape(size, kind, transposed)) for kind in (False, True))
