@@ -491,3 +491,21 @@ def _path_sums(tree: DraftTree) -> np.ndarray:
         level = np.flatnonzero(depths == depth)
         sums[level] += sums[tree.parents[level]]
     return sums
+
+
+def select_batch_chains(chains: Sequence[DraftTree], cost: VerifyCost | CorrectedCost, rows: int) -> list[DraftTree]:
+    """Prefixes of ``chains`` (one per drafted row, each a chain in root-to-leaf order) for a step of
+    ``rows`` rows that verifies them all at once, in time ``cost.chain(its tokens)`` (one token per
+    row plus the drafts): those maximizing (rows + sum of kept scores) / cost.chain(rows + kept),
+    the whole batch's tokens per second. Each row's own best chain may not pay in a batch, where
+    the step costs the other rows' time too: at high concurrency nothing is drafted."""
+    if not chains:
+        return []
+    scores = np.concatenate([np.asarray(chain.scores, np.float64) for chain in chains])
+    owners = np.repeat(np.arange(len(chains)), [len(chain) for chain in chains])
+    depths = np.concatenate([np.arange(len(chain)) for chain in chains])
+    order = np.lexsort((depths, -scores))  # within a row scores never grow: every cut keeps prefixes
+    gain = rows + np.concatenate(([0.0], np.cumsum(scores[order])))
+    rate = gain / cost.chain(rows + np.arange(order.size + 1))
+    kept = np.bincount(owners[order[: int(np.argmax(rate))]], minlength=len(chains))
+    return [chain if n == len(chain) else chain.subset(np.arange(n)) for chain, n in zip(chains, kept)]

@@ -286,17 +286,28 @@ def cached_cost(
 ) -> VerifyCost:
     """The cost cached for ``key`` under ``directory`` (default ``cache_dir()``), or ``measure()``'s,
     cached atomically, when there is none, it is unreadable or for another key, or ``remeasure``."""
-    path = _cost_path(key, directory)
-    cached = None if remeasure else _read_cached(path, key, "measuring again")
+    cached = None if remeasure else read_cost(key, directory=directory)
     if cached is not None:
         return cached
     cost = measure()
+    write_cost(cost, directory=directory)
+    return cost
+
+
+def read_cost(key: CostKey, *, directory: Path | None = None, otherwise: str = "measuring again") -> VerifyCost | None:
+    """The cost cached for ``key`` under ``directory`` (default ``cache_dir()``), or None."""
+    return _read_cached(_cost_path(key, directory), key, otherwise)
+
+
+def write_cost(cost: VerifyCost, *, directory: Path | None = None) -> Path:
+    """Cache ``cost`` for its key, atomically (readers never see half a file); returns the path."""
+    path = _cost_path(cost.key, directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")
     temporary.write_text(cost.to_json())
-    os.replace(temporary, path)  # readers never see half a file
+    os.replace(temporary, path)
     log.info("wrote %s", path)
-    return cost
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:

