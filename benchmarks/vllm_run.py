@@ -127,6 +127,7 @@ def run(job: dict) -> dict:
         **extra,
     )
     result = {"startup_seconds": time.perf_counter() - start, "runs": []}
+    print("READY", flush=True)  # the engine is up: a caller may start what it times against the runs
     for spec in job["runs"]:
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]]
         fields = spec.get("sampling", {"temperature": 0.0, "max_tokens": 128})

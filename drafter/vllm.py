@@ -134,19 +134,22 @@ def _convert(name: str, kind: str, value: object) -> object:
 
 def open_source(options: RestOptions) -> DraftSource:
     """The datastore of ``options``: a ``LocalDrafter`` for an index directory, a ``RemoteDrafter``
-    for HOST:PORT; asked for its ``info()`` now, so a broken index or a dead server fails at start."""
+    for HOST:PORT; asked for its ``info()`` now, so a broken index or a dead server fails at start
+    (``ValueError`` naming the option)."""
     from rest_spec.common.cli import first_line
     from rest_spec.drafter.cli import _ADDRESS
 
     where = f"additional_config.rest.datastore {options.datastore!r}"
-    local_only = [name for name in ("outputs_max_tokens", "outputs_dir") if getattr(options, name) is not None]
     if Path(options.datastore).is_dir():
         from rest_spec.datastore.outputs import DEFAULT_OUTPUTS_MAX_TOKENS
         from rest_spec.drafter.local import LocalDrafter
 
         outputs = DEFAULT_OUTPUTS_MAX_TOKENS if options.outputs_max_tokens is None else options.outputs_max_tokens
-        source = LocalDrafter.open(options.datastore, outputs_max_tokens=outputs, outputs_dir=options.outputs_dir)
+        opener = lambda: LocalDrafter.open(  # noqa: E731
+            options.datastore, outputs_max_tokens=outputs, outputs_dir=options.outputs_dir
+        )
     elif _ADDRESS.match(options.datastore):
+        local_only = [name for name in ("outputs_max_tokens", "outputs_dir") if getattr(options, name) is not None]
         if local_only:
             raise ValueError(
                 f"additional_config.rest.{local_only[0]} is for an index directory; a server keeps its own "
@@ -154,17 +157,19 @@ def open_source(options: RestOptions) -> DraftSource:
             )
         from rest_spec.drafter.remote import RemoteDrafter
 
-        source = RemoteDrafter(options.datastore, tls_ca=options.tls_ca, auth_token=options.auth_token)
+        opener = lambda: RemoteDrafter(  # noqa: E731
+            options.datastore, tls_ca=options.tls_ca, auth_token=options.auth_token
+        )
     else:
         raise ValueError(f"{where}: no such index directory, and not a HOST:PORT address")
+    source = None
     try:
+        source = opener()
         source.info()
     except (OSError, ValueError, RuntimeError) as exc:
-        source.close()
+        if source is not None:
+            source.close()
         raise ValueError(f"cannot use {where}: {first_line(exc)}") from exc
-    except BaseException:
-        source.close()
-        raise
     return source
 
 
@@ -189,7 +194,7 @@ def engine_cost_key(vllm_config) -> CostKey:
 
 def probe_sizes(k: int) -> tuple[int, ...]:
     """The step sizes (tokens per row: the pending one and its chain) the proposer times."""
-    return tuple(range(1, k + 2)) if k <= 8 else (*range(1, 9), *range(10, k + 2, 2))
+    return tuple(range(1, k + 2)) if k <= 8 else (*range(1, 9), *range(10, k + 1, 2), k + 1)
 
 
 def _stop_tokens(state) -> frozenset[int]:

