@@ -95,16 +95,8 @@ INDEXES = {
 }
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument(
-        "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
-    )
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs)")
+def add_index_arguments(p: argparse.ArgumentParser) -> None:
+    """Each set's index (built with the model's tokenizer): ``--humaneval-index``, ``--sharegpt-index``."""
     p.add_argument(
         "--humaneval-index",
         type=Path,
@@ -118,6 +110,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a sharegpt index built with --skip-last; its held-out conversations give the prompts "
         "(default: %(default)s)",
     )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
+    )
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs)")
+    add_index_arguments(p)
     p.add_argument(
         "--max-prompt-tokens",
         type=int,

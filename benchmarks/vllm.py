@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import RESULTS, ensure_index, report_header, save_report
-from benchmarks.e2e import INDEXES, SETS, set_prompts
+from benchmarks.e2e import INDEXES, SETS, add_index_arguments, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
 from benchmarks.vllm_run import VLLM_ENV, engine_env, run_job
@@ -114,18 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "checkpoint directory; its tokenizer tokenizes the prompts (default: the packaged SmolLM2-135M-Instruct)",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: %(default)s)")
-    p.add_argument(
-        "--humaneval-index",
-        type=Path,
-        default=INDEXES["humaneval"][0],
-        help="the humaneval set's index, built with the model's tokenizer (default: %(default)s)",
-    )
-    p.add_argument(
-        "--sharegpt-index",
-        type=Path,
-        default=INDEXES["sharegpt"][0],
-        help="the sharegpt set's index, built with --skip-last and the model's tokenizer (default: %(default)s)",
-    )
+    add_index_arguments(p)
     p.add_argument("--out", type=Path, default=RESULTS / "vllm.json", help="the report (default: %(default)s)")
     args = p.parse_args(argv)
     args.sets, args.modes = args.sets.split(","), args.modes.split(",")

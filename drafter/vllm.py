@@ -492,6 +492,7 @@ class RestProposer:
             log.warning("output not stored: %s", exc)
 
     def close(self) -> None:
+        log.info("REST proposer: %s", self.stats)
         self.scheduler.close()
         if self._uploads is not None:
             self._uploads.shutdown(wait=True)
