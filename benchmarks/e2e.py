@@ -95,8 +95,9 @@ INDEXES = {
 }
 
 
-def add_index_arguments(p: argparse.ArgumentParser) -> None:
-    """Each set's index (built with the model's tokenizer): ``--humaneval-index``, ``--sharegpt-index``."""
+def add_set_arguments(p: argparse.ArgumentParser) -> None:
+    """Where each set's prompts come from: its index (built with the model's tokenizer;
+    ``--humaneval-index``, ``--sharegpt-index``) and the longest ShareGPT prompt kept."""
     p.add_argument(
         "--humaneval-index",
         type=Path,
@@ -110,6 +111,12 @@ def add_index_arguments(p: argparse.ArgumentParser) -> None:
         help="a sharegpt index built with --skip-last; its held-out conversations give the prompts "
         "(default: %(default)s)",
     )
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=1024,
+        help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)",
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -122,13 +129,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
     )
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs)")
-    add_index_arguments(p)
-    p.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=1024,
-        help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)",
-    )
+    add_set_arguments(p)
     p.add_argument(
         "--budget", type=int, default=64, help="paper mode's tree size; the adaptive mode's candidates (default 64)"
     )

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import RESULTS, ensure_index, report_header, save_report
-from benchmarks.e2e import INDEXES, SETS, add_index_arguments, set_prompts
+from benchmarks.e2e import INDEXES, SETS, add_set_arguments, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
 from benchmarks.vllm_run import VLLM_ENV, engine_env, run_job
@@ -103,18 +103,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="measure vLLM's step cost t(n) afresh before the modes run (default: %(default)s)",
     )
     p.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=1024,
-        help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)",
-    )
-    p.add_argument(
         "--model",
         help="a .gguf file (converted once to the checkpoint vLLM loads, rest_spec.drafter.vllm_model) or a "
         "checkpoint directory; its tokenizer tokenizes the prompts (default: the packaged SmolLM2-135M-Instruct)",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: %(default)s)")
-    add_index_arguments(p)
+    add_set_arguments(p)
     p.add_argument("--out", type=Path, default=RESULTS / "vllm.json", help="the report (default: %(default)s)")
     args = p.parse_args(argv)
     args.sets, args.modes = args.sets.split(","), args.modes.split(",")

@@ -58,6 +58,7 @@ from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import BlockShape, CorrectedCost, CostKey, VerifyCost, select_batch_chains
+from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.protocol import DraftSource
 from rest_spec.drafter.scheduler import DraftScheduler, OverlapConfig
 
@@ -144,7 +145,6 @@ def open_source(options: RestOptions) -> DraftSource:
     where = f"additional_config.rest.datastore {options.datastore!r}"
     if Path(options.datastore).is_dir():
         from rest_spec.datastore.outputs import DEFAULT_OUTPUTS_MAX_TOKENS
-        from rest_spec.drafter.local import LocalDrafter
 
         outputs = DEFAULT_OUTPUTS_MAX_TOKENS if options.outputs_max_tokens is None else options.outputs_max_tokens
         opener = lambda: LocalDrafter.open(  # noqa: E731
@@ -273,7 +273,7 @@ class RestProposer:
         self._gate: dict[int, dict[bool, deque[tuple[int, float]]]] = {}  # rows -> drafted? -> (tokens made, seconds)
         self._gate_steps = 0
         self._steps: deque[float] = deque(maxlen=32)
-        self._uploads = None if isinstance(self.source, _local_drafter()) else ThreadPoolExecutor(1, "rest-outputs")
+        self._uploads = None if isinstance(self.source, LocalDrafter) else ThreadPoolExecutor(1, "rest-outputs")
         log.info(
             "REST proposer: datastore %s, k %d, %s",
             self.options.datastore,
@@ -503,12 +503,6 @@ class RestProposer:
             self.close()
         except Exception:  # noqa: BLE001 (interpreter shutdown)
             pass
-
-
-def _local_drafter() -> type:
-    from rest_spec.drafter.local import LocalDrafter
-
-    return LocalDrafter
 
 
 def _provisional(key: CostKey, k: int) -> VerifyCost:

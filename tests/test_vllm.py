@@ -56,6 +56,12 @@ def prompts() -> list[list[int]]:
     return humaneval_inputs(load_tokenizer(None), 4)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def greedy_runs(prompts):
     return [
         {"prompts": prompts, "concurrency": 1, "sampling": GREEDY},
@@ -185,9 +191,7 @@ def test_bad_configuration_fails_at_start_naming_it(checkpoint, tmp_path, proble
     if problem == "unknown option":
         rest, expected = {"datastore": "127.0.0.1:1", "budgets": 3}, "unknown option additional_config.rest.budgets"
     elif problem == "unreachable":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         rest, expected = (
             {"datastore": f"127.0.0.1:{port}"},
             f"cannot use additional_config.rest.datastore '127.0.0.1:{port}'",
@@ -202,9 +206,7 @@ def test_bad_configuration_fails_at_start_naming_it(checkpoint, tmp_path, proble
 
 def test_openai_server_with_the_proposer(checkpoint, prompts, plain, server, tmp_path):
     datastore = server()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--dtype", "float32",
         "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
