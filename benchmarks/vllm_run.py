@@ -12,7 +12,9 @@ A job::
                "seeds": false}]}
 
 Each run submits its prompts ``concurrency`` at a time (``LLM.generate`` per group) and reports
-each output's token ids, the seconds of each group, and vLLM's spec-decode counters over the run.
+each output's token ids, the seconds of each group, and vLLM's spec-decode counters over the run;
+with ``"logprobs": n`` among its sampling fields, also each output position's n most likely tokens
+(``logprobs``: [[token, logprob], ...] per position, best first).
 ``engine_env`` is the environment every engine runs with here (``VLLM_ENV``).
 """
 
@@ -106,6 +108,16 @@ def difference(after: dict, before: dict) -> dict:
     return out
 
 
+def top_logprobs(positions) -> list[list[list]] | None:
+    """Each position's returned logprobs (``SamplingParams.logprobs``: the model's raw ones) as
+    [token, logprob] pairs, best first; None when none were asked for."""
+    if positions is None:
+        return None
+    return [
+        sorted(([t, lp.logprob] for t, lp in position.items()), key=lambda pair: -pair[1]) for position in positions
+    ]
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -136,13 +148,17 @@ def run(job: dict) -> dict:
             for i in range(len(prompts))
         ]
         group = spec.get("concurrency", 1)
-        before, outputs, seconds = counters(llm), [], []
+        before, outputs, seconds, top = counters(llm), [], [], []
         for i in range(0, len(prompts), group):
             t = time.perf_counter()
             done = llm.generate(prompts[i : i + group], params[i : i + group], use_tqdm=False)
             seconds.append(time.perf_counter() - t)
             outputs += [list(o.outputs[0].token_ids) for o in done]
-        result["runs"].append({"outputs": outputs, "seconds": seconds, "spec": difference(counters(llm), before)})
+            top += [top_logprobs(o.outputs[0].logprobs) for o in done]
+        run = {"outputs": outputs, "seconds": seconds, "spec": difference(counters(llm), before)}
+        if fields.get("logprobs"):
+            run["logprobs"] = top
+        result["runs"].append(run)
     return result
 
 
