@@ -30,7 +30,8 @@ the speed against the first plain run (the median of per-group ratios, and the o
 many outputs equal plain's (for those that differ, the first differing token), engine startup
 seconds, and vLLM's spec-decode counters: drafts, draft tokens, accepted tokens, the mean
 acceptance length 1 + accepted / drafts, the acceptance rate accepted / draft tokens and each
-position's acceptance rate. Where an output parts from plain's, the report's ``partings`` give
+position's acceptance rate; for the REST modes, the proposer's own counters and the step-time
+split (``proposer``: ms per engine step, ms of it drafting). Where an output parts from plain's, the report's ``partings`` give
 the two most likely tokens there and their logit gap. In float32 greedy outputs must
 equal plain's: the run exits with status 1 (naming them) when any differs or an engine fails; in
 bfloat16 a verification step's other batch shape may round a near-tie the other way, so a
@@ -235,6 +236,20 @@ def spec_metrics(counters: dict) -> dict:
     }
 
 
+def step_split(run: dict) -> dict | None:
+    """The REST proposer's counters over a run (None for the other modes) and where an engine step's
+    time goes: ``ms_per_step`` (the run's seconds over its steps, the proposer's calls) and
+    ``ms_drafting_per_step`` (the proposer's own time in each call; the rest is vLLM's step)."""
+    stats = run.get("proposer")
+    if not stats or not stats["calls"]:
+        return stats
+    return {
+        **stats,
+        "ms_per_step": 1e3 * sum(run["seconds"]) / stats["calls"],
+        "ms_drafting_per_step": stats["ms_per_call"],
+    }
+
+
 def summarize(run: dict, reference: dict | None) -> dict:
     """One mode's figures, against ``reference`` (the first plain run of its set and concurrency;
     None for that run itself)."""
@@ -256,6 +271,7 @@ def summarize(run: dict, reference: dict | None) -> dict:
         "outputs": len(run["outputs"]),
         "first_difference": {str(i): d for i, d in differ.items()},  # prompt -> first differing token
         **spec_metrics(run["spec"]),
+        "proposer": step_split(run),
         "startup_seconds": run["startup_seconds"],
         "group_tokens_per_second": rates,
     }
@@ -450,14 +466,20 @@ def summary(report: dict) -> str:
         for c, block in result["concurrency"].items():
             lines += [
                 f"\n{name}, concurrency {c} ({result['prompts']} prompts; ngram {result['ngram_setting']}):",
-                f"{'mode':<12} {'tok/s':>8} {'x plain (median)':>17} {'x plain (all)':>14} {'accept len':>11} {'equal':>7}",
+                f"{'mode':<12} {'tok/s':>8} {'x plain (median)':>17} {'x plain (all)':>14} {'accept len':>11} "
+                f"{'equal':>7} {'ms/step (drafting)':>19}",
             ]
             for mode, m in block["modes"].items():
-                accept = m["mean_acceptance_length"]
+                accept, split = m["mean_acceptance_length"], m.get("proposer") or {}
+                step = (
+                    f"{split['ms_per_step']:.1f} ({split['ms_drafting_per_step']:.1f})"
+                    if "ms_per_step" in split
+                    else "-"
+                )
                 lines.append(
                     f"{mode:<12} {m['tokens_per_second']:>8.1f} {m['median_speed_vs_plain']:>17.2f} "
                     f"{m['overall_speed_vs_plain']:>14.2f} {'-' if accept is None else f'{accept:.2f}':>11} "
-                    f"{m['equal_to_plain']:>3}/{m['outputs']:<3}"
+                    f"{m['equal_to_plain']:>3}/{m['outputs']:<3} {step:>19}"
                 )
             lines += [f"{mode:<12} FAILED" for mode in block["failed"]]
             for point in block.get("partings") or []:

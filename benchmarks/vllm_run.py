@@ -12,7 +12,8 @@ A job::
                "seeds": false}]}
 
 Each run submits its prompts ``concurrency`` at a time (``LLM.generate`` per group) and reports
-each output's token ids, the seconds of each group, and vLLM's spec-decode counters over the run;
+each output's token ids, the seconds of each group, vLLM's spec-decode counters over the run and
+the REST proposer's own (``proposer``: calls, rows drafted, its seconds, ``ms_per_call``);
 with ``"logprobs": n`` among its sampling fields, also each output position's n most likely tokens
 (``logprobs``: [[token, logprob], ...] per position, best first).
 ``engine_env`` is the environment every engine runs with here (``VLLM_ENV``).
@@ -20,6 +21,7 @@ with ``"logprobs": n`` among its sampling fields, also each output position's n 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -34,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # (benchmarks/README.md): OpenMP on both cores, Intel's OpenMP preloaded (vLLM asks for it with spec
 # decode), KV cache sized explicitly (the default claims 92 % of RAM), eager mode.
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+# The harness reads the proposer's own counters from the engine's worker (``drafter_stats``): a
+# function sent to it, which vLLM pickles only when allowed. Loopback, the harness's own code.
+HARNESS_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
@@ -42,10 +47,11 @@ SPEC_COUNTERS = (
 
 
 def engine_env(base: dict | None = None) -> dict:
-    """``base`` (default: this process's) with ``VLLM_ENV`` and Intel's OpenMP preloaded when the
-    running Python's environment ships it (the ``intel-openmp`` package vllm-cpu depends on)."""
+    """``base`` (default: this process's) with ``VLLM_ENV``, ``HARNESS_ENV`` and Intel's OpenMP
+    preloaded when the running Python's environment ships it (the ``intel-openmp`` package
+    vllm-cpu depends on)."""
     env = dict(os.environ if base is None else base)
-    for name, value in VLLM_ENV.items():
+    for name, value in {**VLLM_ENV, **HARNESS_ENV}.items():
         env.setdefault(name, value)
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
@@ -118,6 +124,22 @@ def top_logprobs(positions) -> list[list[list]] | None:
     ]
 
 
+def drafter_stats(worker) -> dict | None:
+    """In the engine's worker: the REST proposer's counters (``ProposerStats``), None for any other
+    drafter."""
+    stats = getattr(getattr(worker.model_runner, "drafter", None), "stats", None)
+    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None
+
+
+def proposer_difference(after: dict | None, before: dict | None) -> dict | None:
+    """The proposer's counters over a run, and its seconds per call in ms."""
+    if after is None or before is None:
+        return None
+    out = {key: after[key] - before[key] for key in after}
+    out["ms_per_call"] = 1e3 * out["seconds"] / out["calls"] if out["calls"] else None
+    return out
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -149,6 +171,7 @@ def run(job: dict) -> dict:
         ]
         group = spec.get("concurrency", 1)
         before, outputs, seconds, top = counters(llm), [], [], []
+        drafter_before = llm.collective_rpc(drafter_stats)[0]
         for i in range(0, len(prompts), group):
             t = time.perf_counter()
             done = llm.generate(prompts[i : i + group], params[i : i + group], use_tqdm=False)
@@ -156,6 +179,7 @@ def run(job: dict) -> dict:
             outputs += [list(o.outputs[0].token_ids) for o in done]
             top += [top_logprobs(o.outputs[0].logprobs) for o in done]
         run = {"outputs": outputs, "seconds": seconds, "spec": difference(counters(llm), before)}
+        run["proposer"] = proposer_difference(llm.collective_rpc(drafter_stats)[0], drafter_before)
         if fields.get("logprobs"):
             run["logprobs"] = top
         result["runs"].append(run)

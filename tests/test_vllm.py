@@ -113,6 +113,29 @@ def test_greedy_in_process_equals_plain(plain, rest_local):
         assert ours["outputs"] == theirs["outputs"]
     drafted = [run["spec"] for run in rest_local["runs"][:2]]
     assert all(spec["spec_decode_num_accepted_tokens"] > 0 for spec in drafted), drafted
+    # the proposer's own counters, read from the worker: every step asked it, and it drafted
+    for run in rest_local["runs"][:2]:
+        stats = run["proposer"]
+        assert stats["rows"] >= stats["rows_drafted"] > 0 and stats["drafted"] >= stats["rows_drafted"], stats
+        assert 0 < stats["ms_per_call"] < 1e3 * sum(run["seconds"]) / stats["calls"], stats
+    assert plain["runs"][0]["proposer"] is None  # no REST proposer there
+
+
+def test_partings_report_the_top_two_tokens(monkeypatch, checkpoint, prompts, plain):
+    from benchmarks import vllm as bench
+
+    monkeypatch.setitem(bench.ENGINE_MODEL, "model", checkpoint)
+    reference = plain["runs"][0]["outputs"]
+    other = [list(output) for output in reference]
+    other[1][3] += 1  # a mode that parts from plain at prompt 1, token 3
+    runs = {"plain": {"outputs": reference}, "rest": {"outputs": other}, "plain-again": {"outputs": reference}}
+    (point,) = bench.partings(prompts, runs, NEW_TOKENS)
+    assert (point["prompt"], point["token"], point["plain_token"]) == (1, 3, reference[1][3])
+    assert point["mode_tokens"] == {"rest": reference[1][3] + 1}
+    (first, first_lp), (_, second_lp) = point["top2"]
+    assert first == reference[1][3]  # plain's greedy token is the most likely one there
+    assert point["logit_gap"] == pytest.approx(first_lp - second_lp) and point["logit_gap"] >= 0
+    assert bench.partings(prompts, {"plain": {"outputs": reference}, "rest": {"outputs": reference}}, NEW_TOKENS) == []
 
 
 def chi_square_p(a: Counter, b: Counter) -> float:
