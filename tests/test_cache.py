@@ -21,7 +21,7 @@ print(numba.config.CACHE_DIR)
 
 
 def compile_in(env_update: dict[str, str], tmp_path) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "REST_CACHE_DIR")}
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
     env.update(env_update)
     done = subprocess.run(
         [sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path
@@ -35,13 +35,13 @@ def cached_kernels(directory) -> list[str]:
 
 
 def test_kernels_are_cached_per_numba_version(tmp_path):
-    printed = compile_in({"REST_CACHE_DIR": str(tmp_path / "rest")}, tmp_path)
-    versioned = tmp_path / "rest" / "numba" / numba.__version__
+    printed = compile_in({"HOME": str(tmp_path), "REST_CACHE_DIR": str(tmp_path / "tables")}, tmp_path)
+    versioned = tmp_path / ".cache" / "rest-spec" / "numba" / numba.__version__
     assert printed == str(versioned)
     assert any(name.startswith("trie._top_c_tree") for name in cached_kernels(versioned))
 
 
 def test_numba_cache_dir_wins(tmp_path):
-    printed = compile_in({"REST_CACHE_DIR": str(tmp_path / "rest"), "NUMBA_CACHE_DIR": str(tmp_path / "own")}, tmp_path)
+    printed = compile_in({"HOME": str(tmp_path), "NUMBA_CACHE_DIR": str(tmp_path / "own")}, tmp_path)
     assert printed == str(tmp_path / "own")
-    assert cached_kernels(tmp_path / "own") and not (tmp_path / "rest" / "numba").exists()
+    assert cached_kernels(tmp_path / "own") and not (tmp_path / ".cache").exists()
