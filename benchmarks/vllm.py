@@ -384,9 +384,10 @@ def partings(prompts, runs: dict[str, dict], max_new_tokens: int) -> list[dict]:
     plain = runs["plain"]["outputs"]
     points: dict[tuple[int, int], dict[str, int | None]] = {}
     for mode, run in runs.items():
+        if mode == "plain":
+            continue
         for i, (output, reference) in enumerate(zip(run["outputs"], plain)):
-            d = first_difference(output, reference)
-            if mode != "plain" and d is not None:
+            if (d := first_difference(output, reference)) is not None:
                 points.setdefault((i, d), {})[mode] = output[d] if d < len(output) else None
     if not points:
         return []
@@ -482,14 +483,13 @@ def summary(report: dict) -> str:
                     f"{m['equal_to_plain']:>3}/{m['outputs']:<3} {step:>19}"
                 )
             lines += [f"{mode:<12} FAILED" for mode in block["failed"]]
-            for point in block.get("partings") or []:
-                if isinstance(point, dict) and "logit_gap" in point:
-                    gap = point["logit_gap"]
-                    lines.append(
-                        f"  parts from plain at prompt {point['prompt']}, token {point['token']} "
-                        f"({', '.join(point['mode_tokens'])}): top-2 logit gap "
-                        f"{'-' if gap is None else f'{gap:.3f}'}"
-                    )
+            partings = block.get("partings")  # a dict with the error where they were not measured
+            for point in partings if isinstance(partings, list) else []:
+                gap = point["logit_gap"]
+                lines.append(
+                    f"  parts from plain at prompt {point['prompt']}, token {point['token']} "
+                    f"({', '.join(point['mode_tokens'])}): top-2 logit gap {'-' if gap is None else f'{gap:.3f}'}"
+                )
     return "\n".join(lines)
 
 

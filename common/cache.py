@@ -19,14 +19,19 @@ from pathlib import Path
 import numba
 
 
+def user_cache_dir() -> Path:
+    """``~/.cache/rest-spec``: the default of everything cached."""
+    return Path.home() / ".cache" / "rest-spec"
+
+
 def cache_dir() -> Path:
-    """``$REST_CACHE_DIR``, or ``~/.cache/rest-spec``."""
-    return Path(os.environ.get("REST_CACHE_DIR") or Path.home() / ".cache" / "rest-spec")
+    """``$REST_CACHE_DIR``, or ``user_cache_dir()``."""
+    return Path(os.environ.get("REST_CACHE_DIR") or user_cache_dir())
 
 
 def numba_cached():
     """The ``numba`` module, its on-disk cache pointed at this numba version's own directory (see
     the module docstring); the kernel modules decorate with it, so they are cached there."""
     if not os.environ.get("NUMBA_CACHE_DIR"):
-        numba.config.CACHE_DIR = str(Path.home() / ".cache" / "rest-spec" / "numba" / numba.__version__)
+        numba.config.CACHE_DIR = str(user_cache_dir() / "numba" / numba.__version__)
     return numba
