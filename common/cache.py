@@ -1,5 +1,5 @@
-"""Where the package caches what it computes once per machine: step-cost tables (``drafter.measure``)
-and the numba kernels (``numba_cached``).
+"""Where the package caches what it computes once per machine: step-cost tables (``drafter.measure``),
+the numba kernels (``numba_cached``) and what is converted from a GGUF file (``converted``).
 
 numba keeps one on-disk cache entry per kernel and rewrites it when a numba of another version
 loads it (the entry records the version), so two environments that share this package, such as
@@ -13,10 +13,17 @@ cost tables: compiled kernels stay valid wherever the tables go.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-import numba
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def user_cache_dir() -> Path:
@@ -32,6 +39,51 @@ def cache_dir() -> Path:
 def numba_cached():
     """The ``numba`` module, its on-disk cache pointed at this numba version's own directory (see
     the module docstring); the kernel modules decorate with it, so they are cached there."""
+    import numba  # here: what reads only the cache's paths (tokenizer loading) imports no numba
+
     if not os.environ.get("NUMBA_CACHE_DIR"):
         numba.config.CACHE_DIR = str(user_cache_dir() / "numba" / numba.__version__)
     return numba
+
+
+def models_dir() -> Path:
+    """``$REST_MODELS_DIR``, or ``user_cache_dir() / "models"``: what is converted from GGUF files."""
+    return Path(os.environ.get("REST_MODELS_DIR") or user_cache_dir() / "models")
+
+
+def converted(source: Path, kind: str, convert: Callable[[Path], None]) -> Path:
+    """The directory holding ``kind`` (a tokenizer, a checkpoint in a dtype) converted from the file
+    ``source``, written once by ``convert(directory)``: into a temporary directory renamed into place,
+    so no reader sees half of it, and two processes converting at once both succeed. The directory is
+    named by the file's stem and a stamp of its path, size and modification time: a file replaced
+    under the same name is converted anew."""
+    stat = source.stat()
+    stamp = hashlib.sha256(f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = models_dir() / f"{source.stem}-{stamp}" / kind
+    if out.is_dir():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(prefix=f".{kind}.", dir=out.parent))
+    try:
+        convert(temporary)
+        try:
+            temporary.rename(out)
+        except OSError:  # another process converted it first
+            if not out.is_dir():
+                raise
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return out
+
+
+
+def load_converted(source: Path, kind: str, convert: Callable[[Path], None], load: Callable[[Path], T]) -> T:
+    """``load`` of ``converted(source, kind, convert)``; a directory that fails to load (a damaged
+    disk, a hand-edited file) is converted again, once, with a warning."""
+    directory = converted(source, kind, convert)
+    try:
+        return load(directory)
+    except (OSError, ValueError) as exc:
+        log.warning("%s does not load (%s); converting %s again", directory, exc, source.name)
+        shutil.rmtree(directory, ignore_errors=True)
+        return load(converted(source, kind, convert))

@@ -148,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt on stdout instead of text"
     )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also decode each prompt without drafts (the same model in the same loop, at its fastest layout) and "
+        "end with one line: both speeds and whether every output is the same; both are warmed up before "
+        "anything is timed and take turns going first, so the machine's noise falls on both alike",
+    )
     return parser
 
 
@@ -300,15 +307,19 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     return args
 
 
+WARM_UP_TOKENS = 16  # --compare: tokens each way decodes before anything is timed
+
+
 def run(args: argparse.Namespace) -> None:
     """Everything after argument parsing; raises on errors."""
-    from rest_spec.drafter.cost import CorrectedCost
     from rest_spec.drafter.generate import generate
-    from rest_spec.drafter.measure import load_cached
 
     prompts = [Prompt(text=args.prompt)] if args.prompt is not None else read_prompts(args.prompts)
     if args.chat:
         prompts = [as_chat(prompt) for prompt in prompts]
+    if args.compare and (args.no_draft or args.engine != "transformers"):
+        raise CliError("--compare decodes with drafts from --datastore and without them: it needs --datastore and "
+                       "the transformers engine")  # fmt: skip
     if args.engine == "llama.cpp":
         run_llama(args, prompts)
         return
@@ -316,27 +327,27 @@ def run(args: argparse.Namespace) -> None:
         raise CliError("--threads is for --engine llama.cpp (transformers follows OMP_NUM_THREADS)")
 
     tokenizer, model, drafter = load_parts(args)
-    # without drafts, the cached cost's fastest one-token block (the same output, faster), corrected
-    # by the steps' times like --adaptive's; measured only for --adaptive (its drafter holds it)
-    table = load_cached(model) if drafter is None else None
-    cost = CorrectedCost(table) if table is not None else None
-    if cost is not None:
-        shape = cost.current.block_shape([DraftTree.empty()])  # the table's choice, not a step checking it
-        log.info("no drafts: steps of %d position(s), linear layers %s (the cached verify-cost table)",
-                 shape.size, "transposed" if shape.transposed else "as PyTorch lays them out")  # fmt: skip
+    plain_cost = no_draft_cost(model) if drafter is None or args.compare else None
+
+    def decode(ids: list[int], drafted: bool, max_new_tokens: int = args.max_new_tokens) -> GenerationResult:
+        # with drafts, the drafter's own cost (--adaptive's measured table) sizes each step
+        return generate(model, ids, drafter if drafted else None, max_new_tokens=max_new_tokens, config=args.config,
+                        overlap=args.overlap, cost=None if drafted else plain_cost)  # fmt: skip
+
     try:
-        for number, prompt in enumerate(prompts, start=1):
-            ids = encode_prompt(tokenizer, prompt)
+        encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
+        comparison = Comparison() if args.compare else None
+        if comparison is not None:  # first calls pay for allocations, kernels and connections: neither way times them
+            decode(encoded[0], True, WARM_UP_TOKENS)
+            decode(encoded[0], False, WARM_UP_TOKENS)
+        for number, ids in enumerate(encoded, start=1):
             log.info("generating %d/%d from %d prompt tokens", number, len(prompts), len(ids))
-            result = generate(
-                model,
-                ids,
-                drafter,
-                max_new_tokens=args.max_new_tokens,
-                config=args.config,
-                overlap=args.overlap,
-                cost=cost,
-            )
+            if comparison is None:
+                result, baseline = decode(ids, drafter is not None), None
+            elif number % 2:
+                result, baseline = decode(ids, True), decode(ids, False)
+            else:
+                baseline, result = decode(ids, False), decode(ids, True)
             remember_output(drafter, result.output_ids)
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
             record = result_record(
@@ -347,10 +358,74 @@ def run(args: argparse.Namespace) -> None:
                 drafting=result.drafting.summary(),
             )
             timings = f"draft {result.draft_seconds:.3f} s, verify {result.verify_seconds:.2f} s"
+            if comparison is not None:
+                record["without_drafts"] = comparison.add(number, result, baseline)
+                timings += (
+                    f"; without drafts {baseline.seconds:.2f} s ({baseline.tokens_per_second:.1f} tok/s), "
+                    f"{'the same output' if record['without_drafts']['same_output'] else 'A DIFFERENT OUTPUT'}"
+                )
             print_result(args, record, number, len(prompts), timings)
     finally:
         if drafter is not None:
             drafter.close()
+    if comparison is not None:
+        print(comparison.summary(args.datastore), file=sys.stderr, flush=True)
+        if comparison.differing:
+            raise CliError(f"drafting changed the output of prompt(s) {', '.join(map(str, comparison.differing))}: "
+                           "please report this, with the prompt and the model")  # fmt: skip
+
+
+def no_draft_cost(model):
+    """The cached verify-cost table's fastest one-token block for decoding without drafts (the same
+    output, faster), corrected by the steps' times as --adaptive's is; None where no table is cached
+    (only --adaptive measures one: its drafter holds it)."""
+    from rest_spec.drafter.cost import CorrectedCost
+    from rest_spec.drafter.measure import load_cached
+
+    table = load_cached(model)
+    if table is None:
+        return None
+    cost = CorrectedCost(table)
+    shape = cost.current.block_shape([DraftTree.empty()])  # the table's choice, not a step checking it
+    log.info("no drafts: steps of %d position(s), linear layers %s (the cached verify-cost table)",
+             shape.size, "transposed" if shape.transposed else "as PyTorch lays them out")  # fmt: skip
+    return cost
+
+
+class Comparison:
+    """``--compare``'s tally: tokens and seconds with drafts and without, and the prompts whose
+    outputs differ (greedy decoding with drafts is token for token the model's own)."""
+
+    def __init__(self) -> None:
+        self.tokens = self.seconds = self.baseline_seconds = 0.0
+        self.prompts = 0
+        self.differing: list[int] = []
+
+    def add(self, number: int, result: GenerationResult, baseline: GenerationResult) -> dict:
+        """Count prompt ``number``; returns the ``--json`` record of its run without drafts."""
+        same = result.output_ids == baseline.output_ids
+        if not same:
+            self.differing.append(number)
+        self.prompts += 1
+        self.tokens += len(result.output_ids)
+        self.seconds += result.seconds
+        self.baseline_seconds += baseline.seconds
+        return {
+            "seconds": round(baseline.seconds, 4),
+            "tokens_per_second": round(baseline.tokens_per_second, 2),
+            "steps": baseline.steps,
+            "same_output": same,
+        }
+
+    def summary(self, datastore: str) -> str:
+        """One plain line: both speeds, the ratio, and whether the outputs matched."""
+        rate, baseline_rate = self.tokens / self.seconds, self.tokens / self.baseline_seconds
+        same = self.prompts - len(self.differing)
+        return (
+            f"REST (drafts from {datastore}): {self.tokens:.0f} tokens in {self.seconds:.1f} s ({rate:.1f} tok/s); "
+            f"the model alone: {self.baseline_seconds:.1f} s ({baseline_rate:.1f} tok/s). "
+            f"{rate / baseline_rate:.2f}x the speed, the same output on {same} of {self.prompts} prompt(s)."
+        )
 
 
 def run_llama(args: argparse.Namespace, prompts: list[Prompt]) -> None:

@@ -168,8 +168,8 @@ def measure_verify_cost(
     machine explains (``drafter.cost.shape_problems``), are timed again in up to ``EXTRA_ROUNDS``
     rounds of their own, for at most about ``RETIME_SHARE`` of the first rounds' time (on a machine
     that stays busy, more rounds only make the first run longer). Sizes still unsettled are left
-    ``unconfirmed`` with a warning: the table is provisional, and the decoding loop corrects it
-    (``drafter.cost.CorrectedCost``).
+    ``unconfirmed`` with a line at INFO: the table is provisional, and the decoding loop corrects it
+    (``drafter.cost.CorrectedCost``), so nothing is asked of the user.
 
     ``timer`` times one step (``StepTimer``); default: one run of ``verify_timer``'s.
     """
@@ -216,14 +216,14 @@ def measure_verify_cost(
             f"{'chain' if step.chain else 'tree'} t({step.size}){' transposed' if step.transposed else ''} "
             f"took {1e3 * best[0]:.1f} and {1e3 * best[1]:.1f} ms in its best rounds",
         )
-        warn_unsettled(cost, f"the verification cost did not settle in {len(samples[step])} rounds ({problem})")
+        note_unsettled(cost, f"the verification cost did not settle in {len(samples[step])} rounds ({problem})")
     return cost
 
 
-def warn_unsettled(cost: VerifyCost, what: str) -> None:
-    """One warning line: ``what`` is wrong with ``cost``, the sizes that leaves unconfirmed (or
-    implausible), and what to do about it."""
-    log.warning(
+def note_unsettled(cost: VerifyCost, what: str) -> None:
+    """One line at INFO (the decoding loop heals the table; a user need do nothing): ``what`` is
+    wrong with ``cost``, the sizes that leaves unconfirmed (or implausible), and how to re-measure."""
+    log.info(
         "%s; unconfirmed: n = %s (other work on this machine?); the decoding loop corrects it from the steps it "
         "times; re-measure on a quiet machine with rest-measure-cost",
         what,
@@ -232,11 +232,11 @@ def warn_unsettled(cost: VerifyCost, what: str) -> None:
 
 
 def check_cached(cost: VerifyCost, path: Path) -> None:
-    """Warn when the table cached at ``path`` is provisional or shaped like noise."""
+    """Say (at INFO) when the table cached at ``path`` is provisional or shaped like noise."""
     problems = shape_problems(cost)
     if cost.unconfirmed or problems:
         why = next(iter(problems.values()), "its times did not settle when measured")
-        warn_unsettled(cost, f"{path} holds a provisional verification cost ({why})")
+        note_unsettled(cost, f"{path} holds a provisional verification cost ({why})")
 
 
 def load_or_measure(

@@ -1,9 +1,6 @@
-"""A GGUF model as the safetensors checkpoint vLLM loads (vLLM 0.32 has no GGUF loader in-tree).
-
-transformers dequantizes the GGUF (``from_pretrained(dir, gguf_file=...)``) and ``save_pretrained``
-writes model, config and tokenizer; the config's GGUF quantizer marker is dropped first, or saving
-refuses. The result is cached (``$REST_VLLM_MODELS``, default ``~/.cache/rest-spec/models``) and
-written to a temporary directory renamed into place, so a crash never leaves half a checkpoint.
+"""A GGUF model as the safetensors checkpoint vLLM loads (vLLM 0.32 has no GGUF loader in-tree):
+``drafter.model.hf_checkpoint``, the conversion ``load_model`` reads too, cached under
+``$REST_MODELS_DIR`` (default ``~/.cache/rest-spec/models``).
 
 ``python -m rest_spec.drafter.vllm_model [--model X.gguf]`` converts and prints the directory.
 """
@@ -11,52 +8,8 @@ written to a temporary directory renamed into place, so a crash never leaves hal
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import tempfile
-from pathlib import Path
 
-from rest_spec.common.tokenizer import packaged_smollm2
-
-MODELS_ENV = "REST_VLLM_MODELS"
-
-
-def models_dir() -> Path:
-    return Path(os.environ.get(MODELS_ENV) or Path.home() / ".cache" / "rest-spec" / "models")
-
-
-def hf_checkpoint(gguf: str | Path | None = None, *, dtype: str = "float32") -> Path:
-    """Directory of the safetensors checkpoint for ``gguf`` (default: the packaged SmolLM2),
-    converted on first use."""
-    source = packaged_smollm2() if gguf is None else Path(gguf)
-    if source.suffix != ".gguf":
-        raise ValueError(f"{source} is not a .gguf file; a checkpoint directory is loaded by vLLM as it is")
-    if not source.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {source}")
-    out = models_dir() / f"{source.stem}-{dtype}"
-    if (out / "config.json").is_file():
-        return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        kwargs = {"gguf_file": source.name}
-        model = AutoModelForCausalLM.from_pretrained(source.parent, dtype=getattr(torch, dtype), **kwargs)
-        model.config.quantization_config = None
-        if hasattr(model, "hf_quantizer"):
-            model.hf_quantizer = None
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(source.parent, **kwargs).save_pretrained(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process converted it first
-            if not (out / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+from rest_spec.drafter.model import hf_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The quick start: install, build a REST index from a packaged corpus (this Python's standard
-# library, tokenized with the packaged SmolLM2 tokenizer), serve it over gRPC, and generate with the
-# packaged SmolLM2 model drafting from the server. Prints the output and the speculative-decoding stats.
+# library, tokenized with the packaged SmolLM2 tokenizer), serve it over gRPC, and complete the first
+# four HumanEval prompts with the packaged SmolLM2 model drafting from the server. Prints each output
+# and its statistics, then one line: REST's speed against the same model without drafts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -28,15 +29,9 @@ python - "$PROMPTS" <<'PY'
 import json, sys
 from benchmarks.common import humaneval_prompts
 with open(sys.argv[1], "w") as f:
-    f.write(json.dumps({"prompt": humaneval_prompts(1)[0]}) + "\n")
+    f.writelines(json.dumps({"prompt": prompt}) + "\n" for prompt in humaneval_prompts(4))
 PY
 # REST: the adaptive drafter (the server's index, the prompt's own text, recent outputs), its trees
-# sized by this machine's measured verification cost (measured once, about a minute, then cached)
-rest-generate --datastore "127.0.0.1:$PORT" --prompts "$PROMPTS" --max-new-tokens 128 --adaptive
-echo "the same prompt without drafts (the model alone, through the same loop at its fastest layout), for comparison:"
-rest-generate --prompts "$PROMPTS" --max-new-tokens 128 --no-draft >/dev/null  # its statistics line only (stderr)
-# The same GGUF file through llama.cpp (llama-cpp-python), drafting from the same server: chains sized
-# by llama.cpp's own measured step cost (measured once, about ten seconds), then without drafts.
-echo "the same prompt through llama.cpp, drafting from the server, then without drafts:"
-rest-generate --engine llama.cpp --datastore "127.0.0.1:$PORT" --prompts "$PROMPTS" --max-new-tokens 128 >/dev/null
-rest-generate --engine llama.cpp --prompts "$PROMPTS" --max-new-tokens 128 --no-draft >/dev/null
+# sized by this machine's measured verification cost (measured once, about a minute, then cached),
+# against the same model decoding without drafts: both warmed up first, taking turns, outputs compared.
+rest-generate --datastore "127.0.0.1:$PORT" --prompts "$PROMPTS" --max-new-tokens 128 --adaptive --compare

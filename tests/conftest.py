@@ -1,13 +1,88 @@
-"""Fixtures shared across test modules: the real SmolLM2 model and a real python-stdlib index,
-each built once per session (they take tens of seconds)."""
+"""The test tiers, and the fixtures shared across test modules (the real SmolLM2 model, a real
+python-stdlib index, a real datastore server), each built once per run.
+
+A test that costs more than a unit test carries the marker of what it costs (``TIERS``). The
+default run (``pytest``) keeps the tests of no tier and those marked ``core``: each part end to end
+once, in a few minutes. ``--full`` (or ``REST_TESTS=full``) runs every test, as CI does; ``-m TIER``
+runs one tier (``-m "model and not server"``, and so on), whatever the default would keep.
+Hypothesis properties run ``tiers.examples``' full count of examples with ``--full`` or in CI
+(``$CI`` set) and a fifth of it otherwise. CI runs the default run, then ``--beyond-default``: the
+full suite, each test once.
+"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
-import torch
+
+TIERS = {
+    "model": "loads the packaged SmolLM2-135M model (seconds, then shared by the session)",
+    "server": "starts rest-datastore processes of its own (a second or more each)",
+    "build": "runs the build_index CLI or builds a real corpus's index",
+    "cli": "runs a command-line tool in a process of its own (torch and transformers imported anew)",
+    "packaging": "builds the wheel and installs it in a fresh virtual environment (about a minute)",
+    "bench": "runs a benchmark script end to end on a tiny setting",
+    "llama": "llama.cpp engines (needs scripts/setup-llama.sh)",
+    "vllm": "real vLLM engines (needs scripts/setup-vllm.sh; run with .venv-vllm/bin/python)",
+}
+CORE = "core"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=os.environ.get("REST_TESTS", "").lower() == "full",
+        help="run every tier (default: the unit tests and those marked core; also REST_TESTS=full)",
+    )
+    parser.addoption(
+        "--beyond-default",
+        action="store_true",
+        help="run only what the default run leaves out (CI runs the default run, then this: the full suite, each "
+        "test once)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier, cost in TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {cost}")
+    config.addinivalue_line("markers", f"{CORE}: part of the default run although it belongs to a tier")
+    from tests import tiers
+
+    tiers.FULL_EXAMPLES = bool(config.getoption("--full") or os.environ.get("CI"))
+
+
+def default_run(config: pytest.Config) -> bool:
+    """Whether this run keeps only the default tests: no --full, no -m of the caller's."""
+    return not config.getoption("--full") and not config.getoption("markexpr")
+
+
+def in_default_run(item: pytest.Item) -> bool:
+    """A test of no tier, or one marked core."""
+    return item.get_closest_marker(CORE) is not None or not any(item.get_closest_marker(tier) for tier in TIERS)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    beyond = config.getoption("--beyond-default")
+    if not beyond and not default_run(config):
+        return
+    keep, drop = [], []
+    for item in items:
+        (keep if in_default_run(item) != beyond else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("--beyond-default"):
+        return "beyond the default run: the tiers' tests that are not marked core"
+    if default_run(config):
+        return "default run: the unit tests and each part end to end once; --full (REST_TESTS=full) runs every tier"
+    return "full run" if config.getoption("--full") else f"tiers: -m {config.getoption('markexpr')!r}"
 
 
 @pytest.fixture(scope="session")
@@ -42,11 +117,38 @@ def stdlib_index(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
+def smollm2_cost_dir(smollm2, tmp_path_factory):
+    """A ``$REST_CACHE_DIR`` holding SmolLM2's verify-cost table, measured briefly (the tests need
+    its shape, not its precision) with one torch thread: a command run with ``helpers.ONE_THREAD``
+    finds it instead of measuring for a minute. Copy it before writing to it."""
+    from rest_spec.drafter.measure import load_or_measure
+
+    directory = tmp_path_factory.mktemp("cost-cache")
+    load_or_measure(smollm2[0], directory=directory, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), rounds=2,
+                    context_length=128)  # fmt: skip
+    return directory
+
+
+@pytest.fixture(scope="session")
+def stdlib_server(stdlib_index):
+    """A real ``rest-datastore serve`` of ``stdlib_index`` on a free loopback port, shared by the
+    tests that only read from it (its outputs store off, so none of them sees another's)."""
+    from tests.helpers import DatastoreProcess
+
+    process = DatastoreProcess(
+        "serve", "--index", stdlib_index, "--host", "127.0.0.1", "--port", "0", "--outputs-max-tokens", "0"
+    ).wait()
+    assert process.address, process.lines
+    yield process
+    assert process.stop() == 0  # SIGTERM: a clean exit
+
+
+@pytest.fixture(autouse=True)
 def one_torch_thread():
     """Tiny models and tensors: on a busy 2-core machine torch's intra-op threads cost far more
-    than they save (SmolLM2 greedy, 16 tokens: 29 s with 2 threads, 2.2 s with 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    than they save (SmolLM2 greedy, 16 tokens: 29 s with 2 threads, 2.2 s with 1). Only where torch
+    is imported: a test that needs none does not pay for importing it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)

@@ -286,7 +286,11 @@ def request_oracle(
     return DraftTree(*top_c_tree(rows, SEP, config.budget), n, len(ends), len(counted))
 
 
-# ---- server processes -------------------------------------------------------------------------
+# ---- processes ---------------------------------------------------------------------------------
+
+# The environment of a command run by a test: one torch thread, as the test process has (conftest.py),
+# so that the verify-cost table measured there (smollm2_cost_dir) has the key the command looks up.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 class DatastoreProcess:

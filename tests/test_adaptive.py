@@ -170,7 +170,7 @@ def test_batched_greedy_generation_equals_plain_decoding(base, cost, suffixes):
     assert result.mean_accepted > 1  # a random tiny model repeats itself: the request source drafts it
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_greedy_generation_on_smollm2_equals_plain_and_learns_from_outputs(smollm2, stdlib_index):
     """On real parts: SmolLM2, the stdlib index, two HumanEval prompts. The second time a prompt
     is decoded, its first output is in the output store and drafts most of it."""

@@ -139,7 +139,7 @@ def test_no_new_tokens(model) -> None:
 # --- the real model -----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_smollm2_batch_with_tokenizer_padding_and_a_stop_string(smollm2) -> None:
     model, tokenizer = smollm2
     texts = ["def fibonacci(n):\n    ", "The three primary colors are", "import os\nimport sys\n\n\ndef main():"]

@@ -22,6 +22,8 @@ from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
 from tests.helpers import write_index
 
+pytestmark = pytest.mark.bench
+
 REPO = Path(__file__).resolve().parents[1]
 QUERIES = 40
 TINY = ["--max-records", "60", "--held-out-sharegpt", "20", "--held-out-stdlib", "10", "--queries", str(QUERIES)]

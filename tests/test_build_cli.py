@@ -18,6 +18,8 @@ import pytest
 from rest_spec.common.tokenizer import tokenizer_fingerprint
 from rest_spec.datastore import format as fmt
 
+pytestmark = [pytest.mark.build, pytest.mark.cli]
+
 CONVERSATIONS = [
     {"id": f"c{i}", "conversations": [
         {"from": "human", "value": f"Question {i}: how do I sort a list in Python?"},

@@ -120,6 +120,7 @@ def _manifest_is_a_fifo(out: Path, index: Path) -> None:
     os.mkfifo(out / fmt.MANIFEST)  # opening it would block: the check must not
 
 
+@pytest.mark.build
 @pytest.mark.parametrize(
     "make, reason",
     [
@@ -162,6 +163,7 @@ def test_an_out_path_under_a_regular_file_is_a_one_line_error(tmp_path, tiny_tok
     assert (tmp_path / "file").read_text() == "not a directory"
 
 
+@pytest.mark.build
 def test_overwrite_replaces_an_index_beside_leftovers_of_killed_builds(tmp_path, tiny_tokenizer, previous_index):
     """Killed builds leave ``.NAME.tmp-PID``/``.NAME.old-PID`` beside the target; the next build
     says so, removes neither, and is not in their way even when it gets the same PID."""
@@ -241,6 +243,7 @@ def test_a_signal_between_the_publishing_renames_waits_for_both(tmp_path, previo
 # --------------------------------------------------------------------------- special files
 
 
+@pytest.mark.build
 def test_special_files_in_a_corpus_directory_are_skipped(tmp_path, tiny_tokenizer, tiny):
     """A FIFO (listed first: opening it would hang), a socket, links to /dev/zero and /dev/null, a
     dangling link and a file over the default --max-file-mib (32, sparse here): each skipped with a
@@ -277,6 +280,7 @@ def test_special_files_in_a_corpus_directory_are_skipped(tmp_path, tiny_tokenize
     assert_holds(tmp_path / "idx", ["the only document"], tiny)
 
 
+@pytest.mark.build
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -325,6 +329,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("signum", STOP_SIGNALS, ids=lambda s: signal.Signals(s).name)
 def test_a_stop_signal_stops_the_workers_and_leaves_the_previous_index(
     tmp_path, tiny_tokenizer, previous_index, signum
@@ -380,6 +385,7 @@ def _assert_write_failed(result: subprocess.CompletedProcess, out: Path, before:
     index_tokens(out)
 
 
+@pytest.mark.build
 def test_a_file_size_limit_while_writing_ends_in_one_line(tmp_path, tiny_tokenizer, previous_index, big_text):
     """RLIMIT_FSIZE lowered in the child (SIGXFSZ ignored, so writes fail with EFBIG): runs anywhere."""
     out = shutil.copytree(previous_index, tmp_path / "idx")
@@ -408,6 +414,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.build
 def test_a_full_disk_while_writing_ends_in_one_line(tmp_path, tiny_tokenizer, previous_index, big_text, small_tmpfs):
     out = shutil.copytree(previous_index, small_tmpfs / "idx")
     before = snapshot(out)

@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import numba
+import pytest
+
+pytestmark = pytest.mark.cli
 
 # Compiles one kernel (the trie's) in a fresh interpreter and prints numba's cache directory.
 COMPILE = """

@@ -21,7 +21,7 @@ from rest_spec.drafter.chat import ChatSession, chat
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.prompts import chat_ids
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.model, pytest.mark.cli]
 NEW_TOKENS = 24
 TURNS = ["Write a Python function that adds two numbers.", "Now make it multiply them instead."]
 ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}

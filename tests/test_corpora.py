@@ -24,6 +24,7 @@ from rest_spec.build_index.corpora import (
     iter_records,
     open_corpus,
 )
+from tests.tiers import examples
 
 
 def docs(spec: CorpusSpec) -> list[str]:
@@ -145,6 +146,7 @@ def test_the_stack_local_parquet_glob(tmp_path):
     assert prov["hub"] == "bigcode/the-stack-dedup" and len(prov["data_files"]) == 2 and prov["records"] == 3
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("name, repo", [("ultrachat", "stingning/ultrachat"), ("the-stack", "bigcode/the-stack-dedup"),
                                         ("hf:someone/data", "someone/data")])  # fmt: skip
 @pytest.mark.parametrize(
@@ -202,7 +204,7 @@ def test_sharegpt_truncated_file_recovers_exactly_the_complete_conversations(tmp
     assert {"recovered": 4, "truncated": True}.items() <= corpus.provenance().items()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(cut=st.integers(min_value=1, max_value=len(sharegpt_text()[0])), chunk=st.integers(min_value=1, max_value=64))
 def test_tolerant_reader_at_every_cut_and_chunk_size(tmp_path_factory, cut, chunk):
     text, ends = sharegpt_text()

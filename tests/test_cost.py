@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, select_chain, select_tree
+from tests.tiers import examples
 
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
 
@@ -41,7 +42,7 @@ def is_root_path(tree: DraftTree, kept: set[int]) -> bool:
     return all(sum(1 for j in kept if tree.parents[j] == parent) <= 1 for parent in [-1, *kept])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     tree=scored_trees(),
     times=st.lists(st.tuples(st.floats(0.5, 5.0), st.floats(0.5, 5.0)), min_size=1, max_size=12),
@@ -73,7 +74,7 @@ def test_select_tree_is_the_best_prefix_closed_subset(tree, times, max_depth):
     assert max_depth is None or chosen.max_depth <= max_depth
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     tree=scored_trees(),
     times=st.lists(st.floats(0.5, 5.0), min_size=1, max_size=12),
@@ -161,7 +162,7 @@ def test_block_shape_takes_the_layout_measured_for_the_rows_the_linear_layers_se
     assert VerifyCost(KEY, 0, (1, 2), (1.0, 0.5)).block_shape([DraftTree.empty()]) == BlockShape(2, False)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(times=st.lists(st.floats(0.5, 5.0), min_size=1, max_size=8), gaps=st.lists(st.integers(1, 4), max_size=7))
 def test_cost_never_decreases_and_prices_the_block_it_runs(times, gaps):
     """Whatever the measured curve, the priced cost grows with n (a larger tree can always run at

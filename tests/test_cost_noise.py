@@ -157,7 +157,7 @@ def test_sizes_the_table_does_not_vouch_for_are_run_a_few_times_then_priced_as_r
 # ---- the real loop ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_plain_decoding_from_an_absurd_table_checks_it_and_keeps_its_output(smollm2):
     model, tokenizer = smollm2
     ids = tokenizer("def fibonacci(n):").input_ids
@@ -177,7 +177,7 @@ def test_plain_decoding_from_an_absurd_table_checks_it_and_keeps_its_output(smol
     assert current.chain_seconds[0] < 1.0 < absurd.seconds[0]
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_adaptive_generation_from_the_issues_noisy_table_is_lossless_and_corrects_it(smollm2, stdlib_index):
     model, tokenizer = smollm2
     config = DraftConfig(budget=64, max_depth=10)

@@ -356,6 +356,7 @@ def on_loopback(argv: list[str], container: dict, pod: Pod, pod_name: str, root:
     return out
 
 
+@pytest.mark.server
 def test_the_deployment_runs_on_loopback(all_commands, tmp_path):
     """The files' own commands, run as processes here: the build's output on the shared volume,
     each shard server's init container syncing its shards to its own disk and the server serving

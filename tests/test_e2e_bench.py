@@ -20,6 +20,8 @@ from rest_spec.drafter.generate import generate
 from rest_spec.drafter.local import LocalDrafter
 from tests.test_adaptive import CPU_COST
 
+pytestmark = pytest.mark.bench
+
 
 def test_arguments_are_checked_and_plain_always_runs():
     args = parse_args(["--modes", "adaptive,paper", "--sets", "sharegpt"])
@@ -42,7 +44,7 @@ def test_humaneval_sets_are_the_raw_code_and_the_same_prompts_as_a_chat_turn():
     assert all(len(c) > len(r) for c, r in zip(chat, raw))  # the template wraps the code
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index, monkeypatch, tmp_path):
     monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
     model, tokenizer = smollm2
@@ -80,7 +82,7 @@ def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index, monke
     )
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_tradeoff_replay_accepts_what_the_real_loop_accepts(smollm2, stdlib_index):
     """The offline replay (no model) gives exactly the steps of the real decoding loop, for the
     paper drafter and for the adaptive one with its state (calibration, output store)."""
@@ -112,7 +114,7 @@ def test_tradeoff_replay_accepts_what_the_real_loop_accepts(smollm2, stdlib_inde
         assert replayed["verified_per_step"] > 1 and replayed["modeled_speed_vs_plain"] > 0
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_tradeoff_replays_rest_engine_beside_paper_and_adaptive(smollm2, stdlib_index):
     """REST's own engine (draftretriever over the index's documents) is replayed like every drafter, and the
     accepted lengths relative to it feed the tradeoff target."""

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
+import shutil
 import subprocess
 import sys
 
@@ -21,38 +20,16 @@ from rest_spec.datastore.index import Datastore
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.remote import RemoteDrafter
-from tests.helpers import brute_draft
+from tests.helpers import ONE_THREAD, brute_draft
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.model, pytest.mark.server]
 NEW_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def server_address(stdlib_index):
-    """A real `rest-datastore serve` process on a free loopback port."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rest_spec.datastore",
-            "serve",
-            "--index",
-            str(stdlib_index),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    match = re.search(r"(127\.0\.0\.1:\d+)", line)
-    assert match, f"server did not print its address: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
-    yield match.group(1)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
+def server_address(stdlib_server):
+    """The session's real `rest-datastore serve` of the stdlib index (conftest.py)."""
+    return stdlib_server.address
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +45,7 @@ def reference(smollm2):
     return out
 
 
-@pytest.mark.parametrize("where", ["local", "remote"])
+@pytest.mark.parametrize("where", ["local", pytest.param("remote", marks=pytest.mark.core)])
 def test_greedy_output_identical_to_generate(smollm2, stdlib_index, server_address, reference, where):
     model, tokenizer = smollm2
     drafter = LocalDrafter.open(stdlib_index) if where == "local" else RemoteDrafter(server_address)
@@ -144,6 +121,7 @@ def test_rest_generate_cli_json(stdlib_index, server_address, reference, tmp_pat
     assert 0 <= drafting["wait_ms_median"] <= drafting["wait_ms_p99"]
 
 
+@pytest.mark.core
 def test_drafts_equal_brute_force_on_the_real_index(stdlib_index):
     """Real SmolLM2 tokens of the whole standard library: trees equal an exhaustive scan."""
     config = DraftConfig(budget=64)
@@ -170,44 +148,31 @@ def test_drafts_equal_brute_force_on_the_real_index(stdlib_index):
     assert exact >= 20
 
 
-def test_rest_generate_adaptive_cli_equals_plain(stdlib_index, reference, tmp_path):
-    """--adaptive: merged sources sized by the verify cost, measured on first use into
-    $REST_CACHE_DIR; the output is still plain greedy decoding, and a second prompt runs."""
+@pytest.mark.core
+def test_rest_generate_adaptive_compare_equals_plain(stdlib_index, reference, smollm2_cost_dir, tmp_path):
+    """The quick start's command, ``rest-generate --adaptive --compare``: merged sources sized by the
+    cached verify cost, each prompt decoded without drafts too (at the table's fastest layout), both
+    plain greedy decoding's output; the second prompt copies the first from the output store; one
+    summary line."""
     prompt_ids, expected = next(iter(reference.values()))
     prompt = next(iter(reference))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text((json.dumps({"prompt": prompt}) + "\n") * 2)
+    cache = shutil.copytree(smollm2_cost_dir, tmp_path / "cache")
+    table = {path.name: path.read_text() for path in (cache / "verify-cost").iterdir()}
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rest_spec.drafter",
-            "--datastore",
-            str(stdlib_index),
-            "--prompts",
-            str(prompts),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            "--adaptive",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "REST_CACHE_DIR": str(tmp_path / "cache")},
-    )
+        [sys.executable, "-m", "rest_spec.drafter", "--datastore", str(stdlib_index), "--prompts", str(prompts),
+         "--max-new-tokens", str(NEW_TOKENS), "--adaptive", "--compare", "--json", "-v"],
+        capture_output=True, text=True, env={**os.environ, **ONE_THREAD, "REST_CACHE_DIR": str(cache)},
+    )  # fmt: skip
     assert run.returncode == 0, run.stderr
     first, second = (json.loads(line) for line in run.stdout.strip().splitlines()[-2:])
     assert first["output_ids"] == second["output_ids"] == expected
     assert second["steps"] < first["steps"]  # the first output is in the store: the second copies it
-    assert list((tmp_path / "cache" / "verify-cost").glob("*.json"))
-
-    # --no-draft runs at the fastest layout of the table --adaptive cached; the output is the same
-    for cache, layout in ((tmp_path / "cache", True), (tmp_path / "empty", False)):
-        plain = subprocess.run(
-            [sys.executable, "-m", "rest_spec.drafter", "--no-draft", "--prompt", prompt, "--max-new-tokens",
-             str(NEW_TOKENS), "--json", "-v"],
-            capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "REST_CACHE_DIR": str(cache)},
-        )  # fmt: skip
-        assert plain.returncode == 0, plain.stderr
-        assert json.loads(plain.stdout.strip().splitlines()[-1])["output_ids"] == expected
-        assert ("no drafts: steps of" in plain.stderr) is layout, plain.stderr
+    for record in (first, second):
+        plain = record["without_drafts"]
+        assert plain["same_output"] and plain["steps"] == len(expected) and plain["seconds"] > 0
+    assert "no drafts: steps of" in run.stderr  # at the cached table's fastest layout
+    assert {path.name: path.read_text() for path in (cache / "verify-cost").iterdir()} == table  # not measured again
+    [summary] = [line for line in run.stderr.splitlines() if line.startswith("REST (drafts from ")]
+    assert f"{2 * len(expected)} tokens in " in summary and "the same output on 2 of 2 prompt(s)" in summary, summary

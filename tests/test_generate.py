@@ -212,7 +212,7 @@ def test_rejects_unsupported_generation_configs(model: PreTrainedModel, settings
 # --- the real model (``smollm2``: the session fixture in conftest.py) ------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("text", ["def fibonacci(n):\n    ", "The three primary colors are"], ids=["code", "prose"])
 def test_lossless_on_smollm2(smollm2, text: str) -> None:
     model, tokenizer = smollm2
@@ -253,6 +253,16 @@ def test_cli_usage_errors_exit_2_with_the_usage_line(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: rest-generate") and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--no-draft"], ["--datastore", ".", "--engine", "llama.cpp"]], ids=["no-draft", "llama.cpp"]
+)
+def test_cli_compare_needs_drafts_and_the_transformers_engine(capsys: pytest.CaptureFixture[str], argv) -> None:
+    """Before anything is loaded: --compare times drafting against decoding without drafts."""
+    assert main([*argv, "--prompt", "hi", "--compare"]) == 1
+    err = capsys.readouterr().err
+    assert "--compare decodes with drafts from --datastore and without them" in err and "Traceback" not in err
 
 
 def write_jsonl(path: Path, lines: Sequence[str]) -> Path:

@@ -12,6 +12,7 @@ from rest_spec.common.types import DraftConfig
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore.index import Datastore
 from tests.helpers import brute_draft, write_index
+from tests.tiers import examples
 
 
 def assert_matches_oracle(store, docs, context, config):
@@ -31,7 +32,7 @@ docs_strategy = st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=40), m
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(docs=docs_strategy, data=st.data(), shard_tokens=st.sampled_from([7, 50, 1 << 20]))
 def test_draft_equals_brute_force_on_random_corpora(tmp_path, docs, data, shard_tokens):
     # small alphabet -> many repeats, ties and deep shared prefixes
@@ -162,7 +163,7 @@ def test_uint32_tokens_for_large_vocabularies(tmp_path):
         assert_matches_oracle(store, docs, [70000, 1], DraftConfig(n_min=1))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(docs=docs_strategy)
 def test_suffix_array_is_sorted_reversed_suffixes_with_a_continuation(docs):
     """The format's ``sa``: exactly the positions followed by a real token, ordered by the

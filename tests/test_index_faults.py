@@ -30,6 +30,7 @@ from rest_spec.datastore import format as fmt
 from rest_spec.datastore import index as engine
 from rest_spec.datastore import trie
 from rest_spec.datastore.index import Datastore
+from tests.tiers import examples
 
 REPO = Path(__file__).resolve().parents[1]
 SPOT = 1 << 16  # bytes at each end of a file that the spot digest covers
@@ -254,8 +255,9 @@ def damaged_case(clean: CleanIndex, spans, into: Path, sealed: bool) -> dict:
 
 @pytest.mark.parametrize("sealed", [False, True], ids=["passes-spot-digests", "hostile-resealed"])
 # no shrinking: every step would rerun the subprocess, and the failing cases are printed as they are
+@pytest.mark.cli
 @settings(
-    max_examples=4,
+    max_examples=examples(4),
     deadline=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
@@ -300,6 +302,7 @@ HOSTILE_VALUES = [
 ]
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("name, role, value, at_draft, at_check", HOSTILE_VALUES, ids=[h[0] for h in HOSTILE_VALUES])
 def test_crafted_hostile_values(clean_indexes, tmp_path, name, role, value, at_draft, at_check):
     """One crafted value in a resealed index (open-time checks pass): the draft that reads it
@@ -325,6 +328,7 @@ def test_crafted_hostile_values(clean_indexes, tmp_path, name, role, value, at_d
             Datastore.open(path, **flags)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -428,7 +432,7 @@ def test_npy_header_must_describe_exactly_the_file(tmp_path, damage, message):
     assert_one_line_about(str(raised.value), path)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     role=st.sampled_from(fmt.ROLES),
     edits=st.lists(st.tuples(st.integers(0, 127), st.integers(0, 255)), min_size=1, max_size=4),
@@ -652,6 +656,7 @@ def test_warm_up_compiles_every_kernel_a_draft_uses(clean_indexes):
             assert compiled() == before
 
 
+@pytest.mark.cli
 def test_compile_kernels_covers_every_index_a_fresh_process_opens(clean_indexes, tmp_path):
     """``compile_kernels`` (what setup.sh runs to fill numba's cache) leaves nothing for opening,
     checking and drafting from real indexes of both token dtypes to compile."""

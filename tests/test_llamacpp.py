@@ -37,6 +37,8 @@ from rest_spec.drafter.local import LocalDrafter  # noqa: E402
 from rest_spec.drafter.remote import RemoteDrafter  # noqa: E402
 from tests.helpers import write_index  # noqa: E402
 
+pytestmark = pytest.mark.llama
+
 PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "import os\n\n\ndef list_python_files(directory):\n",

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.load import run_load
 from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
+
+pytestmark = pytest.mark.server
 
 
 def test_32_clients_for_30_seconds_without_errors_or_memory_growth(tmp_path):

@@ -1,6 +1,6 @@
 """Measuring t(n) on real models, its cache and the ``rest-measure-cost`` command; the noise checks
 (interleaved rounds, the lowest settled round, shapes no machine explains, re-timing, the
-provisional table and its warnings) with a synthetic step timer."""
+provisional table and its notes) with a synthetic step timer."""
 
 from __future__ import annotations
 
@@ -30,6 +30,20 @@ from rest_spec.drafter.measure import (
 from tests.helpers import tiny_causal_lm
 
 MEASURE = dict(sizes=(1, 2, 4, 8), context_length=32, rounds=2)
+NOTES = "rest_spec.drafter.measure"  # the logger of the measurement's INFO notes
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A real model for the synthetic timer's tests: only its cost key is read."""
+    return tiny_causal_lm("llama")
+
+
+def notes(caplog) -> list[str]:
+    """The measurement's notes about a table that is provisional or shaped like noise."""
+    return [r.getMessage() for r in caplog.records if r.name == NOTES and "unconfirmed" in r.getMessage()]
+
+
 SIZES = (1, 3, 4, 8, 16)  # no 2: its tree and its chain are the same one node
 
 
@@ -83,6 +97,7 @@ def run_cli(*args: str, env_dir: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.cli
 def test_measure_command_writes_the_cache(tmp_path):
     model_dir = tmp_path / "tiny"
     tiny_causal_lm("llama").save_pretrained(model_dir)
@@ -132,77 +147,89 @@ class SyntheticTimer:
         return self.base(step.size, transposed) + self.interference(step, call, run)
 
 
-def test_interleaved_rounds_see_through_a_burst_of_interference(smollm2, caplog):
-    model, _ = smollm2
+def test_interleaved_rounds_see_through_a_burst_of_interference(tiny_model, caplog):
+    model = tiny_model
     per_round = len(measured_steps(SIZES))
     timer = SyntheticTimer(lambda step, call, run: 0.5 if per_round <= run < 2 * per_round else 0.0)  # round 2
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO, logger=NOTES):
         cost = measure_verify_cost(model, sizes=SIZES, timer=timer)
     assert cost.seconds == tuple(SyntheticTimer.base(n, True) for n in SIZES)  # the lowest round's
     assert cost.transposed == (True,) * len(SIZES) and cost.unconfirmed == ()
     assert sum(timer.calls.values()) == DEFAULT_ROUNDS * len(measured_steps(SIZES))  # nothing timed again
-    assert not caplog.records
+    assert not notes(caplog)
 
 
-def test_persistent_interference_is_retimed_then_left_unconfirmed_with_one_warning(smollm2, caplog, tmp_path):
-    model, _ = smollm2
+def test_persistent_interference_is_retimed_then_left_unconfirmed_with_one_note(tiny_model, caplog, tmp_path):
+    model = tiny_model
     # every run of a 4-token block 10 ms later than the one before: its rounds never agree
     timer = SyntheticTimer(lambda step, call, run: 0.010 * call if step.size == 4 else 0.0)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO, logger=NOTES):
         cost = load_or_measure(model, directory=tmp_path, sizes=SIZES, timer=timer)
     assert cost.unconfirmed == (4,)
     assert {step: calls for step, calls in timer.calls.items() if calls != DEFAULT_ROUNDS} == {
         step: DEFAULT_ROUNDS + EXTRA_ROUNDS for step in measured_steps([4])
     }  # the unsettled steps alone, timed again
-    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert f"did not settle in {DEFAULT_ROUNDS + EXTRA_ROUNDS} rounds" in warning and "n = 4" in warning
-    assert "rest-measure-cost" in warning
+    [note] = notes(caplog)  # at INFO: the decoding loop heals the table, nothing is asked of the user
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"did not settle in {DEFAULT_ROUNDS + EXTRA_ROUNDS} rounds" in note and "n = 4" in note
+    assert "rest-measure-cost" in note
     caplog.clear()
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO, logger=NOTES):
         assert load_or_measure(model, directory=tmp_path, sizes=SIZES, timer=timer) == cost  # cached, provisional
-    [warning] = [r.getMessage() for r in caplog.records]
-    assert "provisional" in warning and "n = 4" in warning and "rest-measure-cost" in warning
+    [note] = notes(caplog)
+    assert "provisional" in note and "n = 4" in note and "rest-measure-cost" in note
     assert sum(timer.calls.values()) == DEFAULT_ROUNDS * len(measured_steps(SIZES)) + EXTRA_ROUNDS * 4
 
 
-def test_timing_again_takes_at_most_about_half_the_first_rounds_time(smollm2, caplog):
-    model, _ = smollm2
+def test_timing_again_takes_at_most_about_half_the_first_rounds_time(tiny_model, caplog):
+    model = tiny_model
     timer = SyntheticTimer(lambda step, call, run: 0.010 * call)  # every step: a machine ever busier
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO, logger=NOTES):
         cost = measure_verify_cost(model, sizes=SIZES, timer=timer)
     # the first rounds took 4.14 s (of step times): two more rounds (1.39 s, 1.53 s) spend the 2.07 s
     assert set(timer.calls.values()) == {DEFAULT_ROUNDS + 2}  # not EXTRA_ROUNDS more
-    assert cost.unconfirmed == SIZES and len(caplog.records) == 1
+    assert cost.unconfirmed == SIZES and len(notes(caplog)) == 1
 
 
-def test_a_table_shaped_like_noise_is_timed_again(smollm2, caplog):
-    model, _ = smollm2
+def test_a_table_shaped_like_noise_is_timed_again(tiny_model, caplog):
+    model = tiny_model
     # an 8-token block 10x dear in all four rounds (settled, yet 8x a 16-token block), then quiet
     timer = SyntheticTimer(
         lambda step, call, run: 9 * SyntheticTimer.base(8, step.transposed) if step.size == 8 and call < 4 else 0.0
     )
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO, logger=NOTES):
         cost = measure_verify_cost(model, sizes=SIZES, timer=timer)
     assert cost.seconds[SIZES.index(8)] == SyntheticTimer.base(8, True) and cost.unconfirmed == ()
     assert {timer.calls[step] for step in measured_steps([8])} == {DEFAULT_ROUNDS + 2}  # two rounds settle it
-    assert not caplog.records
+    assert not notes(caplog)
 
 
-def test_measurement_refuses_a_single_round(smollm2):
+def test_measurement_refuses_a_single_round(tiny_model):
     with pytest.raises(ValueError, match="rounds >= 2"):
-        measure_verify_cost(smollm2[0], sizes=SIZES, rounds=1, timer=SyntheticTimer())
+        measure_verify_cost(tiny_model, sizes=SIZES, rounds=1, timer=SyntheticTimer())
 
 
-def test_a_planted_noisy_table_is_used_with_a_warning_not_measured_again(smollm2, caplog, tmp_path):
-    model, _ = smollm2
+def test_a_planted_noisy_table_is_used_with_a_note_not_measured_again(tiny_model, caplog, tmp_path):
+    model = tiny_model
     key = cost_key(model)
     ms = {1: 78.0, 2: 150.0, 4: 98.0, 8: 47.0}  # the issue's: t(2) 3.2x t(8), cached as settled
     noisy = VerifyCost(key, 512, tuple(ms), tuple(t / 1e3 for t in ms.values()), tuple(t / 1e3 for t in ms.values()))
     (tmp_path / "verify-cost").mkdir()
     (tmp_path / "verify-cost" / key.file_name()).write_text(noisy.to_json())
     timer = SyntheticTimer()
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO, logger=NOTES):
         assert load_or_measure(model, directory=tmp_path, timer=timer) == noisy
-    [warning] = [r.getMessage() for r in caplog.records]
-    assert "provisional" in warning and "t(2) = 150.0 ms is 3.2x t(8) = 47.0 ms" in warning
-    assert "rest-measure-cost" in warning and not timer.calls
+    [note] = notes(caplog)
+    assert "provisional" in note and "t(2) = 150.0 ms is 3.2x t(8) = 47.0 ms" in note
+    assert "rest-measure-cost" in note and not timer.calls
+
+
+def test_decoding_without_drafts_reads_the_cached_table_and_measures_none(tiny_model, tmp_path, monkeypatch):
+    """``rest-generate --no-draft`` (and ``--compare``'s runs without drafts) at the cached table's
+    fastest layout when there is one; nothing is measured for them."""
+    from rest_spec.drafter.cli import no_draft_cost
+
+    monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
+    assert no_draft_cost(tiny_model) is None and not (tmp_path / "verify-cost").exists()
+    table = load_or_measure(tiny_model, **MEASURE)
+    assert no_draft_cost(tiny_model).table == table

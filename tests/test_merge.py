@@ -24,6 +24,7 @@ from rest_spec.drafter.merge import SourceCalibration, merge_trees
 from rest_spec.drafter.request_matcher import RequestMatcher
 from rest_spec.drafter.verify import verify_trees
 from tests.helpers import tiny_causal_lm
+from tests.tiers import examples
 
 
 def counted_tree(continuations: list[list[int]], budget: int) -> DraftTree:
@@ -62,7 +63,7 @@ def oracle_scores(trees: list[DraftTree], weights: list[list[float]]) -> dict[tu
     return {p: min(combined[p[:d]] for d in range(1, len(p) + 1)) for p in union}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     trees=st.lists(source_trees, min_size=1, max_size=3),
     data=st.data(),
@@ -251,6 +252,7 @@ print(json.dumps([before, len(_merge.signatures)]))
 """
 
 
+@pytest.mark.cli
 def test_compile_kernels_covers_the_adaptive_drafters_merges(tmp_path):
     """``compile_kernels`` (setup.sh runs it to fill numba's cache) leaves nothing for an adaptive
     drafter's steps to compile: a fresh install's first generation does not spend seconds on it."""

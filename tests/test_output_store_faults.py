@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rest_spec.datastore.outputs import OutputStore, OutputStoreError, OutputStoreWriteError
+from tests.tiers import examples
 
 REPO = Path(__file__).resolve().parents[1]
 MAGIC_SIZE, HEADER_SIZE = 8, 16
@@ -254,7 +255,7 @@ def test_bytes_inserted_between_records_are_found_and_salvaged(tmp_path, inserte
     assert stored(tmp_path, salvage=True) == DOCS
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), min_size=1, max_size=3))
 def test_any_damaged_bytes_are_refused_or_torn_and_salvage_keeps_every_other_record(tmp_path_factory, flips):
     """Bytes flipped anywhere after the magic: damage with no valid record after it is a torn

@@ -55,6 +55,7 @@ from tests.helpers import (
     tree_from_paths,
     write_index,
 )
+from tests.tiers import examples
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = synthetic_corpus()
@@ -142,7 +143,7 @@ def test_after_on_a_hand_built_tree():
     assert len(tree.after(3).after(4).after(5)) == 0
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     data=st.data(),
     max_depth=st.integers(1, 5),
@@ -188,7 +189,7 @@ matcher_configs = st.tuples(st.integers(1, 3), st.integers(0, 4)).flatmap(
 token_lists = st.lists(st.integers(0, 4), min_size=1, max_size=10)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     chunks=st.lists(token_lists, min_size=1, max_size=6),
     extras=st.lists(st.lists(st.integers(0, 6), max_size=8), min_size=1, max_size=4),
@@ -211,7 +212,7 @@ def test_draft_ahead_matches_the_uncommitted_tokens_and_changes_nothing(chunks, 
     assert matcher.draft(context, config) == RequestMatcher(max_candidates).draft(context, config)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     context=st.lists(st.integers(0, 3), min_size=6, max_size=30),  # long and repetitive: the condition
     extra=st.lists(st.integers(0, 4), min_size=1, max_size=4),  # holds for non-empty trees too
@@ -606,7 +607,7 @@ def assert_coherent(result, overlap: bool) -> DraftingStats:
     return stats
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 @pytest.mark.parametrize("adaptive", [False, True], ids=["paper", "adaptive"])
 def test_local_drafting_is_lossless_with_and_without_overlap(smollm2, code_index, prompts, plain, adaptive, overlap):
@@ -623,7 +624,7 @@ def test_local_drafting_is_lossless_with_and_without_overlap(smollm2, code_index
         assert stats.predicted > 0  # some steps' trees were prepared during the previous forward
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_a_batch_of_prompts_of_different_lengths_is_lossless_with_overlap(smollm2, code_index, prompts):
     model, _ = smollm2
     expected = generate(model, prompts, None, max_new_tokens=24).output_ids
@@ -644,7 +645,7 @@ def server(code_store):
         yield server
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 @pytest.mark.parametrize("adaptive", [False, True], ids=["paper", "adaptive"])
 def test_remote_drafting_is_lossless_with_and_without_overlap(smollm2, server, prompts, plain, adaptive, overlap):
@@ -702,7 +703,7 @@ class AtToken(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_a_server_killed_mid_generation_costs_drafts_not_the_generation(smollm2, code_index, prompts, plain):
     """A real ``rest-datastore serve`` is killed (SIGKILL) after a few steps: no exception, the
     same output, steps drafted from the request's own text; a server started again on the same
@@ -746,7 +747,7 @@ def test_a_server_killed_mid_generation_costs_drafts_not_the_generation(smollm2,
             second.kill()
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_a_datastore_one_second_away_costs_drafts_not_seconds(smollm2, server, prompts, plain):
     """Behind a 1 s round trip every reply is late: the deadlines give up on each (cancelling the
     call), steps draft from the request alone, and the generation takes nowhere near a second a step."""
@@ -761,7 +762,6 @@ def test_a_datastore_one_second_away_costs_drafts_not_seconds(smollm2, server, p
     assert result.seconds < 0.5 * result.steps * rtt, (result.seconds, result.steps, stats.summary())
 
 
-@pytest.mark.slow
 def test_a_pending_remote_call_can_be_cancelled(server):
     """What giving up on speculation relies on with a real client: a DraftBatch in flight is
     cancelled (the RPC itself: gRPC tells the server) and its result says so; a reply still on
@@ -778,7 +778,7 @@ def test_a_pending_remote_call_can_be_cancelled(server):
         assert late.cancel()
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_sampling_with_overlap_finishes_and_a_seed_reproduces_it(smollm2, code_index, prompts):
     model, tokenizer = smollm2
     sampling = GenerationConfig(do_sample=True, temperature=0.8, top_k=50)

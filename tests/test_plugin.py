@@ -18,7 +18,7 @@ from rest_spec.drafter.hf import REST_GENERATE_DIR, RestGenerateOutput, generate
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.remote import RemoteDrafter
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 NEW_TOKENS = 24
 
 
@@ -60,6 +60,7 @@ def reference(smollm2, prompts):
     return [plain(model, ids, do_sample=False, max_new_tokens=NEW_TOKENS) for ids in prompts]
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("where", ["local", "remote"])
 @pytest.mark.filterwarnings("error::FutureWarning", "error::DeprecationWarning")  # none on the newest transformers
 def test_greedy_sequences_equal_generate(smollm2, prompts, reference, request, where):

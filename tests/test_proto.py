@@ -12,6 +12,7 @@ from rest_spec.common.types import MAX_BUDGET, MAX_DEPTH, MAX_SUFFIX, DraftConfi
 from rest_spec.datastore import wire
 from rest_spec.proto import generate
 from rest_spec.proto.v1 import datastore_pb2 as pb
+from tests.tiers import examples
 
 
 def test_committed_generated_code_is_what_the_generator_writes(tmp_path):
@@ -61,7 +62,7 @@ def trees(draw):
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(tree=trees())
 def test_tree_round_trips_through_serialized_message(tree):
     data = wire.tree_to_message(tree).SerializeToString()
@@ -188,7 +189,7 @@ def test_add_output_request_round_trips_and_refuses_what_the_wire_cannot_carry()
         wire.add_output_request([0.5])
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(sizes=st.lists(st.integers(0, 3000), max_size=4))
 def test_field_sizes_add_up_to_the_reply_size(sizes):
     """The server adds up a batch reply's size tree by tree before serializing it."""

@@ -122,6 +122,7 @@ def test_a_store_that_keeps_no_outputs_raises_one_error_everywhere(index):
             AdaptiveDrafter(EchoDrafter(), cost=None, sources=("index",)).add_output([1, 2])
 
 
+@pytest.mark.cli
 def test_generation_from_a_local_index_never_imports_grpc(index):
     script = f"""
 import sys

@@ -112,7 +112,7 @@ def _without_build(out: Path) -> dict:
     return manifest
 
 
-@pytest.mark.slow
+@pytest.mark.build
 @pytest.mark.parametrize(
     "corpus, shard_tokens, shards",
     [("code", None, 1), ("code", 20000, 5), ("chat", 2000, 3)],
@@ -139,7 +139,7 @@ def test_ray_build_is_byte_identical_to_the_plain_build(tmp_path, ray_cluster, c
     assert leftovers(tmp_path) == []
 
 
-@pytest.mark.slow
+@pytest.mark.build
 def test_a_stop_signal_during_a_ray_build_leaves_the_previous_index(tmp_path, ray_cluster, corpora):
     """SIGTERM while shard tasks run: exit 143, the temporary directory gone, the old index intact,
     and the cluster still builds."""
@@ -166,7 +166,7 @@ def test_a_stop_signal_during_a_ray_build_leaves_the_previous_index(tmp_path, ra
     assert fmt.read_manifest(tmp_path / "out").build["args"]["ray"] == "local:2"
 
 
-@pytest.mark.slow
+@pytest.mark.build
 def test_a_corpus_error_in_the_read_task_is_the_plain_builds_one_line(tmp_path, ray_cluster, capsys):
     rows = [{"conversations": [{"from": "gpt", "value": f"answer {i}"}]} for i in range(50)]
     rows[30] = {"conversations": 5}  # found only mid-stream, by the read task

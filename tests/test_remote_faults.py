@@ -216,8 +216,7 @@ class Fault:
         return self.resumed - self.back
 
 
-FAULTS = [signal.SIGSTOP, signal.SIGKILL]
-FAULT_IDS = ["frozen", "killed"]
+FAULT_IDS = ["frozen", "killed"]  # SIGSTOP, SIGKILL
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +224,7 @@ def synthetic_index(tmp_path_factory):
     return write_index(tmp_path_factory.mktemp("faults") / "synthetic", synthetic_corpus(), CORPUS_VOCAB)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "how, overlap",
     [(signal.SIGSTOP, False), (signal.SIGKILL, False), (signal.SIGSTOP, True)],
@@ -329,8 +329,11 @@ class BetweenSteps(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", FAULTS, ids=FAULT_IDS)
+@pytest.mark.model
+@pytest.mark.server
+@pytest.mark.parametrize(
+    "how", [signal.SIGSTOP, pytest.param(signal.SIGKILL, marks=pytest.mark.core)], ids=FAULT_IDS
+)  # killed: the default run's end-to-end fault
 def test_generation_through_a_dead_datastore_is_plain_decoding_and_drafts_again_once_it_is_back(
     smollm2, code_index, prompt, how
 ):
@@ -362,7 +365,9 @@ def test_generation_through_a_dead_datastore_is_plain_decoding_and_drafts_again_
         stop_all(server, fault.restarted if fault else None)
 
 
-@pytest.mark.slow
+@pytest.mark.model
+@pytest.mark.server
+@pytest.mark.cli
 def test_rest_generate_completes_against_a_server_frozen_for_good(smollm2, code_index, prompt):
     """``rest-generate --datastore HOST:PORT`` with the server frozen (SIGSTOP) early in the
     generation and never resumed: exit 0, plain decoding's output, the breaker opened once (its

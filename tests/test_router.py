@@ -20,6 +20,7 @@ from rest_spec.datastore.router import Router, RouterConfig
 from rest_spec.datastore.rpc import GrpcServer, ServerConfig
 from rest_spec.datastore.shards import SERVICE_NAME, ShardServicer, parse_shard_spec
 from tests.helpers import contexts_from, synthetic_corpus, write_index
+from tests.tiers import examples
 
 SERVER = ServerConfig(port=0, workers=2, grace_seconds=0)
 
@@ -73,12 +74,13 @@ def cases(draw):
     return vocab, docs, shard_tokens, contexts, config, cap, inline
 
 
+@pytest.mark.server
 def test_router_trees_equal_the_single_index(tmp_path_factory):
     """Hypothesis over random corpora and 1-5 servers with a random assignment of shards; the
     generated cases must both sample (matches over the cap) and take a second round (Gather)."""
     seen = Counter()
 
-    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(case=cases(), data=st.data())
     def check(case, data):
         vocab, docs, shard_tokens, contexts, config, cap, inline = case

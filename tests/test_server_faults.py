@@ -109,6 +109,7 @@ def _refused_after(details: str) -> int:
     return int(match.group(3))
 
 
+@pytest.mark.server
 def test_a_reply_over_the_limit_is_refused_before_the_batch_is_drafted(store):
     """20,000 short contexts within a raised context limit, and 1,000 contexts with large trees
     within the default limits: RESOURCE_EXHAUSTED once the reply would pass 4,000,000 bytes, long
@@ -221,6 +222,7 @@ def endless_batch() -> bytes:
     return wire.draft_batch_request(contexts, DraftConfig()).SerializeToString()
 
 
+@pytest.mark.server
 def test_work_stops_when_the_deadline_passes(store, endless_batch):
     """One worker: had the expired batch gone on, the next call would wait behind it and time out."""
     with serving(store, workers=1, **UNBOUNDED) as (server, channel):
@@ -309,6 +311,7 @@ def test_tls_serves_a_client_that_trusts_the_certificate(store, pem):
         assert client.draft(context) == store.draft(context)
 
 
+@pytest.mark.server
 def test_tls_refuses_another_ca_and_plaintext(store, pem):
     config = ServerConfig(port=0, tls_cert=pem["server"], tls_key=pem["server_key"])
     with DatastoreServer(store, config) as server:
@@ -481,6 +484,7 @@ class ServerProcess:
         return "\n".join(self.lines)
 
 
+@pytest.mark.server
 def test_cli_serves_tls_with_a_token_file_and_clients_pass_both(index, pem, tmp_path, capsys):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
@@ -566,6 +570,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.server
 def test_a_full_disk_refuses_additions_and_keeps_every_acknowledged_one(index, small_tmpfs):
     """Fill the disk under --outputs-dir: additions are refused with RESOURCE_EXHAUSTED; free
     space: they are acknowledged again; restart: exactly the acknowledged ones are there, and
@@ -626,6 +631,7 @@ def test_ready_means_ready(index):
         server.stop()
 
 
+@pytest.mark.server
 def test_a_damaged_outputs_log_is_refused_until_serve_is_told_to_salvage_it(index, tmp_path):
     """A record damaged in the middle of --outputs-dir's log: `serve` refuses in one line naming
     --outputs-salvage; with the flag it serves every other acknowledged output."""

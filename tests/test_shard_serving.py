@@ -22,6 +22,8 @@ from rest_spec.proto.v1 import shard_pb2_grpc as spb_grpc
 from tests.helpers import CORPUS_VOCAB as VOCAB
 from tests.helpers import DatastoreProcess, contexts_from, synthetic_corpus, write_index
 
+pytestmark = pytest.mark.server
+
 REPEATED = [7, 8, 9]  # a phrase in 1,500 places: matching it samples
 
 

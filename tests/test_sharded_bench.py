@@ -26,6 +26,8 @@ from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
 from tests.helpers import CORPUS_VOCAB, contexts_from, synthetic_corpus, write_index
 
+pytestmark = pytest.mark.bench
+
 REPEATED = [7, 8, 9]  # a phrase in 1,500 places: matching it samples, so routers run their second round
 
 
@@ -108,7 +110,6 @@ def test_routers_answer_as_the_index_and_latency_and_throughput_are_measured(tmp
     )
 
 
-@pytest.mark.slow
 def test_generation_through_every_topology_equals_plain_decoding(tmp_path):
     from rest_spec.drafter.model import load_model
 

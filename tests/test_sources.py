@@ -20,6 +20,7 @@ from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore, OutputStoreError
 from rest_spec.drafter.request_matcher import RequestMatcher
 from tests.helpers import brute_draft, request_oracle, synthetic_corpus, write_index
+from tests.tiers import examples
 
 configs = st.tuples(st.integers(1, 3), st.integers(0, 3)).flatmap(
     lambda n: st.builds(
@@ -32,7 +33,7 @@ configs = st.tuples(st.integers(1, 3), st.integers(0, 3)).flatmap(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     chunks=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=8),
     config=configs,
@@ -93,7 +94,7 @@ def assert_drafts_like_oracle(store: OutputStore, docs: list[list[int]], context
     assert (tree.match_len, tree.num_matches, tree.num_sampled) == (match_len, num_matches, num_matches)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     docs=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1, max_size=25),
     max_tokens=st.integers(30, 200),

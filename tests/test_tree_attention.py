@@ -22,6 +22,7 @@ from rest_spec.drafter.tree_attention import PADDING_DEPTH, ancestor_matrix, bui
 from rest_spec.drafter.verify import tree_logits
 from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
 from tests.helpers import MODEL_VOCAB as VOCAB
+from tests.tiers import examples
 
 
 @st.composite
@@ -45,7 +46,7 @@ def walk_ancestors(tree: DraftTree) -> list[list[int]]:
     return rows
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(tree=trees())
 def test_ancestor_matrix_matches_walk(tree: DraftTree) -> None:
     matrix = ancestor_matrix(tree.parents, tree.depths)
@@ -53,7 +54,7 @@ def test_ancestor_matrix_matches_walk(tree: DraftTree) -> None:
     assert [np.flatnonzero(row).tolist() for row in matrix] == walk_ancestors(tree)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(tree=trees(), past_length=st.integers(0, 20), pending=st.integers(0, VOCAB - 1))
 def test_tree_inputs_match_walk(tree: DraftTree, past_length: int, pending: int) -> None:
     inputs = build_tree_inputs([pending], [tree], CacheRows.full(1, past_length), "cpu")
@@ -81,7 +82,7 @@ def test_tree_inputs_match_walk(tree: DraftTree, past_length: int, pending: int)
         assert [tuple(t) for t in tokens.tolist()] == [paths[i - 1] if i else () for i in positions]
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(
     batch=st.lists(st.tuples(trees(max_nodes=12), st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=4),
     holes=st.integers(0, 3),
@@ -114,7 +115,7 @@ def test_batch_inputs_pad_trees_and_hide_padding_and_holes(batch, holes: int) ->
         assert torch.equal(mask[b, 0] == 0, allowed)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     batch=st.lists(st.tuples(trees(max_nodes=6), st.integers(0, 2), st.integers(1, 4)), min_size=1, max_size=3),
     chains=st.booleans(),

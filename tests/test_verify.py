@@ -31,6 +31,7 @@ from rest_spec.drafter.tree_attention import build_tree_inputs
 from rest_spec.drafter.verify import accept_path, greedy_rule, verify_trees
 from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
 from tests.helpers import MODEL_VOCAB as VOCAB
+from tests.tiers import examples
 
 SMALL_VOCAB = 3  # few token values, so random targets often match and paths get long
 
@@ -66,7 +67,7 @@ def greedy_walk(tree: DraftTree, targets: Sequence[int]) -> tuple[list[int], int
         path.append(matching[0])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(batch=st.lists(trees_with_distinct_siblings(), min_size=1, max_size=3), data=st.data())
 def test_accept_path_matches_greedy_walk(batch: list[DraftTree], data: st.DataObject) -> None:
     """Per row of a padded batch: the accepted path and bonus of a brute-force walk; targets at

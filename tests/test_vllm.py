@@ -37,6 +37,8 @@ from rest_spec.common.tokenizer import load_tokenizer  # noqa: E402
 from rest_spec.drafter.vllm_model import hf_checkpoint  # noqa: E402
 from tests.helpers import DatastoreProcess, synthetic_corpus, write_index  # noqa: E402
 
+pytestmark = pytest.mark.vllm
+
 K = 4
 NEW_TOKENS = 48
 GREEDY = {"temperature": 0.0, "max_tokens": NEW_TOKENS}
