@@ -76,7 +76,6 @@ def converted(source: Path, kind: str, convert: Callable[[Path], None]) -> Path:
     return out
 
 
-
 def load_converted(source: Path, kind: str, convert: Callable[[Path], None], load: Callable[[Path], T]) -> T:
     """``load`` of ``converted(source, kind, convert)``; a directory that fails to load (a damaged
     disk, a hand-edited file) is converted again, once, with a warning."""

@@ -48,6 +48,7 @@ def load_tokenizer(spec: str | Path | None = None):
     """A fast ``transformers`` tokenizer for ``spec`` (see module docstring). A GGUF file's is
     converted once (seconds: transformers rebuilds it from the GGUF metadata) and cached as a
     tokenizer directory (``common.cache.converted``), which loads in a tenth of a second."""
+    import transformers
     from transformers import AutoTokenizer
 
     name, kwargs = split_model_spec(spec)
@@ -68,7 +69,8 @@ def load_tokenizer(spec: str | Path | None = None):
     if not kwargs:
         return load(name)
     gguf = Path(name) / kwargs["gguf_file"]
-    return load_converted(gguf, "tokenizer", lambda out: load(name, **kwargs).save_pretrained(out), load)
+    kind = f"tokenizer-transformers-{transformers.__version__}"  # what the conversion depends on
+    return load_converted(gguf, kind, lambda out: load(name, **kwargs).save_pretrained(out), load)
 
 
 def tokenizer_name(spec: str | Path | None) -> str:

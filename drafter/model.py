@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rest_spec.common.cache import converted, load_converted
@@ -38,7 +39,7 @@ def load_model(
         gguf = Path(name) / kwargs["gguf_file"]
         model = load_converted(
             gguf,
-            _dtype_name(dtype or torch.float32),
+            _checkpoint_kind(_dtype_name(dtype or torch.float32)),
             lambda out: _dequantize(gguf, out, dtype or torch.float32),
             lambda directory: _from_pretrained(str(directory), {}),
         )
@@ -57,11 +58,17 @@ def hf_checkpoint(gguf: str | Path | None = None, *, dtype: str = "float32") -> 
         raise ValueError(f"{source} is not a .gguf file; a checkpoint directory is loaded as it is")
     if not source.is_file():
         raise FileNotFoundError(f"GGUF file not found: {source}")
-    return converted(source, dtype, lambda out: _dequantize(source, out, getattr(torch, dtype)))
+    return converted(source, _checkpoint_kind(dtype), lambda out: _dequantize(source, out, getattr(torch, dtype)))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _checkpoint_kind(dtype: str) -> str:
+    """A converted checkpoint's directory name: its dtype and the transformers that dequantized it
+    (each environment converts with its own, as CI's lower-bound run must)."""
+    return f"{dtype}-transformers-{transformers.__version__}"
 
 
 def _from_pretrained(name: str, kwargs: dict) -> PreTrainedModel:

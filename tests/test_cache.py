@@ -1,5 +1,6 @@
-"""The kernels' on-disk cache: one directory per numba version (``common.cache``), so environments
-with different numba versions sharing the package never recompile each other's kernels."""
+"""The on-disk caches (``common.cache``): the kernels, one directory per numba version, so
+environments with different numba versions sharing the package never recompile each other's
+kernels; what is converted from a GGUF file, once per file, and again where it is damaged."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import numba
 import pytest
 
-pytestmark = pytest.mark.cli
+from rest_spec.common.cache import converted, load_converted
 
 # Compiles one kernel (the trie's) in a fresh interpreter and prints numba's cache directory.
 COMPILE = """
@@ -37,6 +38,7 @@ def cached_kernels(directory) -> list[str]:
     return sorted(path.name for path in directory.rglob("*.nbi"))
 
 
+@pytest.mark.cli
 def test_kernels_are_cached_per_numba_version(tmp_path):
     printed = compile_in({"HOME": str(tmp_path), "REST_CACHE_DIR": str(tmp_path / "tables")}, tmp_path)
     versioned = tmp_path / ".cache" / "rest-spec" / "numba" / numba.__version__
@@ -44,7 +46,77 @@ def test_kernels_are_cached_per_numba_version(tmp_path):
     assert any(name.startswith("trie._top_c_tree") for name in cached_kernels(versioned))
 
 
+@pytest.mark.cli
 def test_numba_cache_dir_wins(tmp_path):
     printed = compile_in({"HOME": str(tmp_path), "NUMBA_CACHE_DIR": str(tmp_path / "own")}, tmp_path)
     assert printed == str(tmp_path / "own")
     assert cached_kernels(tmp_path / "own") and not (tmp_path / ".cache").exists()
+
+
+def test_a_conversion_is_made_once_per_file_and_again_for_a_replaced_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("REST_MODELS_DIR", str(tmp_path / "models"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"weights")
+    calls = []
+
+    def convert(out):
+        calls.append(out)
+        (out / "converted").write_bytes(source.read_bytes().upper())
+
+    first = converted(source, "float32", convert)
+    assert (first / "converted").read_bytes() == b"WEIGHTS" and first.parent.parent == tmp_path / "models"
+    assert converted(source, "float32", convert) == first and len(calls) == 1  # read back, not converted again
+    assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
+    source.write_bytes(b"other weights")  # the same name, another file: converted anew, elsewhere
+    second = converted(source, "float32", convert)
+    assert second != first and (second / "converted").read_bytes() == b"OTHER WEIGHTS" and len(calls) == 2
+
+
+def test_a_failed_conversion_leaves_nothing_and_a_damaged_one_is_converted_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("REST_MODELS_DIR", str(tmp_path / "models"))
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"weights")
+
+    def broken(out):
+        (out / "half").write_bytes(b"wei")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        converted(source, "tokenizer", broken)
+    assert [p.name for p in (tmp_path / "models").rglob("*") if p.is_file()] == []  # no half conversion kept
+
+    def convert(out):
+        (out / "tokenizer.json").write_text('{"ok": true}')
+
+    def load(directory):
+        text = (directory / "tokenizer.json").read_text()
+        if text != '{"ok": true}':
+            raise ValueError(f"unreadable tokenizer.json: {text!r}")
+        return text
+
+    directory = converted(source, "tokenizer", convert)
+    (directory / "tokenizer.json").write_text('{"o')  # damaged on disk
+    assert load_converted(source, "tokenizer", convert, load) == '{"ok": true}'
+    assert "does not load" in caplog.text and "converting model.gguf again" in caplog.text
+
+
+@pytest.mark.model
+def test_the_packaged_gguf_loads_from_its_conversion_as_it_loads_from_the_file(tmp_path, monkeypatch):
+    """The converted tokenizer and weights are the GGUF's own: the same fingerprint, the same
+    tensors; the second load reads the conversion."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rest_spec.common.tokenizer import load_tokenizer, packaged_smollm2, tokenizer_fingerprint
+    from rest_spec.drafter.model import hf_checkpoint, load_model
+
+    monkeypatch.setenv("REST_MODELS_DIR", str(tmp_path))
+    gguf = packaged_smollm2()
+    tokenizer = load_tokenizer(gguf)
+    direct = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(direct)
+    assert tokenizer.chat_template == direct.chat_template and tokenizer.eos_token == direct.eos_token
+    model = load_model(gguf)
+    assert model.config.name_or_path == str(hf_checkpoint(gguf))  # read from the conversion
+    original = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), original.state_dict().values()))
