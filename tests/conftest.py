@@ -5,9 +5,9 @@ A test that costs more than a unit test carries the marker of what it costs (``T
 default run (``pytest``) keeps the tests of no tier and those marked ``core``: each part end to end
 once, in a few minutes. ``--full`` (or ``REST_TESTS=full``) runs every test, as CI does; ``-m TIER``
 runs one tier (``-m "model and not server"``, and so on), whatever the default would keep.
-Hypothesis properties run ``tiers.examples``' full count of examples with ``--full`` or in CI
-(``$CI`` set) and a fifth of it otherwise. CI runs the default run, then ``--beyond-default``: the
-full suite, each test once.
+Hypothesis properties run ``tiers.examples``' full count of examples with ``--full`` and a fifth
+of it otherwise. The session's fixtures work under pytest-xdist (``-n 2 --dist loadfile``, as CI
+runs the full suite): the stdlib index is built once for all workers.
 """
 
 from __future__ import annotations
@@ -38,12 +38,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=os.environ.get("REST_TESTS", "").lower() == "full",
         help="run every tier (default: the unit tests and those marked core; also REST_TESTS=full)",
     )
-    parser.addoption(
-        "--beyond-default",
-        action="store_true",
-        help="run only what the default run leaves out (CI runs the default run, then this: the full suite, each "
-        "test once)",
-    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -52,7 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{CORE}: part of the default run although it belongs to a tier")
     from tests import tiers
 
-    tiers.FULL_EXAMPLES = bool(config.getoption("--full") or os.environ.get("CI"))
+    tiers.FULL_EXAMPLES = config.getoption("--full")
 
 
 def default_run(config: pytest.Config) -> bool:
@@ -66,20 +60,17 @@ def in_default_run(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    beyond = config.getoption("--beyond-default")
-    if not beyond and not default_run(config):
+    if not default_run(config):
         return
     keep, drop = [], []
     for item in items:
-        (keep if in_default_run(item) != beyond else drop).append(item)
+        (keep if in_default_run(item) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    if config.getoption("--beyond-default"):
-        return "beyond the default run: the tiers' tests that are not marked core"
     if default_run(config):
         return "default run: the unit tests and each part end to end once; --full (REST_TESTS=full) runs every tier"
     return "full run" if config.getoption("--full") else f"tiers: -m {config.getoption('markexpr')!r}"
@@ -97,23 +88,20 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def stdlib_index(tmp_path_factory):
-    """An index of this Python's standard library built by the real `build_index` CLI."""
-    out = tmp_path_factory.mktemp("indexes") / "python-stdlib"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rest_spec.build_index",
-            "--corpus",
-            "python-stdlib",
-            "--out",
-            str(out),
-            "--workers",
-            "2",
-            "--quiet",
-        ],
-        check=True,
-    )
+    """An index of this Python's standard library built by the real `build_index` CLI, once per
+    run: with pytest-xdist (``-n``) the first worker builds it and the others wait for it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the run's, not the worker's
+    out = shared / "indexes" / "python-stdlib"
+    with FileLock(str(shared / "indexes.lock")):
+        if not (out / "manifest.json").is_file():
+            subprocess.run(
+                [sys.executable, "-m", "rest_spec.build_index", "--corpus", "python-stdlib", "--out", str(out),
+                 "--workers", "2", "--quiet"],
+                check=True,
+            )  # fmt: skip
     return out
 
 

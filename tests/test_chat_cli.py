@@ -20,11 +20,12 @@ from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.chat import ChatSession, chat
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.prompts import chat_ids
+from tests.helpers import ONE_THREAD
 
 pytestmark = [pytest.mark.model, pytest.mark.cli]
 NEW_TOKENS = 24
 TURNS = ["Write a Python function that adds two numbers.", "Now make it multiply them instead."]
-ENV = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+ENV = {**os.environ, **ONE_THREAD}
 STATUS = re.compile(
     r"\[turn (\d+)\] (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\), (\d+) steps, mean accepted ([\d.]+), "
     r"context (\d+) tokens"

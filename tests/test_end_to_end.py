@@ -108,7 +108,7 @@ def test_rest_generate_cli_json(stdlib_index, server_address, reference, tmp_pat
         ],
         capture_output=True,
         text=True,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        env={**os.environ, **ONE_THREAD},
     )
     assert run.returncode == 0, run.stderr
     record = json.loads(run.stdout.strip().splitlines()[-1])

@@ -7,10 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ from rest_spec.drafter.measure import (
     measure_verify_cost,
     measured_steps,
 )
+from rest_spec.drafter.measure import main as measure_main
 from tests.helpers import tiny_causal_lm
 
 MEASURE = dict(sizes=(1, 2, 4, 8), context_length=32, rounds=2)
@@ -87,44 +85,28 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert cache_dir() == Path.home() / ".cache" / "rest-spec"
 
 
-def run_cli(*args: str, env_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rest_spec.drafter.measure", *args],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "REST_CACHE_DIR": str(env_dir), "HF_HUB_OFFLINE": "1"},
-    )
-
-
-@pytest.mark.cli
-def test_measure_command_writes_the_cache(tmp_path):
+def test_measure_command_writes_the_cache(tmp_path, monkeypatch, capsys):
+    """``rest-measure-cost`` (its ``main``, in process): measures, caches under $REST_CACHE_DIR and
+    prints the table; usage errors exit 2, a missing model 1, each in one line."""
     model_dir = tmp_path / "tiny"
     tiny_causal_lm("llama").save_pretrained(model_dir)
-    help_text = run_cli("--help", env_dir=tmp_path).stdout
-    assert "--context-length" in help_text and "--sizes" in help_text
-    done = run_cli(
-        "--model",
-        str(model_dir),
-        "--sizes",
-        "1,2,4",
-        "--context-length",
-        "16",
-        "--rounds",
-        "2",
-        "--device",
-        "cpu",
-        env_dir=tmp_path / "cache",
-    )
-    assert done.returncode == 0, done.stderr
-    printed = json.loads(done.stdout)
+    monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit) as help_exit:
+        measure_main(["--help"])
+    help_text = capsys.readouterr().out
+    assert help_exit.value.code == 0 and "--context-length" in help_text and "--sizes" in help_text
+    argv = ["--model", str(model_dir), "--sizes", "1,2,4", "--context-length", "16", "--rounds", "2", "--device", "cpu"]
+    assert measure_main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
     assert printed["sizes"] == [1, 2, 4] and printed["key"]["model"] == str(model_dir)
     written = list((tmp_path / "cache" / "verify-cost").glob("*.json"))
     assert len(written) == 1 and json.loads(written[0].read_text()) == printed
-    bad = run_cli("--sizes", "1,x", env_dir=tmp_path)
-    assert bad.returncode == 2 and "--sizes must be comma-separated integers" in bad.stderr
-    missing = run_cli("--model", str(tmp_path / "nope"), "--sizes", "1", env_dir=tmp_path)
-    assert missing.returncode == 1 and "error:" in missing.stderr and "Traceback" not in missing.stderr
+    with pytest.raises(SystemExit) as bad:
+        measure_main(["--sizes", "1,x"])
+    assert bad.value.code == 2 and "--sizes must be comma-separated integers" in capsys.readouterr().err
+    assert measure_main(["--model", str(tmp_path / "nope"), "--sizes", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
 
 
 class SyntheticTimer:

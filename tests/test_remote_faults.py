@@ -32,7 +32,7 @@ from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import generate
 from rest_spec.drafter.remote import RemoteDrafter
 from rest_spec.drafter.scheduler import DraftScheduler, OverlapConfig
-from tests.helpers import CORPUS_VOCAB, DatastoreProcess, synthetic_corpus, write_index
+from tests.helpers import CORPUS_VOCAB, ONE_THREAD, DatastoreProcess, synthetic_corpus, write_index
 
 ROOT = Path(__file__).resolve().parents[1]
 # "back within about a second": the breaker probes at most every 0.5 s and gRPC reconnects within
@@ -381,7 +381,7 @@ def test_rest_generate_completes_against_a_server_frozen_for_good(smollm2, code_
             *("--json", "-v"),
         ]
         # one torch thread, as in process (conftest): on a busy 2-core machine two cost far more
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **ONE_THREAD}
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         log: list[str] = []
 
