@@ -31,12 +31,32 @@ REST_SEARCH = {"k": 5000, "long": 10}  # REST's draftretriever.search arguments 
 # ------------------------------------------------------------------------------------ reports
 
 
+# The CPU features that change what a step costs here: vector width, fused multiply-add, bf16 and
+# the AMX matrix units (torch's and vLLM's CPU kernels pick their paths by them).
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
 def machine() -> dict:
-    """The machine a report was measured on."""
+    """The machine a report was measured on: the CPU's model name and the flags of ``CPU_FLAGS``
+    it has (from /proc/cpuinfo; ``platform.processor()`` is empty on Linux), so that figures taken
+    on two days can be told apart when the CPUs differ."""
+    first: dict[str, str] = {}  # the first processor's fields
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                first.setdefault(key.strip(), value.strip())
+    except OSError:  # not Linux: the platform's own word
+        pass
+    model = first.get("model name") or platform.processor()
+    if "cpu family" in first:  # a virtual machine's model name can be generic: the numbers are not
+        model += f" (family {first['cpu family']}, model {first.get('model')}, stepping {first.get('stepping')})"
+    flags = set(first.get("flags", "").split())
     return {
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
-        "processor": platform.processor(),
+        "processor": model,
+        "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
         "python": platform.python_version(),
     }
 

@@ -152,3 +152,13 @@ def test_verify_cost_reports_before_both_layouts_the_priced_shape_and_a_profile(
         assert row["after"] <= min(row["pytorch"], row["transposed"]) + 1e-12 and row["block"] >= row["n"]
     assert set(report["profiles_ms"]) == {"2 before", "2 after"}
     assert all("aten::mm" in ops or "aten::addmm" in ops for ops in report["profiles_ms"].values())
+
+
+def test_reports_name_the_cpu_and_the_flags_that_change_step_costs():
+    from benchmarks.common import CPU_FLAGS, machine
+
+    described = machine()
+    assert described["processor"] and set(described["cpu_flags"]) <= set(CPU_FLAGS)
+    if Path("/proc/cpuinfo").is_file():
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+        assert described["cpu_flags"] == [flag for flag in CPU_FLAGS if f" {flag} " in f"{flags} "]
