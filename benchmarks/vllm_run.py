@@ -11,7 +11,7 @@ A job::
      "runs": [{"prompts": [[token ids], ...], "sampling": {SamplingParams fields}, "concurrency": 1,
                "seeds": false}]}
 
-Each run submits its prompts ``concurrency`` at a time (``LLM.generate`` per group) and reports
+Each run (announced by a ``RUN i`` line) submits its prompts ``concurrency`` at a time (``LLM.generate`` per group) and reports
 each output's token ids, the seconds of each group, vLLM's spec-decode counters over the run and
 the REST proposer's own (``proposer``: calls, rows drafted, its seconds, ``ms_per_call``);
 with ``"logprobs": n`` among its sampling fields, also each output position's n most likely tokens
@@ -162,7 +162,8 @@ def run(job: dict) -> dict:
     )
     result = {"startup_seconds": time.perf_counter() - start, "runs": []}
     print("READY", flush=True)  # the engine is up: a caller may start what it times against the runs
-    for spec in job["runs"]:
+    for index, spec in enumerate(job["runs"]):
+        print(f"RUN {index}", flush=True)  # a caller may act while a given run is under way
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]]
         fields = spec.get("sampling", {"temperature": 0.0, "max_tokens": 128})
         params = [

@@ -10,7 +10,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "setup-llama: run scripts/setup.sh first" >&2; exit 1; }
+# The llama extra's requirement, as pyproject.toml declares it (only llama-cpp-python and what it needs
+# are added: nothing installed already is rewritten, so tests may run from .venv meanwhile, as CI's do).
+LLAMA=$(sed -n 's/^llama = \["\(llama-cpp-python[^"]*\)"\]$/\1/p' pyproject.toml)
+[ -n "$LLAMA" ] || { echo "setup-llama: no llama = [\"llama-cpp-python...\"] in pyproject.toml" >&2; exit 1; }
 CMAKE_ARGS="${CMAKE_ARGS:-$(cat scripts/llama-cpp-cmake-args)}" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    PYTHONWARNINGS="ignore:Editable installation" .venv/bin/python -m pip install --quiet \
-    --disable-pip-version-check --no-warn-conflicts --no-cache-dir -e ".[llama]"
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-warn-conflicts --no-cache-dir "$LLAMA"
 echo "llama.cpp ready: llama-cpp-python $(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.__version__)')"

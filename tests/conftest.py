@@ -59,7 +59,28 @@ def in_default_run(item: pytest.Item) -> bool:
     return item.get_closest_marker(CORE) is not None or not any(item.get_closest_marker(tier) for tier in TIERS)
 
 
+# What a test of each tier costs, roughly, in a unit test's: pytest-xdist's workers take whole files
+# (--dist loadfile) in the order collected, so the dearest files go first and no worker is left with
+# one long file at the end while the other idles.
+TIER_WEIGHTS = {"model": 30, "bench": 30, "server": 10, "build": 10, "cli": 10, "llama": 10, "packaging": 10}
+UNIT_WEIGHT = 0.2
+
+
+def costliest_files_first(items: list[pytest.Item]) -> None:
+    """Sort ``items`` by their file's weight (``TIER_WEIGHTS``), dearest first, keeping the order
+    within a file (the same on every worker: xdist checks that they collected alike)."""
+    weights: dict[str, float] = {}
+    for item in items:
+        tiers = [weight for tier, weight in TIER_WEIGHTS.items() if item.get_closest_marker(tier)]
+        weights[item.nodeid.split("::")[0]] = weights.get(item.nodeid.split("::")[0], 0) + max(
+            tiers, default=UNIT_WEIGHT
+        )
+    items.sort(key=lambda item: -weights[item.nodeid.split("::")[0]])
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        costliest_files_first(items)
     if not default_run(config):
         return
     keep, drop = [], []
