@@ -176,3 +176,29 @@ def test_rest_generate_adaptive_compare_equals_plain(stdlib_index, reference, sm
     assert {path.name: path.read_text() for path in (cache / "verify-cost").iterdir()} == table  # not measured again
     [summary] = [line for line in run.stderr.splitlines() if line.startswith("REST (drafts from ")]
     assert f"{2 * len(expected)} tokens in " in summary and "the same output on 2 of 2 prompt(s)" in summary, summary
+
+
+@pytest.mark.cli
+def test_rest_generate_adaptive_measures_the_cost_on_first_use(stdlib_index, reference, tmp_path):
+    """With nothing cached, --adaptive measures the verify cost (about a minute) into
+    $REST_CACHE_DIR before it generates; --no-draft measures nothing, and without a table it runs
+    in PyTorch's layout (no "no drafts: steps of" line)."""
+    prompt_ids, expected = next(iter(reference.values()))
+    prompt = next(iter(reference))
+    env = {**os.environ, **ONE_THREAD, "REST_CACHE_DIR": str(tmp_path / "cache")}
+    adaptive = subprocess.run(
+        [sys.executable, "-m", "rest_spec.drafter", "--datastore", str(stdlib_index), "--prompt", prompt,
+         "--max-new-tokens", "8", "--adaptive", "--json"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert adaptive.returncode == 0, adaptive.stderr
+    assert json.loads(adaptive.stdout.strip().splitlines()[-1])["output_ids"] == expected[:8]
+    assert list((tmp_path / "cache" / "verify-cost").glob("*.json"))
+    plain = subprocess.run(
+        [sys.executable, "-m", "rest_spec.drafter", "--no-draft", "--prompt", prompt, "--max-new-tokens", "8",
+         "--json", "-v"],
+        capture_output=True, text=True, env={**env, "REST_CACHE_DIR": str(tmp_path / "empty")},
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads(plain.stdout.strip().splitlines()[-1])["output_ids"] == expected[:8]
+    assert "no drafts: steps of" not in plain.stderr and not (tmp_path / "empty").exists()
