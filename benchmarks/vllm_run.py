@@ -11,9 +11,9 @@ A job::
      "runs": [{"prompts": [[token ids], ...], "sampling": {SamplingParams fields}, "concurrency": 1,
                "seeds": false}]}
 
-Each run (announced by a ``RUN i`` line) submits its prompts ``concurrency`` at a time (``LLM.generate`` per group) and reports
-each output's token ids, the seconds of each group, vLLM's spec-decode counters over the run and
-the REST proposer's own (``proposer``: calls, rows drafted, its seconds, ``ms_per_call``);
+Each run (announced by a ``RUN i`` line) submits its prompts ``concurrency`` at a time
+(``LLM.generate`` per group) and reports each output's token ids, the seconds of each group, vLLM's
+spec-decode counters over the run and the REST proposer's own (``proposer``: calls, rows drafted, its seconds, ``ms_per_call``);
 with ``"logprobs": n`` among its sampling fields, also each output position's n most likely tokens
 (``logprobs``: [[token, logprob], ...] per position, best first).
 ``engine_env`` is the environment every engine runs with here (``VLLM_ENV``).

@@ -7,6 +7,7 @@ directory, a ``.gguf`` file, or ``None`` for the packaged SmolLM2-135M-Instruct 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,12 +38,8 @@ def load_model(
     name, kwargs = split_model_spec(spec)
     if "gguf_file" in kwargs:
         gguf = Path(name) / kwargs["gguf_file"]
-        model = load_converted(
-            gguf,
-            _checkpoint_kind(_dtype_name(dtype or torch.float32)),
-            lambda out: _dequantize(gguf, out, dtype or torch.float32),
-            lambda directory: _from_pretrained(str(directory), {}),
-        )
+        kind, dequantize = _conversion(gguf, str(dtype or torch.float32).removeprefix("torch."))
+        model = load_converted(gguf, kind, dequantize, lambda directory: _from_pretrained(str(directory), {}))
     else:
         model = _from_pretrained(name, {"dtype": dtype} if dtype is not None else {})
     return model.to(device or default_device()).eval()
@@ -58,17 +55,14 @@ def hf_checkpoint(gguf: str | Path | None = None, *, dtype: str = "float32") -> 
         raise ValueError(f"{source} is not a .gguf file; a checkpoint directory is loaded as it is")
     if not source.is_file():
         raise FileNotFoundError(f"GGUF file not found: {source}")
-    return converted(source, _checkpoint_kind(dtype), lambda out: _dequantize(source, out, getattr(torch, dtype)))
+    return converted(source, *_conversion(source, dtype))
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _checkpoint_kind(dtype: str) -> str:
-    """A converted checkpoint's directory name: its dtype and the transformers that dequantized it
-    (each environment converts with its own, as CI's lower-bound run must)."""
-    return f"{dtype}-transformers-{transformers.__version__}"
+def _conversion(gguf: Path, dtype: str) -> tuple[str, Callable[[Path], None]]:
+    """(kind, convert) of ``gguf``'s checkpoint in ``dtype`` for ``common.cache.converted``: the kind
+    names the dtype and the transformers that dequantizes (each environment converts with its own,
+    as CI's lower-bound run must)."""
+    return f"{dtype}-transformers-{transformers.__version__}", lambda out: _dequantize(gguf, out, getattr(torch, dtype))
 
 
 def _from_pretrained(name: str, kwargs: dict) -> PreTrainedModel:

