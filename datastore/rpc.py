@@ -19,6 +19,7 @@ import hmac
 import ipaddress
 import logging
 import signal
+import socket
 import ssl
 import threading
 import time
@@ -470,16 +471,29 @@ def run_until_signalled(
     """``start(resources)``: open what a server needs into ``resources`` and return the started
     server; then ``ready(address)``, then wait for SIGTERM or SIGINT and close everything in
     reverse (the server first, stopping gracefully). Must run in the main thread (signal
-    handlers)."""
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        with contextlib.ExitStack() as resources:
-            server = start(resources)
-            if ready is not None:
-                ready(server.address)
-            stop.wait()
-            server.log.info("signal received: stopping (grace %.1f s)", server.config.grace_seconds)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    handlers).
+
+    The wait takes no lock a handler could need: Python runs a handler in the main thread at the
+    next bytecode, which may fall inside ``threading.Event.wait``'s own locked section, so a
+    handler calling ``Event.set()`` can deadlock the process. Instead the signal's number goes
+    to a socket (``signal.set_wakeup_fd``, written by the C-level handler) that the main thread
+    reads; a signal that arrives before the read is waiting there."""
+    wake_read, wake_write = socket.socketpair()
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    with wake_read, wake_write:
+        wake_write.setblocking(False)
+        previous_wakeup = signal.set_wakeup_fd(wake_write.fileno(), warn_on_full_buffer=False)
+        try:
+            with contextlib.ExitStack() as resources:
+                server = start(resources)
+                if ready is not None:
+                    ready(server.address)
+                while (signum := wake_read.recv(1)[0]) not in previous:
+                    pass  # another signal with a Python handler of its own
+                server.log.info(
+                    "%s received: stopping (grace %.1f s)", signal.Signals(signum).name, server.config.grace_seconds
+                )
+        finally:
+            signal.set_wakeup_fd(previous_wakeup)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
