@@ -272,6 +272,7 @@ def summarize(run: dict, reference: dict | None) -> dict:
         "first_difference": {str(i): d for i, d in differ.items()},  # prompt -> first differing token
         **spec_metrics(run["spec"]),
         "proposer": step_split(run),
+        "attribution": run.get("attribution"),  # the REST modes: per source and match length
         "startup_seconds": run["startup_seconds"],
         "group_tokens_per_second": rates,
     }

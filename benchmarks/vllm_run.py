@@ -131,6 +131,21 @@ def drafter_stats(worker) -> dict | None:
     return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None
 
 
+def drafter_attribution(worker) -> dict | None:
+    """In the engine's worker: the REST proposer's ``Attribution`` counts, None for any other drafter."""
+    adaptive = getattr(getattr(worker.model_runner, "drafter", None), "adaptive", None)
+    return None if adaptive is None else adaptive.attribution.counts()
+
+
+def attribution_difference(after: dict | None, before: dict | None) -> list[dict] | None:
+    """Where a run's accepted tokens came from (``Attribution.report`` of the counts over the run)."""
+    if after is None or before is None:
+        return None
+    from rest_spec.drafter.merge import Attribution
+
+    return (Attribution.from_counts(after) - Attribution.from_counts(before)).report()
+
+
 def proposer_difference(after: dict | None, before: dict | None) -> dict | None:
     """The proposer's counters over a run, and its seconds per call in ms."""
     if after is None or before is None:
@@ -173,6 +188,7 @@ def run(job: dict) -> dict:
         group = spec.get("concurrency", 1)
         before, outputs, seconds, top = counters(llm), [], [], []
         drafter_before = llm.collective_rpc(drafter_stats)[0]
+        attribution_before = llm.collective_rpc(drafter_attribution)[0]
         for i in range(0, len(prompts), group):
             t = time.perf_counter()
             done = llm.generate(prompts[i : i + group], params[i : i + group], use_tqdm=False)
@@ -181,6 +197,7 @@ def run(job: dict) -> dict:
             top += [top_logprobs(o.outputs[0].logprobs) for o in done]
         run = {"outputs": outputs, "seconds": seconds, "spec": difference(counters(llm), before)}
         run["proposer"] = proposer_difference(llm.collective_rpc(drafter_stats)[0], drafter_before)
+        run["attribution"] = attribution_difference(llm.collective_rpc(drafter_attribution)[0], attribution_before)
         if fields.get("logprobs"):
             run["logprobs"] = top
         result["runs"].append(run)

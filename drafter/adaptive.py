@@ -28,7 +28,7 @@ import numpy as np
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.cost import CorrectedCost, VerifyCost, select_chain, select_tree
-from rest_spec.drafter.merge import SourceCalibration, merge_trees
+from rest_spec.drafter.merge import Attribution, SourceCalibration, merge_trees
 from rest_spec.drafter.protocol import Deferred, Drafter, Pending, SourceDrafter, as_source, continued_rows, draft_step
 from rest_spec.drafter.request_matcher import RequestMatcher
 
@@ -148,6 +148,8 @@ class AdaptiveDrafter:
         self.calibration = calibration if calibration is not None else SourceCalibration(num_sources)
         if self.calibration.num_sources != num_sources:
             raise ValueError(f"calibration has {self.calibration.num_sources} sources, expected {num_sources}")
+        # where accepted tokens come from, per source and match length (reports; no decision reads it)
+        self.attribution = Attribution(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes))
         self.source, self.config, self.chains = as_source(base), config, chains
         self.cost = cost if cost is None or isinstance(cost, CorrectedCost) else CorrectedCost(cost)
         self._requests: list[_Request] = []  # one per row of the last call, in row order
@@ -172,7 +174,9 @@ class AdaptiveDrafter:
             else:
                 request = previous[found]
                 if len(request.tree):
-                    self.calibration.observe(request.tree, request.tree.accepted_nodes(row[len(request.context) :]))
+                    accepted = request.tree.accepted_nodes(row[len(request.context) :])
+                    self.calibration.observe(request.tree, accepted)
+                    self.attribution.observe(request.tree, accepted)
             request.context, request.tree = row, DraftTree.empty()
             if request.matcher is not None:
                 request.matcher.extend(row)

@@ -53,10 +53,13 @@ class MergedTree(DraftTree):
                    count of the node's parent; 0 where it did not propose the node). One
                    occurrence claiming certainty is worth less than a hundred agreeing: the
                    calibration weighs sources per sample-size class.
+    source_match_len int64 [S]: the length of the context suffix each source's tree was drafted
+                   from (0: it matched nothing); what ``Attribution`` reports acceptance by
     """
 
     source_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 1)), repr=False)
     source_samples: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int64), repr=False)
+    source_match_len: np.ndarray | None = field(default=None, repr=False)  # None: zeros
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -70,8 +73,16 @@ class MergedTree(DraftTree):
             raise ValueError("source_samples must have source_probs' [n, sources] shape")
         if np.any(samples < 0):
             raise ValueError("source_samples must be non-negative")
+        match_len = frozen_array(
+            np.zeros(probs.shape[1], np.int64) if self.source_match_len is None else self.source_match_len, np.int64
+        )
+        if match_len.shape != (probs.shape[1],) or np.any(match_len < 0):
+            raise ValueError(
+                f"source_match_len must be {probs.shape[1]} non-negative lengths, got {match_len.tolist()}"
+            )
         object.__setattr__(self, "source_probs", probs)
         object.__setattr__(self, "source_samples", samples)
+        object.__setattr__(self, "source_match_len", match_len)
 
     def _take(self, keep: np.ndarray, parents: np.ndarray, **fields) -> MergedTree:
         return MergedTree(
@@ -81,6 +92,7 @@ class MergedTree(DraftTree):
             **fields,
             source_probs=self.source_probs[keep],
             source_samples=self.source_samples[keep],
+            source_match_len=self.source_match_len,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -91,6 +103,7 @@ class MergedTree(DraftTree):
             and super().__eq__(other)
             and np.array_equal(self.source_probs, other.source_probs)
             and np.array_equal(self.source_samples, other.source_samples)
+            and np.array_equal(self.source_match_len, other.source_match_len)
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -152,6 +165,7 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
         scores=scores,
         source_probs=source_probs,
         source_samples=source_samples,
+        source_match_len=np.array([t.match_len for t in trees], dtype=np.int64),
     )
 
 
@@ -343,3 +357,90 @@ class SourceCalibration:
         self.predicted = self.decay * self.predicted + np.bincount(
             cell, weights=probs[node, source], minlength=size
         ).reshape(self.predicted.shape)
+
+
+MATCH_LENGTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 32)  # the first length of each match-length class
+
+
+class Attribution:
+    """Where accepted tokens come from: per source and per length of the match its tree was
+    drafted from, over the verified trees (``observe``, as ``SourceCalibration`` sees them).
+
+    Per (source, match-length class) cell, counted over steps where the source proposed a first
+    token (a root child) of the verified tree:
+
+    steps          such steps
+    first_accepted steps where the token the verifier accepted first was one of the source's
+    accepted       accepted tokens the source proposed (how deep it carries)
+    verified       verified tokens the source proposed (what it cost)
+
+    Plain sums, no decay: a report of a run, not a weight. Not thread-safe."""
+
+    def __init__(self, sources: Sequence[str]) -> None:
+        self.sources = tuple(sources)
+        shape = (len(self.sources), len(MATCH_LENGTH_EDGES))
+        self.steps, self.first_accepted = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+        self.accepted, self.verified = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+
+    COUNTS = ("steps", "first_accepted", "accepted", "verified")
+
+    def counts(self) -> dict:
+        """The sources and every count, as lists: JSON, or across a process boundary."""
+        return {"sources": list(self.sources), **{name: getattr(self, name).tolist() for name in self.COUNTS}}
+
+    @classmethod
+    def from_counts(cls, counts: dict) -> Attribution:
+        """The inverse of ``counts``."""
+        attribution = cls(counts["sources"])
+        for name in cls.COUNTS:
+            getattr(attribution, name)[...] = counts[name]
+        return attribution
+
+    def __sub__(self, earlier: Attribution) -> Attribution:
+        """What was counted since ``earlier`` (a ``from_counts`` of this one's ``counts`` then)."""
+        if earlier.sources != self.sources:
+            raise ValueError(f"sources differ: {earlier.sources} and {self.sources}")
+        since = Attribution(self.sources)
+        for name in self.COUNTS:
+            getattr(since, name)[...] = getattr(self, name) - getattr(earlier, name)
+        return since
+
+    def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:
+        """Count one verified ``tree``; ``accepted`` = indices of its accepted nodes."""
+        if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != len(self.sources):
+            raise ValueError(f"tree must be a merge_trees result over {len(self.sources)} sources")
+        proposed = tree.source_probs > 0  # [n, S]
+        first = proposed[tree.parents == -1].any(axis=0)  # [S]: proposed a root child
+        if not first.any():
+            return
+        accepted = np.asarray(accepted, dtype=np.int64)
+        length = np.searchsorted(MATCH_LENGTH_EDGES, np.maximum(tree.source_match_len, 1), side="right") - 1
+        rows, cols = np.flatnonzero(first), length[first]
+        self.steps[rows, cols] += 1
+        if accepted.size:
+            self.first_accepted[rows, cols] += proposed[accepted[0], first]
+        self.accepted[rows, cols] += proposed[accepted][:, first].sum(axis=0)
+        self.verified[rows, cols] += proposed[:, first].sum(axis=0)
+
+    def report(self) -> list[dict]:
+        """One dict per cell with steps: source, match lengths ("4-5", "32+"), the counts, the
+        first token's acceptance rate and accepted tokens per step."""
+        cells = []
+        for source, bucket in zip(*np.nonzero(self.steps)):
+            low = MATCH_LENGTH_EDGES[bucket]
+            high = MATCH_LENGTH_EDGES[bucket + 1] - 1 if bucket + 1 < len(MATCH_LENGTH_EDGES) else None
+            steps = int(self.steps[source, bucket])
+            first, accepted = int(self.first_accepted[source, bucket]), int(self.accepted[source, bucket])
+            cells.append(
+                {
+                    "source": self.sources[source],
+                    "match_len": f"{low}+" if high is None else str(low) if high == low else f"{low}-{high}",
+                    "steps": steps,
+                    "first_accepted": first,
+                    "accepted": accepted,
+                    "verified": int(self.verified[source, bucket]),
+                    "first_token_acceptance": round(first / steps, 4),
+                    "accepted_per_step": round(accepted / steps, 4),
+                }
+            )
+        return cells

@@ -66,6 +66,10 @@ def test_calibration_observes_the_nodes_the_verifier_accepted(base):
     tried = [(3,), (7,), (3, 4), (3, 4, 5), (3, 4, 6)]
     assert drafter.calibration.observed.sum() == 3.0
     assert drafter.calibration.predicted.sum() == pytest.approx(sum(conditional[p] for p in tried))
+    # and the attribution counts the step under the index's match (of 30 1 2, it holds 1 2)
+    (cell,) = drafter.attribution.report()
+    assert (cell["source"], cell["match_len"], cell["steps"], cell["first_accepted"]) == ("index", "2", 1, 1)
+    assert (cell["accepted"], cell["verified"]) == (3, 6)
 
 
 def test_a_context_that_does_not_continue_the_last_is_a_new_request(base):
@@ -187,3 +191,6 @@ def test_greedy_generation_on_smollm2_equals_plain_and_learns_from_outputs(smoll
             assert again.mean_accepted > max(2.0, first.mean_accepted)
         assert len(local.outputs) == 2
         assert np.all(drafter.calibration.predicted.sum(axis=1) > 0)  # every source was tried and credited
+        cells = drafter.attribution.report()
+        assert {cell["source"] for cell in cells} == set(drafter.sources)
+        assert sum(cell["first_accepted"] for cell in cells if cell["source"] == "outputs") > 0

@@ -244,6 +244,25 @@ def test_python_stdlib_sorted_python_sources():
     assert top == sorted(top)
 
 
+def test_python_package_reads_an_installed_package_in_a_hashed_order():
+    import importlib.metadata
+    import importlib.util
+    from pathlib import Path
+
+    spec = CorpusSpec("python-package:tqdm", skip_last=4)
+    corpus = open_corpus(spec)
+    root = Path(importlib.util.find_spec("tqdm").submodule_search_locations[0])
+    sources = {p.relative_to(root).as_posix() for p in root.rglob("*.py") if "__pycache__" not in p.parts}
+    indexed, held = [r.id for r in corpus.records()], [r.id for r in held_out_records(spec)]
+    assert set(indexed) | set(held) == sources and len(held) == 4 and not set(indexed) & set(held)
+    assert indexed + held != sorted(sources)  # not the sorted walk: the held-out files are one corner of that
+    assert [r.id for r in open_corpus(spec).records()] == indexed  # the same order on every read
+    assert (root / indexed[0]).read_text() == next(iter_records(spec)).turns[0].text
+    provenance = corpus.provenance()
+    assert provenance["kind"] == "python-package" and provenance["package"] == "tqdm"
+    assert provenance["version"] == importlib.metadata.version("tqdm") and provenance["path"] == str(root)
+
+
 # --------------------------------------------------------------------------- max_docs / skip_last
 
 
@@ -290,6 +309,10 @@ def test_skip_last_holds_out_whole_conversations_of_a_dataset_stream(tmp_path):
         (CorpusSpec("ultrachat", data_files=("/nowhere/*.jsonl",)), "no data file matches"),
         (CorpusSpec("python-stdlib", field="text"), "--field does not apply"),
         (CorpusSpec("sharegpt", extensions=(".py",)), "--extensions does not apply"),
+        (CorpusSpec("python-package:no_such_package"), "'no_such_package' is not an installed package"),
+        (CorpusSpec("python-package:tqdm.auto"), "'tqdm.auto' is not an installed package"),
+        (CorpusSpec("python-package:"), "'' is not an installed package"),
+        (CorpusSpec("python-package:tqdm", extensions=(".md",)), "--extensions does not apply"),
     ],
 )
 def test_bad_specs_raise_one_line_errors(spec, message):

@@ -11,8 +11,10 @@ import pytest
 
 from benchmarks import tradeoff
 from benchmarks.common import chat_prompt, humaneval_inputs, humaneval_prompts
-from benchmarks.e2e import MODES, parse_args, run_set, set_prompts, targets
+from benchmarks.e2e import MODES, codebase_prompt, parse_args, run_set, set_prompts, targets
 from benchmarks.replay import greedy_path, replay
+from rest_spec.build_index.build import BuildConfig, build
+from rest_spec.build_index.corpora import CorpusSpec, Record, Turn, held_out_records
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
@@ -42,6 +44,42 @@ def test_humaneval_sets_are_the_raw_code_and_the_same_prompts_as_a_chat_turn():
     assert raw == [tokenizer(text).input_ids for text in texts]
     assert chat == [chat_prompt(tokenizer, text) for text in texts]
     assert all(len(c) > len(r) for c, r in zip(chat, raw))  # the template wraps the code
+
+
+def test_skip_prompts_starts_a_set_past_the_prompts_choices_were_tuned_on():
+    tokenizer = load_tokenizer(None)
+    index = Path("indexes/python-stdlib")
+    assert set_prompts("humaneval", tokenizer, index, 3, 1024, skip=100) == humaneval_inputs(tokenizer, 103)[100:]
+    assert len(set_prompts("humaneval", tokenizer, index, 64, 1024, skip=100)) == 64  # HumanEval 101-164
+    with pytest.raises(SystemExit, match="HumanEval has 64 prompts after the first 100; 65 wanted"):
+        set_prompts("humaneval", tokenizer, index, 65, 1024, skip=100)
+    assert parse_args(["--skip-prompts", "40"]).skip_prompts == 40
+
+
+def test_a_codebase_prompt_is_a_held_out_file_cut_after_a_def_line_in_its_second_half():
+    tokenizer = load_tokenizer(None)
+    head = "def first(x):\n    return x\n"  # a def in the first half: not the cut
+    text = (
+        head
+        + "import os\n" * 10
+        + "class Box:\n    async def open(self, path: str) -> None:\n        self.path = path\n"
+    )
+    ids = codebase_prompt(tokenizer, Record("box.py", (Turn("text", text),)), 1024)
+    assert tokenizer.decode(ids) == text[: text.index("None:\n") + len("None:\n")]
+    assert codebase_prompt(tokenizer, Record("box.py", (Turn("text", text),)), 5) == ids[-5:]
+    assert codebase_prompt(tokenizer, Record("flat.py", (Turn("text", head + "x = 1\n" * 10),)), 1024) == []
+
+
+@pytest.mark.build
+def test_the_codebase_set_comes_from_the_files_its_index_holds_out(tmp_path):
+    tokenizer = load_tokenizer(None)
+    index = tmp_path / "tqdm"
+    build(BuildConfig(CorpusSpec("python-package:tqdm", skip_last=8), index, progress=False))
+    held = {record.id: record for record in held_out_records(CorpusSpec("python-package:tqdm", skip_last=8))}
+    prompts = set_prompts("codebase", tokenizer, index, 2, 256)
+    expected = [ids for ids in (codebase_prompt(tokenizer, r, 256) for r in held.values()) if ids][:2]
+    assert prompts == expected and all(0 < len(ids) <= 256 for ids in prompts)
+    assert set_prompts("codebase", tokenizer, index, 1, 256, skip=1) == expected[1:]
 
 
 @pytest.mark.model

@@ -3,6 +3,7 @@ prefix-closed selection; per-source calibration from observed acceptance."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.trie import top_c_tree
 from rest_spec.drafter.hf_internals import forward_with_cache
 from rest_spec.drafter.kv_cache import CacheRows, new_cache
-from rest_spec.drafter.merge import SourceCalibration, merge_trees
+from rest_spec.drafter.merge import Attribution, SourceCalibration, merge_trees
 from rest_spec.drafter.request_matcher import RequestMatcher
 from rest_spec.drafter.verify import verify_trees
 from tests.helpers import tiny_causal_lm
@@ -138,6 +139,39 @@ def test_merge_refuses_bad_weights():
 def test_empty_sources_merge_to_an_empty_tree():
     merged = merge_trees([DraftTree.empty(), DraftTree.empty()], [1.0, 1.0], budget=8)
     assert len(merged) == 0 and merged.source_probs.shape == (0, 2)
+
+
+# ---- attribution --------------------------------------------------------------------------------
+
+
+def test_attribution_counts_per_source_and_match_length():
+    """Index (match 5) proposes 1-2-3 and 9; request (match 17) proposes 1-2-4. The verifier
+    accepts 1, 2 and then 4: both sources proposed the first accepted token, the index carried
+    two accepted tokens and the request three."""
+    index = dataclasses.replace(counted_tree([[1, 2, 3], [1, 2, 3], [9]], budget=10), match_len=5)
+    request = dataclasses.replace(counted_tree([[1, 2, 4]], budget=10), match_len=17)
+    silent = DraftTree.empty()
+    merged = merge_trees([index, request, silent], [1.0, 1.0, 1.0], budget=10)
+    assert merged.source_match_len.tolist() == [5, 17, 0]
+    assert merged.subset(np.arange(3)).source_match_len.tolist() == [5, 17, 0]  # kept through select
+    attribution = Attribution(["index", "request", "outputs"])
+    attribution.observe(merged, merged.accepted_nodes([1, 2, 4, 7]))
+    attribution.observe(merged, merged.accepted_nodes([9, 7]))
+    attribution.observe(merged, merged.accepted_nodes([5]))
+    by_source = {cell["source"]: cell for cell in attribution.report()}
+    assert set(by_source) == {"index", "request"}  # outputs proposed nothing
+    assert by_source["index"] == {
+        "source": "index", "match_len": "4-5", "steps": 3, "first_accepted": 2, "accepted": 3,
+        "verified": 12, "first_token_acceptance": round(2 / 3, 4), "accepted_per_step": 1.0,
+    }  # fmt: skip
+    assert by_source["request"]["match_len"] == "16-31"
+    assert (by_source["request"]["first_accepted"], by_source["request"]["accepted"]) == (1, 3)
+    before = Attribution.from_counts(json.loads(json.dumps(attribution.counts())))
+    attribution.observe(merged, merged.accepted_nodes([1, 7]))
+    since = attribution - before
+    assert [(c["source"], c["steps"], c["accepted"]) for c in since.report()] == [("index", 1, 1), ("request", 1, 1)]
+    with pytest.raises(ValueError, match="merge_trees result over 3 sources"):
+        attribution.observe(index, [])
 
 
 # ---- calibration --------------------------------------------------------------------------------
