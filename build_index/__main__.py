@@ -86,6 +86,7 @@ examples:
   build_index --corpus python-stdlib --out indexes/stdlib
   build_index --corpus sharegpt --skip-last 200
   build_index --corpus ultrachat --data-files 'ultrachat/*.jsonl'
+  build_index --corpus python-package:torch --skip-last 200
   build_index --corpus docs/ --extensions .py,.md --tokenizer HuggingFaceTB/SmolLM2-135M-Instruct
 """.format(
     exit_statuses=textwrap.fill(

@@ -226,7 +226,7 @@ class AdaptiveDrafter:
         # trees fetched without the cuts (the scheduler's speculation) have none
         shorter = shared.shorter if isinstance(shared, CutTrees) else (DraftTree.empty(),) * len(self.suffixes)
         trees = [by_source[s] for s in self.sources] + list(shorter)
-        return merge_trees(trees, self.calibration.weights, config.budget)
+        return merge_trees(trees, self.calibration.weights_for([tree.match_len for tree in trees]), config.budget)
 
     def select(self, tree: DraftTree) -> DraftTree:
         """The part of a merged tree worth verifying on this hardware (all of it without a cost)."""

@@ -281,13 +281,21 @@ def _merge(tokens, parents, counts, scores, sizes, num_sampled, weights, budget)
 
 def compile_kernels() -> float:
     """Compile ``merge_trees``'s kernel for the arrays the drafters pass it (source trees as
-    ``DraftTree`` holds them, a calibration's 2-D weights), filling numba's on-disk cache, so an
+    ``DraftTree`` holds them, a calibration's weights for their match lengths), filling numba's on-disk cache, so an
     adaptive drafter's first step on a fresh install does not spend seconds compiling; returns the
     seconds it took."""
     start = time.perf_counter()
     tree = DraftTree(np.array([5], np.int32), np.array([-1], np.int32), np.array([1], np.int64), 1, 1, 1)
-    merge_trees([tree, DraftTree.empty()], SourceCalibration(2).weights, 1)
+    merge_trees([tree, DraftTree.empty()], SourceCalibration(2).weights_for([1, 0]), 1)
     return time.perf_counter() - start
+
+
+MATCH_LENGTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16)  # the first length of each match-length class
+
+
+def length_class(match_len: np.ndarray | Sequence[int], edges: Sequence[int] = MATCH_LENGTH_EDGES) -> np.ndarray:
+    """The class of each match length among ``edges`` (0 and 1 share the first)."""
+    return np.searchsorted(edges, np.maximum(np.asarray(match_len, dtype=np.int64), 1), side="right") - 1
 
 
 class SourceCalibration:
@@ -300,8 +308,14 @@ class SourceCalibration:
     weight is the running ratio (observed + strength * prior) / (predicted + strength): the prior
     holds it while evidence is thin, and all sums decay by ``decay`` per step so it follows
     drift (roughly the last 1 / (1 - decay) steps count). ``classes`` sample classes (parent
-    counts 1, 2-3, 4-7, ..., the last open-ended); 1 gives one weight per source. One per
-    decoding loop; not thread-safe.
+    counts 1, 2-3, 4-7, ..., the last open-ended); 1 gives one weight per source.
+
+    Cells are also kept per class of the length of the match the source's tree was drafted from
+    (``lengths``, the first length of each class): a 16-token match in the request's own text is
+    far more reliable than a 2-token one, with the same single occurrence behind both. A
+    (source, length, sample class) cell's prior is its (source, sample class) weight over every
+    length, so a length class with little evidence follows the source's pooled weight and one
+    with much evidence its own. One per decoding loop; not thread-safe.
     """
 
     def __init__(
@@ -311,7 +325,11 @@ class SourceCalibration:
         strength: float = 4.0,
         decay: float = 0.995,
         classes: int = 8,
+        lengths: Sequence[int] = MATCH_LENGTH_EDGES,
     ) -> None:
+        self.lengths = tuple(lengths)
+        if not self.lengths or self.lengths[0] != 1 or list(self.lengths) != sorted(set(self.lengths)):
+            raise ValueError(f"lengths must be ascending distinct match lengths from 1, got {list(lengths)}")
         if num_sources < 1 or classes < 1:
             raise ValueError(f"need at least one source and one class, got {num_sources} and {classes}")
         self.prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), (num_sources,)).copy()
@@ -320,8 +338,8 @@ class SourceCalibration:
         if not strength > 0 or not 0 < decay <= 1:
             raise ValueError(f"strength must be > 0 and decay in (0, 1], got {strength} and {decay}")
         self.strength, self.decay = strength, decay
-        self.observed = np.zeros((num_sources, classes))
-        self.predicted = np.zeros((num_sources, classes))
+        self.observed = np.zeros((num_sources, len(self.lengths), classes))
+        self.predicted = np.zeros((num_sources, len(self.lengths), classes))
 
     @property
     def num_sources(self) -> int:
@@ -329,8 +347,19 @@ class SourceCalibration:
 
     @property
     def weights(self) -> np.ndarray:
-        """float64 [S, K]: each source's current per-token weight per sample class."""
-        return (self.observed + self.strength * self.prior[:, None]) / (self.predicted + self.strength)
+        """float64 [S, L, K]: each source's current per-token weight per match-length class and
+        sample class."""
+        pooled = (self.observed.sum(axis=1) + self.strength * self.prior[:, None]) / (
+            self.predicted.sum(axis=1) + self.strength
+        )
+        if len(self.lengths) == 1:
+            return pooled[:, None, :]
+        return (self.observed + self.strength * pooled[:, None, :]) / (self.predicted + self.strength)
+
+    def weights_for(self, match_len: Sequence[int] | np.ndarray) -> np.ndarray:
+        """float64 [S, K]: the weights ``merge_trees`` takes for source trees drafted from matches
+        of ``match_len`` [S] tokens."""
+        return self.weights[np.arange(self.num_sources), length_class(match_len, self.lengths)]
 
     def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:
         """Learn from one verified ``tree`` (from ``merge_trees``, possibly cut by
@@ -349,7 +378,9 @@ class SourceCalibration:
         tried = np.flatnonzero(is_accepted[tree.parents])
         node, source = np.nonzero(probs[tried] > 0)  # every (tried node, proposing source) pair
         node = tried[node]
-        cell = source * self.observed.shape[1] + sample_class(samples[node, source], self.observed.shape[1])
+        _, lengths, classes = self.observed.shape
+        length = length_class(tree.source_match_len, self.lengths)[source]
+        cell = (source * lengths + length) * classes + sample_class(samples[node, source], classes)
         size = self.observed.size
         self.observed = self.decay * self.observed + np.bincount(
             cell, weights=is_accepted[node].astype(np.float64), minlength=size
@@ -357,9 +388,6 @@ class SourceCalibration:
         self.predicted = self.decay * self.predicted + np.bincount(
             cell, weights=probs[node, source], minlength=size
         ).reshape(self.predicted.shape)
-
-
-MATCH_LENGTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 32)  # the first length of each match-length class
 
 
 class Attribution:
@@ -414,7 +442,7 @@ class Attribution:
         if not first.any():
             return
         accepted = np.asarray(accepted, dtype=np.int64)
-        length = np.searchsorted(MATCH_LENGTH_EDGES, np.maximum(tree.source_match_len, 1), side="right") - 1
+        length = length_class(tree.source_match_len)
         rows, cols = np.flatnonzero(first), length[first]
         self.steps[rows, cols] += 1
         if accepted.size:
@@ -423,7 +451,7 @@ class Attribution:
         self.verified[rows, cols] += proposed[:, first].sum(axis=0)
 
     def report(self) -> list[dict]:
-        """One dict per cell with steps: source, match lengths ("4-5", "32+"), the counts, the
+        """One dict per cell with steps: source, match lengths ("4-5", "16+"), the counts, the
         first token's acceptance rate and accepted tokens per step."""
         cells = []
         for source, bucket in zip(*np.nonzero(self.steps)):

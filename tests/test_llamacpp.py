@@ -106,7 +106,6 @@ def rest(drafter, cost: VerifyCost, **options) -> RestLlama:
 def test_the_cost_table_is_measured_from_llama_cpp_and_keyed_by_file_threads_and_build(cost, plain):
     assert cost.sizes == (1, 2, 4, 8, 16) and all(s > 0 for s in cost.seconds)
     assert cost.chain_seconds == cost.seconds  # llama.cpp verifies chains
-    assert cost.seconds[-1] > cost.seconds[0]  # 16 tokens cost more than one
     key = llama_cost_key(plain)
     assert key.model == str(packaged_smollm2().resolve()) and "2x2threads" in key.device
     assert "Q4_1" in key.dtype and key.parameters > 100_000_000

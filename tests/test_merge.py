@@ -164,7 +164,7 @@ def test_attribution_counts_per_source_and_match_length():
         "source": "index", "match_len": "4-5", "steps": 3, "first_accepted": 2, "accepted": 3,
         "verified": 12, "first_token_acceptance": round(2 / 3, 4), "accepted_per_step": 1.0,
     }  # fmt: skip
-    assert by_source["request"]["match_len"] == "16-31"
+    assert by_source["request"]["match_len"] == "16+"
     assert (by_source["request"]["first_accepted"], by_source["request"]["accepted"]) == (1, 3)
     before = Attribution.from_counts(json.loads(json.dumps(attribution.counts())))
     attribution.observe(merged, merged.accepted_nodes([1, 7]))
@@ -180,13 +180,13 @@ def test_attribution_counts_per_source_and_match_length():
 def test_only_tried_nodes_count():
     """Under a rejected node nothing was tried: the chain 1-2-3 with nothing accepted teaches
     only that node 1 failed."""
-    calibration = SourceCalibration(1, prior=1.0, strength=1.0, decay=1.0, classes=1)
-    chain = merge_trees([counted_tree([[1, 2, 3]], budget=3)], calibration.weights, budget=3)
+    calibration = SourceCalibration(1, prior=1.0, strength=1.0, decay=1.0, classes=1, lengths=(1,))
+    chain = merge_trees([counted_tree([[1, 2, 3]], budget=3)], calibration.weights_for([2]), budget=3)
     calibration.observe(chain, [])
-    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([[0.0]], [[1.0]])
-    assert calibration.weights.tolist() == [[0.5]]  # (0 + 1 * 1) / (1 + 1)
+    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([[[0.0]]], [[[1.0]]])
+    assert calibration.weights.tolist() == [[[0.5]]]  # (0 + 1 * 1) / (1 + 1)
     calibration.observe(chain, [0, 1])  # 1 and 2 accepted, 3 tried and rejected
-    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([[2.0]], [[4.0]])
+    assert (calibration.observed.tolist(), calibration.predicted.tolist()) == ([[[2.0]]], [[[4.0]]])
 
 
 def test_calibration_learns_each_sources_acceptance_rate():
@@ -198,7 +198,7 @@ def test_calibration_learns_each_sources_acceptance_rate():
     b = counted_tree([[20, 21, 22, 23]], budget=4)
     calibration = SourceCalibration(2, prior=1.0, strength=4.0, decay=1.0)
     for _ in range(3000):
-        tree = merge_trees([a, b], calibration.weights, budget=8)
+        tree = merge_trees([a, b], calibration.weights_for([a.match_len, b.match_len]), budget=8)
         u = rng.random()
         chain, rate = (a, 0.5) if u < 0.5 else (b, 0.9) if u < 0.75 else (None, 0.0)
         accepted = []
@@ -212,7 +212,8 @@ def test_calibration_learns_each_sources_acceptance_rate():
     # E[accepted] / E[tried] per source: a: tried 1 + 0.5 (1 + 0.5 + 0.25), accepted 0.5 (1 + ...)
     expected_a = 0.5 * (1 + 0.5 + 0.25 + 0.125) / (1 + 0.5 * (1 + 0.5 + 0.25))
     expected_b = 0.25 * (1 + 0.9 + 0.81 + 0.729) / (1 + 0.25 * (1 + 0.9 + 0.81))
-    np.testing.assert_allclose(calibration.weights[:, 0], [expected_a, expected_b], atol=0.04)  # one sample each
+    weights = calibration.weights_for([a.match_len, b.match_len])[:, 0]  # one sample each
+    np.testing.assert_allclose(weights, [expected_a, expected_b], atol=0.04)
 
 
 def test_calibration_tells_one_occurrence_from_many():
@@ -224,11 +225,29 @@ def test_calibration_tells_one_occurrence_from_many():
     calibration = SourceCalibration(1, prior=1.0, strength=4.0, decay=1.0, classes=8)
     for step in range(4000):
         source, rate = (once, 0.3) if step % 2 else (often, 0.8)
-        tree = merge_trees([source], calibration.weights, budget=1)
+        tree = merge_trees([source], calibration.weights_for([source.match_len]), budget=1)
         calibration.observe(tree, [0] if rng.random() < rate else [])
-    weights = calibration.weights[0]
+    weights = calibration.weights_for([2])[0]
     np.testing.assert_allclose(weights[[0, 6]], [0.3, 0.8], atol=0.04)
     assert weights[[1, 2, 3, 4, 5, 7]].tolist() == [1.0] * 6
+
+
+def test_calibration_tells_a_long_match_from_a_short_one():
+    """One source, one occurrence behind every draft (one sample class): drafted from a 16-token
+    match it is accepted 90% of the time, from a 2-token match 10%. Each length class converges
+    to its own rate; a length class never seen keeps the source's pooled weight."""
+    rng = np.random.default_rng(2)
+    calibration = SourceCalibration(1, prior=1.0, strength=4.0, decay=1.0)
+    for step in range(4000):
+        length, rate = (16, 0.9) if step % 2 else (2, 0.1)
+        source = dataclasses.replace(counted_tree([[10 + step % 2]], budget=1), match_len=length)
+        tree = merge_trees([source], calibration.weights_for([length]), budget=1)
+        calibration.observe(tree, [0] if rng.random() < rate else [])
+    long, short, unseen = (calibration.weights_for([n])[0, 0] for n in (16, 2, 5))
+    np.testing.assert_allclose([long, short], [0.9, 0.1], atol=0.04)
+    assert unseen == pytest.approx(0.5, abs=0.04)  # both lengths pooled: half of the drafts accepted
+    with pytest.raises(ValueError, match="lengths must be ascending distinct match lengths from 1"):
+        SourceCalibration(1, lengths=(2, 4))
 
 
 def test_calibration_refuses_trees_without_source_probabilities():
@@ -252,7 +271,8 @@ def test_request_and_output_store_drafts_verified_on_a_real_model():
     config = DraftConfig(budget=16, max_depth=4)
     trees = [RequestMatcher().draft(prompt, config), store.draft(prompt, config)]
     calibration = SourceCalibration(2)
-    tree = merge_trees(trees, calibration.weights, config.budget)
+    lengths = [tree.match_len for tree in trees]
+    tree = merge_trees(trees, calibration.weights_for(lengths), config.budget)
 
     cache = new_cache(model)
     with torch.inference_mode():
@@ -263,7 +283,8 @@ def test_request_and_output_store_drafts_verified_on_a_real_model():
     calibration.observe(tree, verdict.keep[1:] - 1)
     # the store proposed all 4 accepted tokens; the request's (7, 8, ...) branch was tried at the root
     assert calibration.observed[1].sum() == 4
-    assert calibration.weights[1, 0] > calibration.weights[0, 0]  # both rest on one occurrence
+    weights = calibration.weights_for(lengths)
+    assert weights[1, 0] > weights[0, 0]  # both rest on one occurrence
 
 
 DRAFTER_SCRIPT = """
