@@ -13,6 +13,9 @@ hands llama.cpp the root path whose expected tokens per second is highest under 
 t(n) -- nothing when no path pays. t(n) is measured once per model file, thread counts and machine
 with the ``Llama`` it drafts for (``load_or_measure_llama``) and cached beside the transformers
 table. The accepted tokens reach the drafter as the next call's context, like every other loop.
+Drafts go through ``drafter.scheduler.DraftScheduler`` as in the other engines: a datastore reply
+may keep a step waiting a fraction of a step's time at most, and a datastore that stops answering
+opens the circuit breaker, so a frozen or dead one costs a few steps, then nothing.
 
     llm = rest_llama("model.gguf", LocalDrafter.open("indexes/python-stdlib"), n_threads=2)
     llm("def fibonacci(n):", max_tokens=128, temperature=0)
@@ -45,6 +48,7 @@ from rest_spec.drafter.adaptive import SOURCES, AdaptiveDrafter
 from rest_spec.drafter.cost import BlockShape, CorrectedCost, CostKey, VerifyCost, check_sizes
 from rest_spec.drafter.measure import cached_cost, check_timing
 from rest_spec.drafter.protocol import Drafter
+from rest_spec.drafter.scheduler import DraftScheduler, OverlapConfig
 
 try:
     import llama_cpp
@@ -213,6 +217,7 @@ class RestDraftModel(LlamaDraftModel):
         self.drafter, self.config, self.stats = drafter, config, DraftStats()
         self._options = {"config": config, "sources": tuple(sources), "suffixes": tuple(suffixes)}
         self.adaptive: AdaptiveDrafter | None = None
+        self.scheduler: DraftScheduler | None = None
         self._context_length = self._skip = self._backoff = 0  # see __call__
         self.last_chain = np.zeros(0, np.intc)
         if cost is not None:
@@ -224,6 +229,8 @@ class RestDraftModel(LlamaDraftModel):
         corrected = CorrectedCost(cost, pads=False)  # llama.cpp runs exactly the tokens it is given
         if self.adaptive is None:
             self.adaptive = AdaptiveDrafter(self.drafter, cost=corrected, chains=True, **self._options)
+            # no overlap: llama.cpp's threads take every core while it evaluates
+            self.scheduler = DraftScheduler(self.adaptive, self.config, OverlapConfig(enabled=False), cost.seconds[0])
         else:
             self.adaptive.cost = corrected
 
@@ -233,6 +240,7 @@ class RestDraftModel(LlamaDraftModel):
         contexts, between other work (``drafter.cost.CorrectedCost``)."""
         if self.adaptive is not None:
             self.adaptive.cost.observe(BlockShape(tokens), True, seconds)
+            self.scheduler.verified(seconds)  # the datastore's deadlines follow the step time
 
     def attach(self, llm: Llama, *, check: bool = True, remeasure: bool = False) -> VerifyCost:
         """Ready this model to draft for ``llm`` (built with ``draft_model=self``): check that its
@@ -268,7 +276,7 @@ class RestDraftModel(LlamaDraftModel):
             self.last_chain = np.zeros(0, np.intc)
             return self.last_chain
         start = time.perf_counter()
-        tree = self.adaptive.draft(input_ids, self.config)
+        (tree,) = self.scheduler.trees([input_ids.tolist()])
         self.stats.drafted += len(tree)
         self.stats.seconds += time.perf_counter() - start
         self._backoff = 0 if len(tree) else min(max(1, 2 * self._backoff), BACKOFF_MAX)
@@ -287,6 +295,8 @@ class RestDraftModel(LlamaDraftModel):
         return self.drafter.add_output(tokens)
 
     def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         self.drafter.close()
 
 

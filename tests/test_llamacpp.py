@@ -5,6 +5,7 @@ the refusals. Skipped where llama-cpp-python is not installed (the ``llama`` ext
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -35,7 +36,7 @@ from rest_spec.drafter.llamacpp import (  # noqa: E402
 )
 from rest_spec.drafter.local import LocalDrafter  # noqa: E402
 from rest_spec.drafter.remote import RemoteDrafter  # noqa: E402
-from tests.helpers import write_index  # noqa: E402
+from tests.helpers import DatastoreProcess, write_index  # noqa: E402
 
 pytestmark = pytest.mark.llama
 
@@ -168,6 +169,33 @@ def test_seeded_sampling_draws_the_same_tokens_with_drafts(index, prompts, cost)
                 expected = llama_generate(plain, ids, NEW_TOKENS, **sampling).output_ids
                 assert llama_generate(llm, ids, NEW_TOKENS, **sampling).output_ids == expected
             assert llm.draft_model.stats.drafted > 0
+
+
+@pytest.mark.parametrize("fault", ["frozen", "killed"])
+def test_a_frozen_or_killed_datastore_costs_a_few_steps_then_nothing(index, prompts, references, cost, fault):
+    """The datastore (a real ``rest-datastore serve``) is stopped (SIGSTOP) or killed after the
+    first prompt: the next generation waits at most a deadline on a few steps, then the breaker
+    opens and the steps draft from the request's own text without asking; the output is unchanged."""
+    server = DatastoreProcess("serve", "--index", index, "--host", "127.0.0.1", "--port", "0").wait()
+    assert server.address, server.output
+    try:
+        with RemoteDrafter(server.address, timeout=30) as drafter:
+            llm = rest(drafter, cheap_cost(cost))
+            first = llama_generate(llm, prompts[0], NEW_TOKENS)
+            scheduler = llm.draft_model.scheduler
+            assert scheduler.stats.fallbacks == 0 and scheduler.breaker.closed
+            server.proc.send_signal(signal.SIGSTOP if fault == "frozen" else signal.SIGKILL)
+            second = llama_generate(llm, prompts[1], NEW_TOKENS)
+            stats = scheduler.stats
+            assert not scheduler.breaker.closed and stats.breaker_open_steps > 0
+            late_or_failed = stats.fallbacks - stats.breaker_open_steps  # a few of them opened the breaker
+            assert late_or_failed <= 5, stats.summary()
+            assert max(stats.waits) < 10.0, stats.summary()  # no step waited out the RPC's 30 s timeout
+            if EXACT_BATCHES:
+                assert [first.output_ids, second.output_ids] == references
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        server.stop()
 
 
 def test_a_draft_model_with_nothing_to_draft_backs_off_and_changes_nothing(

@@ -308,3 +308,19 @@ def test_openai_server_with_the_proposer(checkpoint, prompts, plain, server, tmp
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def test_restart_benchmark_drafts_from_the_outputs_the_first_engine_stored(stdlib_index, tmp_path):
+    """benchmarks.restart on two prompts: day 2's engine is a new process that reopens the store of
+    outputs day 1 wrote, and drafts the repeated tasks from it; every output equals plain's."""
+    from benchmarks import restart
+
+    out = tmp_path / "restart.json"
+    argv = ["--prompts", "2", "--max-new-tokens", "24", "--k", str(K), "--humaneval-index", str(stdlib_index)]
+    assert restart.main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    day_2 = report["methods"]["rest"]["runs"]["day 2, repeated"]
+    assert day_2["equal_to_plain"] == 2
+    from_outputs = [cell for cell in day_2["attribution"] if cell["source"] == "outputs"]
+    assert sum(cell["accepted"] for cell in from_outputs) > 0, day_2["attribution"]
+    assert set(report["methods"]["suffix"]["runs"]) == set(restart.RUNS)
