@@ -48,19 +48,18 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree
 from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.cost import BlockShape, CorrectedCost, CostKey, VerifyCost, select_batch_chains
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.protocol import DraftSource
 from rest_spec.drafter.scheduler import DraftScheduler, OverlapConfig
+from rest_spec.drafter.uploads import OutputUploader, UploadStats
 
 log = logging.getLogger(__name__)
 
@@ -220,17 +219,16 @@ def finished_output(state) -> list[int]:
 
 
 @dataclasses.dataclass
-class ProposerStats:
+class ProposerStats(UploadStats):
     """What the proposer did: ``calls`` to ``propose``, ``drafted`` tokens returned, ``rows`` asked for,
-    ``rows_drafted`` with a non-empty chain, ``observed`` steps timed, ``outputs_added``, seconds spent."""
+    ``rows_drafted`` with a non-empty chain, ``observed`` steps timed, seconds spent; and its outputs
+    (``UploadStats``)."""
 
     calls: int = 0
     rows: int = 0
     rows_drafted: int = 0
     drafted: int = 0
     observed: int = 0
-    outputs_added: int = 0
-    outputs_failed: int = 0
     seconds: float = 0.0
 
 
@@ -273,7 +271,7 @@ class RestProposer:
         self._gate: dict[int, dict[bool, deque[tuple[int, float]]]] = {}  # rows -> drafted? -> (tokens made, seconds)
         self._gate_steps = 0
         self._steps: deque[float] = deque(maxlen=32)
-        self._uploads = None if isinstance(self.source, LocalDrafter) else ThreadPoolExecutor(1, "rest-outputs")
+        self.uploads = OutputUploader(self.source, self.stats)  # never on the engine's step
         log.info(
             "REST proposer: datastore %s, k %d, %s",
             self.options.datastore,
@@ -356,10 +354,7 @@ class RestProposer:
         tokens = finished_output(state)
         if len(tokens) < 2:
             return
-        if self._uploads is None:
-            self._add_output(tokens)
-        else:
-            self._uploads.submit(self._add_output, tokens)
+        self.uploads.submit(tokens)
 
     # ---- internals -------------------------------------------------------------------------------
 
@@ -481,21 +476,10 @@ class RestProposer:
                 path,
             )
 
-    def _add_output(self, tokens: list[int]) -> None:
-        try:
-            self.source.add_output(tokens)
-            self.stats.outputs_added += 1
-        except NoOutputStoreError as exc:
-            log.debug("output not stored: %s", exc)
-        except (RuntimeError, OSError, ValueError) as exc:
-            self.stats.outputs_failed += 1
-            log.warning("output not stored: %s", exc)
-
     def close(self) -> None:
         log.info("REST proposer: %s", self.stats)
         self.scheduler.close()
-        if self._uploads is not None:
-            self._uploads.shutdown(wait=True)
+        self.uploads.close()
         self.source.close()
 
     def __del__(self) -> None:

@@ -30,8 +30,10 @@ from rest_spec.drafter.adaptive import AdaptiveDrafter
 from rest_spec.drafter.breaker import Admission, BreakerState, CircuitBreaker
 from rest_spec.drafter.cost import CostKey, VerifyCost
 from rest_spec.drafter.generate import generate
+from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.remote import RemoteDrafter
 from rest_spec.drafter.scheduler import DraftScheduler, OverlapConfig
+from rest_spec.drafter.uploads import OutputUploader, UploadStats
 from tests.helpers import CORPUS_VOCAB, ONE_THREAD, DatastoreProcess, synthetic_corpus, write_index
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -409,5 +411,38 @@ def test_rest_generate_completes_against_a_server_frozen_for_good(smollm2, code_
         messages = "".join(log)
         assert messages.count("failed 3 calls in a row") == 1, messages
         assert "output not stored" in messages and "output not sent" in messages, messages
+    finally:
+        stop_all(server)
+
+
+# ---- outputs on their way to the store ---------------------------------------------------------
+
+
+def test_outputs_are_stored_off_the_callers_thread(synthetic_index):
+    with LocalDrafter.open(synthetic_index) as store:
+        uploader = OutputUploader(store)
+        assert all(uploader.submit([401 + i, 402 + i, 403 + i]) for i in range(3))
+        uploader.close()  # stores what is queued
+        assert uploader.stats == UploadStats(outputs_added=3) and len(store.outputs) == 3
+        assert not uploader.submit([1, 2, 3]) and uploader.stats.outputs_dropped == 1  # closed
+
+
+@pytest.mark.server
+def test_a_frozen_datastore_fills_the_queue_and_the_rest_is_dropped_not_kept(synthetic_index):
+    """Two outputs may wait for a frozen server (one in flight, one queued); the next ones are
+    dropped at once and counted. Once the server is back the queued ones are stored."""
+    server = serve(synthetic_index)
+    try:
+        with RemoteDrafter(server.address, timeout=30) as drafter:
+            uploader = OutputUploader(drafter, max_pending=2)
+            server.proc.send_signal(signal.SIGSTOP)
+            submitted = [uploader.submit([401, 402, i]) for i in range(5)]
+            assert submitted == [True, True, False, False, False]
+            assert uploader.stats.outputs_dropped == 3 and uploader.stats.outputs_added == 0
+            server.proc.send_signal(signal.SIGCONT)
+            uploader.close()
+            assert uploader.stats == UploadStats(outputs_added=2, outputs_dropped=3)
+            (trees,) = drafter.start_sources([[401, 402]], DraftConfig(n_min=2), outputs=True).result()
+            assert sorted(trees.outputs.tokens.tolist()) == [0, 1]  # the two that waited were stored
     finally:
         stop_all(server)
