@@ -42,7 +42,6 @@ import numpy as np
 from benchmarks.common import (
     RESULTS,
     check,
-    ensure_index,
     load_targets,
     mode_bars,
     pyplot,
@@ -50,7 +49,7 @@ from benchmarks.common import (
     save_figure,
     save_report,
 )
-from benchmarks.e2e import INDEXES, hf_run, set_prompts
+from benchmarks.e2e import add_set_arguments, hf_run, set_index, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
 from rest_spec.common.tokenizer import load_tokenizer, packaged_smollm2, tokenizer_fingerprint
@@ -83,9 +82,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--transformers-every", type=int, default=4, metavar="K", help="run transformers on every K-th prompt"
     )
-    p.add_argument("--humaneval-index", type=Path, default=INDEXES["humaneval"][0])
-    p.add_argument("--sharegpt-index", type=Path, default=INDEXES["sharegpt"][0])
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer ShareGPT prompts")
+    add_set_arguments(p)
     p.add_argument("--budget", type=int, default=64, help="candidates per source for the rest modes")
     p.add_argument("--max-depth", type=int, default=32, help="the longest chain the rest modes draft")
     p.add_argument("--out", type=Path, default=RESULTS / "llama_cpp.json")
@@ -288,10 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / "llama_cpp_server.log", "w") as logs:
         for name in args.sets:
-            index = ensure_index(args.sharegpt_index if name == "sharegpt" else args.humaneval_index, INDEXES[name][1])
+            index = set_index(name, args)
             with LocalDrafter.open(index, expected_fingerprint=fingerprint):
                 pass  # a foreign index fails here, before any model loads
-            prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
+            prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens, args.skip_prompts)
             report["sets"][name] = run_set(name, prompts, index, args, logs)
     report["targets"] = targets(report)
     report["plot"] = str(args.plot) if plot(report, args.plot) else None

@@ -8,7 +8,7 @@ uninitialized memory: sampled output that is no longer the model's, for every sp
 (ngram and suffix too). Greedy batches never call it.
 
 ``RestProposer.load_model`` calls ``check_expand`` in the worker that samples: it tries the kernel
-the rejection sampler dispatches to on a known case and, only where the answer is wrong, registers
+the rejection sampler dispatches to on a known case and, only where the answer is wrong, puts
 ``expand_kernel_impl`` in its place (a release that fixes the bug keeps its own); should the fix
 not take, the proposer refuses to start rather than sample wrongly. Nothing is patched in an
 engine that does not run the proposer, nor in any other vLLM process of the environment.
@@ -34,8 +34,6 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
     values = input_val.masked_fill(input_val == replace_from, replace_to)
     output[: int(ends[-1])].copy_(torch.repeat_interleave(values, counts).to(output.dtype))
 
-
-expand_kernel_impl.rest_spec_fix = True
 
 # (input, expected output) for cu_num_tokens [1, 1, 3] (row 1 has no tokens), 0 replaced by 1
 _CASES = (((0.5, 7.0, 0.0), (0.5, 1.0, 1.0), "float32"), ((4, 9, 0), (4, 1, 1), "int32"))
