@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -293,6 +294,18 @@ def request_oracle(
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state T in ``/proc``; True where there is no
+    ``/proc``, or the process is gone)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            continue
+    return all(state in "Tt" for state in states)
+
+
 class DatastoreProcess:
     """``python -m rest_spec.datastore COMMAND ARGS`` (``serve``, ``route``) with its merged stdout
     and stderr drained into ``lines`` (so its log never blocks it). Start several, then ``wait``
@@ -332,6 +345,16 @@ class DatastoreProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)
+
+    def freeze(self) -> None:
+        """SIGSTOP, returning once every thread of it has stopped: ``kill`` returns before the
+        kernel stops a busy process, and on a loaded machine a request sent a few milliseconds
+        after the signal can still be answered."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while not _stopped(self.proc.pid):
+            assert time.monotonic() < deadline, f"pid {self.proc.pid} did not stop within 30 s of SIGSTOP"
+            time.sleep(0.001)
 
     def stop(self) -> int:
         """SIGTERM; its exit status (killed after 30 s)."""

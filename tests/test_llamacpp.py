@@ -184,7 +184,10 @@ def test_a_frozen_or_killed_datastore_costs_a_few_steps_then_nothing(index, prom
             first = llama_generate(llm, prompts[0], NEW_TOKENS)
             scheduler = llm.draft_model.scheduler
             assert scheduler.stats.fallbacks == 0 and scheduler.breaker.closed
-            server.proc.send_signal(signal.SIGSTOP if fault == "frozen" else signal.SIGKILL)
+            if fault == "frozen":
+                server.freeze()
+            else:
+                server.kill()
             second = llama_generate(llm, prompts[1], NEW_TOKENS)
             stats = scheduler.stats
             assert not scheduler.breaker.closed and stats.breaker_open_steps > 0

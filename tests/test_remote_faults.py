@@ -189,7 +189,10 @@ class Fault:
         self.opened = False
 
     def strike(self) -> None:
-        self.server.proc.send_signal(self.how)
+        if self.how == signal.SIGSTOP:
+            self.server.freeze()
+        else:
+            self.server.kill()
         self.fault = time.monotonic()
 
     def step(self) -> None:
@@ -392,7 +395,7 @@ def test_rest_generate_completes_against_a_server_frozen_for_good(smollm2, code_
                 log.append(line)
                 if "generating 1/1" in line:
                     time.sleep(0.3)
-                    server.proc.send_signal(signal.SIGSTOP)
+                    server.freeze()
 
         reader = threading.Thread(target=freeze_once_generating, daemon=True)
         reader.start()
@@ -435,7 +438,7 @@ def test_a_frozen_datastore_fills_the_queue_and_the_rest_is_dropped_not_kept(syn
     try:
         with RemoteDrafter(server.address, timeout=30) as drafter:
             uploader = OutputUploader(drafter, max_pending=2)
-            server.proc.send_signal(signal.SIGSTOP)
+            server.freeze()
             submitted = [uploader.submit([401, 402, i]) for i in range(5)]
             assert submitted == [True, True, False, False, False]
             assert uploader.stats.outputs_dropped == 3 and uploader.stats.outputs_added == 0
