@@ -69,7 +69,7 @@ log = logging.getLogger("benchmarks.vllm")
 MODES = ("plain", "ngram", "suffix", "rest", "rest-grpc", "oracle")
 DEFAULT_SETS = ("humaneval", "sharegpt")
 DEFAULT_NGRAM_SETTINGS = "4:1:3,4:2:5,8:2:5,8:3:8"
-MEASURE_T_TOKENS = 256  # new tokens of the t(n) measurement: enough single-row steps for every probe size
+MEASURE_T_TOKENS = 512  # new tokens of the t(n) measurement: enough steps for the proposer to cache what it learned
 ENGINE_TIMEOUT = 3600  # seconds one engine may take, startup and every run
 
 
@@ -296,8 +296,8 @@ def engine_tables(since: float) -> list[tuple[Path, VerifyCost]]:
 
 
 def measure_t(prompt: list[int], index: Path, k: int) -> dict | None:
-    """vLLM's step cost t(n), measured afresh by a ``rest`` engine (``remeasure``) on ``prompt``
-    and cached by the proposer; the newest table written meanwhile (sizes, ms), or None with a
+    """vLLM's step cost t(n), learned afresh by a ``rest`` engine (``remeasure``) drafting on
+    ``prompt`` and cached by the proposer; the newest table written meanwhile (sizes, ms), or None with a
     warning when the engine wrote none."""
     started = time.time()
     spec = job("rest", [prompt], MEASURE_T_TOKENS, 1, k=k, rest={"datastore": str(index), "remeasure": True})

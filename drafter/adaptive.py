@@ -27,7 +27,7 @@ import numpy as np
 
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from rest_spec.drafter.cost import CorrectedCost, VerifyCost, select_chain, select_tree
+from rest_spec.drafter.cost import BatchCost, CorrectedCost, VerifyCost, select_chain, select_tree
 from rest_spec.drafter.merge import Attribution, SourceCalibration, merge_trees
 from rest_spec.drafter.protocol import Deferred, Drafter, Pending, SourceDrafter, as_source, continued_rows, draft_step
 from rest_spec.drafter.request_matcher import RequestMatcher
@@ -97,7 +97,8 @@ class AdaptiveDrafter:
                  Kept as ``source`` (``drafter.protocol.as_source``)
     cost         the measured verification cost (``drafter.measure.load_or_measure``), kept as a
                  ``CorrectedCost`` (given one, that one): the loop that verifies these trees
-                 corrects it by the steps it times (``generate``), across requests; None keeps
+                 corrects it by the steps it times (``generate``), across requests; or a
+                 ``BatchCost`` (an engine's step by rows and draft tokens, vLLM's); None keeps
                  the ``budget`` best-scored nodes (no hardware-aware size)
     config       how each source drafts its candidates (budget 64 per source and for the merge)
     suffixes     context cuts (descending token counts, e.g. ``SUFFIX_CUTS``) whose index trees are
@@ -119,7 +120,7 @@ class AdaptiveDrafter:
         self,
         base: Drafter,
         *,
-        cost: VerifyCost | CorrectedCost | None,
+        cost: VerifyCost | CorrectedCost | BatchCost | None,
         config: DraftConfig = DraftConfig(),
         sources: Sequence[str] = SOURCES,
         suffixes: Sequence[int] = (),
@@ -151,7 +152,7 @@ class AdaptiveDrafter:
         # where accepted tokens come from, per source and match length (reports; no decision reads it)
         self.attribution = Attribution(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes))
         self.source, self.config, self.chains = as_source(base), config, chains
-        self.cost = cost if cost is None or isinstance(cost, CorrectedCost) else CorrectedCost(cost)
+        self.cost = CorrectedCost(cost) if isinstance(cost, VerifyCost) else cost
         self._requests: list[_Request] = []  # one per row of the last call, in row order
 
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:

@@ -14,20 +14,21 @@ vLLM runs it through its ``custom_class`` hook::
 Options (``additional_config["rest"]``, each with an environment fallback, ``OPTIONS``): the
 ``datastore``, an index directory (opened in the worker) or HOST:PORT (a ``rest-datastore serve``,
 over TLS with ``tls_ca``, sending ``auth_token``), required; for an index directory, the store of
-outputs (``outputs_max_tokens``, ``outputs_dir``); ``overlap``; ``remeasure``.
+outputs (``outputs_max_tokens``, ``outputs_dir``); ``overlap``; ``remeasure`` (ignore a cached
+cost and learn it afresh).
 
 Each engine step it drafts what ``rest-generate --adaptive`` drafts: the index, the request's own
 text and the store of outputs, merged and scored (``AdaptiveDrafter``), fetched in one datastore
 call for the whole batch, with deadlines and a circuit breaker (``DraftScheduler``; with
-``overlap``, the next step's sources are fetched while vLLM runs this one). vLLM verifies chains,
-so each row gets the chain that pays most, and the batch keeps the prefixes that maximize its
-tokens per second (``cost.select_batch_chains``): at high concurrency or without a match nothing
-is drafted. Prices are vLLM's own: the time between two calls is one engine step without the
-drafting, observed for every step of decode rows and kept as a ``CorrectedCost``. The first
-time an engine runs (per model, vLLM version, dtype and threads) the proposer measures its table
-in the first single-row steps: it drafts chains of each length up to k + 1 a few times (padding
-a short draft with tokens that are simply rejected), caches the medians, and corrects them from
-then on.
+``overlap``, the next step's sources are fetched while vLLM runs this one). vLLM verifies chains:
+each row offers its likeliest chain, and the batch admits draft tokens in order of expected
+acceptance while they raise its expected tokens per second (``cost.select_batch_chains``), so a
+step where nothing pays drafts nothing. Prices are vLLM's own, by rows and draft tokens
+(``cost.BatchCost``): the time between two calls is one engine step without the drafting,
+observed for every step of decode rows, from the first step on (a cached table from an earlier
+engine, per model, vLLM version, dtype and threads, is only the prior). Where the drafting itself
+(the proposer's own time) costs more than its expected gain at a batch size, the proposer skips
+drafting at that size for a while, twice as long each time it still does not pay.
 
 vLLM hands the proposer batch rows, not requests. The runner that built it has each row's request
 id, and its hook for removed requests tells which ended (``drafter.vllm_runner``, the one place
@@ -52,11 +53,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree
+from rest_spec.common.types import MAX_DEPTH, DraftConfig
 from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.cost import BlockShape, CorrectedCost, CostKey, VerifyCost, select_batch_chains
+from rest_spec.drafter.cost import BatchCost, CostKey, select_batch_chains
 from rest_spec.drafter.local import LocalDrafter
 from rest_spec.drafter.protocol import DraftSource
 from rest_spec.drafter.scheduler import DraftScheduler, OverlapConfig
@@ -65,12 +64,10 @@ from rest_spec.drafter.uploads import OutputUploader, UploadStats
 log = logging.getLogger(__name__)
 
 PROPOSER = "rest_spec.drafter.vllm.RestProposer"
-PROBE_REPEATS = 5  # steps timed per chain length when the proposer measures vLLM's step cost
-PROBE_WARMUP = 1
 GAP_FACTOR = 5.0  # an interval this many times the median step spans idle time: not a step
-GATE_WINDOW = 16  # recent steps per batch size and arm (drafting or not) that the gate compares
-GATE_MIN = 3  # steps each arm runs before the gate compares them
-GATE_EXPLORE = 8  # every this-many steps of several rows, the arm not chosen runs once
+WORTH_WINDOW = 16  # recent drafting steps per batch size whose expected gain and cost are weighed
+MAX_SKIP = 16  # the most steps drafting is skipped at a batch size before it is weighed again
+CACHE_AFTER = 128  # steps observed before the learned cost is cached for the next engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +207,8 @@ def engine_cost_key(vllm_config) -> CostKey:
     )
 
 
-def probe_sizes(k: int) -> tuple[int, ...]:
-    """The step sizes (tokens per row: the pending one and its chain) the proposer times."""
+def cached_sizes(k: int) -> tuple[int, ...]:
+    """The step sizes (tokens per row: the pending one and its chain) of the cached cost table."""
     return tuple(range(1, k + 2)) if k <= 8 else (*range(1, 9), *range(10, k + 1, 2), k + 1)
 
 
@@ -238,7 +235,8 @@ def finished_output(state) -> list[int]:
 @dataclasses.dataclass
 class ProposerStats(UploadStats):
     """What the proposer did: ``calls`` to ``propose``, ``drafted`` tokens returned, ``rows`` asked for,
-    ``rows_drafted`` with a non-empty chain, ``observed`` steps timed, seconds spent; and its outputs
+    ``rows_drafted`` with a non-empty chain, ``observed`` steps timed, seconds spent,
+    ``first_draft_call`` (the number of the first call that drafted; 0: none yet); and its outputs
     (``UploadStats``)."""
 
     calls: int = 0
@@ -247,6 +245,7 @@ class ProposerStats(UploadStats):
     drafted: int = 0
     observed: int = 0
     seconds: float = 0.0
+    first_draft_call: int = 0
 
 
 class RestProposer:
@@ -264,16 +263,16 @@ class RestProposer:
             self.key = engine_cost_key(vllm_config)
             from rest_spec.drafter.measure import read_cost
 
-            table = None if self.options.remeasure else read_cost(self.key, otherwise="measuring it in the first steps")
+            table = (
+                None if self.options.remeasure else read_cost(self.key, otherwise="learning it from the first steps")
+            )
             depth = min(self.k, MAX_DEPTH)
             self.overlap = (
                 overlap_default(self.options.datastore) if self.options.overlap is None else self.options.overlap
             )
+            self.cost = BatchCost(table)
             self.adaptive = AdaptiveDrafter(
-                self.source,
-                cost=CorrectedCost(table or _provisional(self.key, self.k), pads=False),
-                config=DraftConfig(max_depth=depth),
-                chains=True,
+                self.source, cost=self.cost, config=DraftConfig(max_depth=depth), chains=True
             )
             self.scheduler = DraftScheduler(
                 self.adaptive, DraftConfig(max_depth=depth), OverlapConfig(enabled=self.overlap), 0.05
@@ -281,22 +280,24 @@ class RestProposer:
         except BaseException:
             self.source.close()
             raise
-        self.measured = table is not None
-        self._probe: dict[int, list[float]] = {} if table is None else None
+        self._cached = False  # the learned cost written for the next engine
         self._link = None  # drafter.vllm_runner.RunnerLink, once load_model has run
         self._order: dict[str, int] = {}  # request id -> first appearance (rows are drafted in this order)
         self._appeared = 0
-        # the last call: its start and end, its rows, the tokens it handed vLLM (0: not a clean step), whether it drafted
-        self._last: tuple[float, float, frozenset[str], int, bool] | None = None
-        self._gate: dict[int, dict[bool, deque[tuple[int, float]]]] = {}  # rows -> drafted? -> (tokens made, seconds)
-        self._gate_steps = 0
+        # the last call: its end, its rows, the draft tokens it handed vLLM (None: not a clean step)
+        self._last: tuple[float, frozenset[str], int | None] | None = None
+        # rows -> recent drafting steps' (expected extra tokens, expected extra seconds)
+        self._worth: dict[int, deque[tuple[float, float]]] = {}
+        self._skip: dict[int, tuple[int, int]] = {}  # rows -> (steps still skipped, the next skip's length)
         self._steps: deque[float] = deque(maxlen=32)
         self.uploads = OutputUploader(self.source, self.stats)  # never on the engine's step
         log.info(
             "REST proposer: datastore %s, k %d, %s",
             self.options.datastore,
             self.k,
-            "step cost cached" if table is not None else "measuring vLLM's step cost in the first single-row steps",
+            "a cached step cost as the prior"
+            if table is not None
+            else "learning vLLM's step cost from the first steps",
         )
 
     # ---- vLLM's hooks ----------------------------------------------------------------------------
@@ -321,30 +322,26 @@ class RestProposer:
             i for i in range(rows) if self._eligible(i, batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         ]
         eligible.sort(key=lambda i: self._order[batch[i][0]])
-        drafting = bool(eligible) and (rows == 1 or (self.measured and self._gate_open(rows)))
-        if drafting:
+        if eligible and self._drafts_at(rows):
             contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist() for i in eligible]
-            chains = self.scheduler.trees(contexts)
-            if self.measured:
-                chains = select_batch_chains(chains, self.adaptive.cost, rows)
-                tokens = [chain.tokens.tolist() for chain in chains]
-            else:
-                chains, tokens = self._probe_chain(chains[0], contexts[0])
+            chains = select_batch_chains(self.scheduler.trees(contexts), self.cost, rows)
             self.adaptive.record(chains)
             self.scheduler.speculate(chains)
             room = token_ids_cpu.shape[1]
-            for i, chain, context in zip(eligible, tokens, contexts):
-                drafts[i] = chain[: max(0, min(self.k, room - len(context) - 1))]
+            for i, chain, context in zip(eligible, chains, contexts):
+                drafts[i] = chain.tokens.tolist()[: max(0, min(self.k, room - len(context) - 1))]
+            self._weigh(rows, sum(float(chain.scores.sum()) for chain in chains), time.perf_counter() - start, drafts)
         elif eligible:
             self.adaptive.forget()  # the rows decode on without its trees
-        tokens = sum(1 + len(d) for d in drafts)
         clean = all(len(s) > 0 for s in sampled_token_ids)
         end = time.perf_counter()
-        self._last = (start, end, frozenset(rid for rid, _ in batch), tokens if clean else 0, drafting)
+        self._last = (end, frozenset(rid for rid, _ in batch), sum(len(d) for d in drafts) if clean else None)
         self.stats.calls += 1
         self.stats.rows += rows
         self.stats.rows_drafted += sum(1 for d in drafts if d)
         self.stats.drafted += sum(len(d) for d in drafts)
+        if not self.stats.first_draft_call and any(drafts):
+            self.stats.first_draft_call = self.stats.calls
         self.stats.seconds += end - start
         return drafts
 
@@ -406,69 +403,61 @@ class RestProposer:
         ran again, all of them decoding (no prefill), and it did not span idle time."""
         if self._last is None:
             return
-        started, end, rows, tokens, drafted = self._last
+        end, rows, drafted = self._last
         seconds = now - end
-        if not tokens or rows != frozenset(rid for rid, _ in batch) or not all(len(s) for s in sampled):
+        if drafted is None or rows != frozenset(rid for rid, _ in batch) or not all(len(s) for s in sampled):
             return
         median = statistics.median(self._steps) if self._steps else None
         if median is not None and seconds > GAP_FACTOR * median:
             return
         self._steps.append(seconds)
         self.scheduler.verified(seconds)
-        self.adaptive.cost.observe(BlockShape(tokens), True, seconds)
+        self.cost.observe(len(rows), drafted, seconds)
         self.stats.observed += 1
-        if len(rows) > 1:
-            arms = self._gate.setdefault(len(rows), {True: deque(maxlen=GATE_WINDOW), False: deque(maxlen=GATE_WINDOW)})
-            arms[drafted].append((sum(len(s) for s in sampled), now - started))
-        if self._probe is not None and len(rows) == 1:
-            self._probe.setdefault(tokens, []).append(seconds)
-            self._finish_probe()
+        if self.cost.steps >= CACHE_AFTER and not self._cached:
+            self._cache_cost()
 
-    def _gate_open(self, rows: int) -> bool:
-        """Whether a step of ``rows`` rows (several) drafts: by which of drafting and not drafting made
-        more tokens per second over the recent steps of that many rows, whole steps timed (drafting,
-        verification and vLLM's own per-row work, which the step cost of one row does not show);
-        each arm runs ``GATE_MIN`` steps first, and the other one now and then to stay current."""
-        arms = self._gate.get(rows)
-        if arms is None or len(arms[True]) < GATE_MIN:
-            return True
-        if len(arms[False]) < GATE_MIN:
+    def _drafts_at(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows drafts: yes unless drafting at that batch size recently
+        cost more than it was expected to gain (``_weigh``), then not for a while."""
+        left, length = self._skip.get(rows, (0, 1))
+        if left:
+            self._skip[rows] = (left - 1, length)
             return False
-        rate = {arm: sum(n for n, _ in steps) / sum(t for _, t in steps) for arm, steps in arms.items()}
-        best = rate[True] >= rate[False]
-        self._gate_steps += 1
-        return best != (self._gate_steps % GATE_EXPLORE == 0)
+        return True
 
-    def _probe_chain(self, chain: DraftTree, context: list[int]) -> tuple[list[DraftTree], list[list[int]]]:
-        """While vLLM's step cost is measured (one row): the next length to time, as the row's own
-        chain cut or padded with its last token (verification rejects what is wrong); the chain
-        as recorded (its drafted part) and the tokens."""
-        size = next((n for n in probe_sizes(self.k) if len(self._probe.get(n, ())) < PROBE_WARMUP + PROBE_REPEATS), 1)
-        want = size - 1
-        kept = chain if len(chain) <= want else chain.subset(np.arange(want))
-        tokens = kept.tokens.tolist()
-        return [kept], [tokens + [context[-1]] * (want - len(tokens))]
+    def _weigh(self, rows: int, expected: float, drafting: float, drafts: list[list[int]]) -> None:
+        """A step of ``rows`` rows drafted: expected to gain ``expected`` tokens (the kept scores) for
+        the kept tokens' verification and ``drafting`` seconds of the proposer's own. Over the recent
+        such steps, drafting pays where the extra tokens per plain step's worth of rows outweigh the
+        extra time per plain step; where it does not, it is skipped at that size for a while (twice
+        as long as last time, up to ``MAX_SKIP``), then weighed again."""
+        base = self.cost.base(rows)
+        extra = float(self.cost.seconds(rows, sum(len(d) for d in drafts))) - base + drafting
+        recent = self._worth.setdefault(rows, deque(maxlen=WORTH_WINDOW))
+        recent.append((expected, extra))
+        gained, spent = (sum(values) for values in zip(*recent))
+        _, length = self._skip.get(rows, (0, 1))
+        if gained / rows >= spent / base:
+            self._skip[rows] = (0, 1)
+        else:
+            self._skip[rows] = (length, min(2 * length, MAX_SKIP))
 
-    def _finish_probe(self) -> None:
-        sizes = probe_sizes(self.k)
-        if any(len(self._probe.get(n, ())) < PROBE_WARMUP + PROBE_REPEATS for n in sizes):
-            return
+    def _cache_cost(self) -> None:
+        """Write the learned cost, as one-row chain times, for the next engine's prior."""
         from rest_spec.drafter.measure import write_cost
 
-        seconds = tuple(statistics.median(self._probe[n][PROBE_WARMUP:]) for n in sizes)
-        table = VerifyCost(self.key, 0, sizes, seconds, seconds)
-        self.adaptive.cost = CorrectedCost(table, pads=False)
-        self.measured, self._probe = True, None
+        self._cached = True
+        table = self.cost.one_row_table(self.key, cached_sizes(self.k))
         try:
             path = write_cost(table)
         except OSError as exc:
-            log.warning("vLLM's step cost measured but not cached: %s", exc)
+            log.warning("vLLM's step cost learned but not cached: %s", exc)
         else:
             log.info(
-                "vLLM's step cost measured (t(1) %.1f ms, t(%d) %.1f ms): %s",
-                1e3 * seconds[0],
-                sizes[-1],
-                1e3 * seconds[-1],
+                "vLLM's step cost learned (a step of one row %.1f ms, %.2f ms a draft token): %s",
+                1e3 * self.cost.base(1),
+                1e3 * self.cost.per_token,
                 path,
             )
 
@@ -483,10 +472,3 @@ class RestProposer:
             self.close()
         except Exception:  # noqa: BLE001 (interpreter shutdown)
             pass
-
-
-def _provisional(key: CostKey, k: int) -> VerifyCost:
-    """A placeholder table while the real one is measured (no chain is sized by it: the probe
-    chooses the lengths, and batches of several rows draft nothing until it is done)."""
-    sizes = probe_sizes(k)
-    return VerifyCost(key, 0, sizes, tuple(1.0 + 0.1 * (n - 1) for n in sizes))

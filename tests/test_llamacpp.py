@@ -183,7 +183,9 @@ def test_a_frozen_or_killed_datastore_costs_a_few_steps_then_nothing(index, prom
             llm = rest(drafter, cheap_cost(cost))
             first = llama_generate(llm, prompts[0], NEW_TOKENS)
             scheduler = llm.draft_model.scheduler
-            assert scheduler.stats.fallbacks == 0 and scheduler.breaker.closed
+            # the server answered (a step may have been late: a loaded machine, an index paged in)
+            before = scheduler.stats.fallbacks
+            assert before <= 2 < scheduler.stats.steps and scheduler.breaker.closed, scheduler.stats.summary()
             if fault == "frozen":
                 server.freeze()
             else:
@@ -191,7 +193,7 @@ def test_a_frozen_or_killed_datastore_costs_a_few_steps_then_nothing(index, prom
             second = llama_generate(llm, prompts[1], NEW_TOKENS)
             stats = scheduler.stats
             assert not scheduler.breaker.closed and stats.breaker_open_steps > 0
-            late_or_failed = stats.fallbacks - stats.breaker_open_steps  # a few of them opened the breaker
+            late_or_failed = stats.fallbacks - before - stats.breaker_open_steps  # a few of them opened the breaker
             assert late_or_failed <= 5, stats.summary()
             assert max(stats.waits) < 10.0, stats.summary()  # no step waited out the RPC's 30 s timeout
             if EXACT_BATCHES:

@@ -76,6 +76,12 @@ def prompts() -> list[list[int]]:
     return humaneval_inputs(load_tokenizer(None), 4)
 
 
+@pytest.fixture(scope="module")
+def busy_run() -> dict:
+    """8 requests at once."""
+    return {"prompts": humaneval_inputs(load_tokenizer(None), 8), "concurrency": 8, "sampling": GREEDY}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,17 +104,17 @@ def job(checkpoint, method="rest", runs=(), **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def plain(checkpoint, prompts):
-    """vLLM without speculation: greedy outputs, 1 and 4 at a time, and sampled ones."""
-    return run_job(job(checkpoint, "plain", [*greedy_runs(prompts), sampling_run(prompts[0])]))
+def plain(checkpoint, prompts, busy_run):
+    """vLLM without speculation: greedy outputs, 1 and 4 at a time, sampled ones, and 8 at a time."""
+    return run_job(job(checkpoint, "plain", [*greedy_runs(prompts), sampling_run(prompts[0]), busy_run]))
 
 
 @pytest.fixture(scope="module")
-def rest_local(checkpoint, prompts, stdlib_index):
-    """The proposer with the index opened in the worker: greedy (the first run also measures vLLM's
-    step cost where none is cached), then sampled."""
-    rest = {"datastore": str(stdlib_index), "outputs_max_tokens": 0}
-    return run_job(job(checkpoint, runs=[*greedy_runs(prompts), sampling_run(prompts[0])], rest=rest))
+def rest_local(checkpoint, prompts, busy_run, stdlib_index):
+    """The proposer with the index opened in the worker and no cached cost (``remeasure``): 8
+    requests at once from its first step, then greedy 1 and 4 at a time, then sampled."""
+    rest = {"datastore": str(stdlib_index), "outputs_max_tokens": 0, "remeasure": True}
+    return run_job(job(checkpoint, runs=[busy_run, *greedy_runs(prompts), sampling_run(prompts[0])], rest=rest))
 
 
 @pytest.fixture()
@@ -128,13 +134,22 @@ def server(stdlib_index, tmp_path):
         process.stop()
 
 
+def test_a_fresh_engine_under_load_drafts_from_its_first_steps(plain, rest_local):
+    """No cost cached, 8 requests at once from the start: drafting starts within 20 steps (no
+    single-row steps to measure first, no filler drafted to measure), every output equal."""
+    busy = rest_local["runs"][0]
+    assert busy["outputs"] == plain["runs"][3]["outputs"]
+    assert 0 < busy["proposer"]["first_draft_call"] <= 20, busy["proposer"]
+    assert busy["spec"]["spec_decode_num_accepted_tokens"] > 0, busy["spec"]
+
+
 def test_greedy_in_process_equals_plain(plain, rest_local):
-    for ours, theirs in zip(rest_local["runs"][:2], plain["runs"][:2]):
+    for ours, theirs in zip(rest_local["runs"][1:3], plain["runs"][:2]):
         assert ours["outputs"] == theirs["outputs"]
-    drafted = [run["spec"] for run in rest_local["runs"][:2]]
+    drafted = [run["spec"] for run in rest_local["runs"][1:3]]
     assert all(spec["spec_decode_num_accepted_tokens"] > 0 for spec in drafted), drafted
     # the proposer's own counters, read from the worker: every step asked it, and it drafted
-    for run in rest_local["runs"][:2]:
+    for run in rest_local["runs"][1:3]:
         stats = run["proposer"]
         assert stats["rows"] >= stats["rows_drafted"] > 0 and stats["drafted"] >= stats["rows_drafted"], stats
         assert 0 < stats["ms_per_call"] < 1e3 * sum(run["seconds"]) / stats["calls"], stats
@@ -180,7 +195,7 @@ def chi_square_p(a: Counter, b: Counter) -> float:
 
 
 def test_sampling_has_vllms_own_distribution(plain, rest_local):
-    ours, theirs = rest_local["runs"][2], plain["runs"][2]
+    ours, theirs = rest_local["runs"][3], plain["runs"][2]
     assert ours["spec"]["spec_decode_num_accepted_tokens"] > 0, "no draft was verified while sampling"
     assert all(len(o) == SAMPLED_TOKENS for o in ours["outputs"] + theirs["outputs"])
     # the first token is sampled by the prefill alone; the ones after it at drafted positions

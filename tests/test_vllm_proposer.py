@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rest_spec.common.types import DraftTree
-from rest_spec.drafter.cost import CostKey, VerifyCost, select_batch_chains, select_chain
-from rest_spec.drafter.vllm import OPTIONS, RestOptions, finished_output, overlap_default, probe_sizes
+from rest_spec.drafter.cost import BatchCost, CostKey, select_batch_chains, select_chain
+from rest_spec.drafter.vllm import OPTIONS, RestOptions, cached_sizes, finished_output, overlap_default
 from rest_spec.drafter.vllm_runner import check_version
 from rest_spec.drafter.vllm_sampling_fix import expand_is_broken, expand_kernel_impl
 
@@ -63,39 +63,50 @@ def test_bad_options_name_the_option(section, message):
         RestOptions.parse(section, environ={})
 
 
-def test_probe_sizes_cover_every_chain_length_up_to_k():
-    assert probe_sizes(4) == (1, 2, 3, 4, 5)
-    sizes = probe_sizes(16)
+def test_cached_sizes_cover_every_chain_length_up_to_k():
+    assert cached_sizes(4) == (1, 2, 3, 4, 5)
+    sizes = cached_sizes(16)
     assert sizes[0] == 1 and sizes[-1] == 17 and list(sizes) == sorted(set(sizes))
 
 
 # ---- batch-wide chain sizing ---------------------------------------------------------------------
 
 
+def learned(base, per_token, rows=(1,), drafted=range(9)) -> BatchCost:
+    """A ``BatchCost`` that saw 4 steps of each (rows, drafted) cell at base(rows) + per_token * drafted."""
+    cost = BatchCost()
+    for _ in range(4):
+        for r in rows:
+            for d in drafted:
+                cost.observe(r, d, base(r) + per_token * d)
+    cost.fit()
+    return cost
+
+
 def test_one_row_keeps_its_best_chain():
-    table = VerifyCost(KEY, 0, (1, 2, 4, 8), (0.010, 0.011, 0.012, 0.016))
+    cost = learned(lambda r: 0.010, 0.0008)
     for scores in ([0.9, 0.8, 0.6, 0.3, 0.1], [0.05, 0.01], [0.95, 0.9, 0.9, 0.85, 0.8, 0.8, 0.7]):
-        best = select_chain(chain(scores), table)
-        (kept,) = select_batch_chains([best], table, rows=1)
+        best = select_chain(chain(scores), cost)
+        (kept,) = select_batch_chains([best], cost, rows=1)
         assert kept.tokens.tolist() == best.tokens.tolist()
 
 
 def test_a_batch_drafts_only_what_pays_for_every_row():
-    # a step costs 10 ms plus 1 ms per token: one row gains from a long chain, a batch of 8 rows
-    # pays 8 rows' time for each drafted token, and only likely tokens repay that
-    sizes = (1, 2, 4, 8, 16, 32, 64)
-    table = VerifyCost(KEY, 0, sizes, tuple(0.010 + 0.001 * n for n in sizes))
+    # a step costs 10 ms plus 1 ms per row plus 1 ms per draft token: one row gains from a long
+    # chain; a batch of 8 rows makes 8 tokens in 18 ms, so a draft token must be likelier than
+    # 8/18 to pay for its millisecond
+    cost = learned(lambda r: 0.010 + 0.001 * r, 0.001, rows=(1, 2, 4, 8))
     likely, unlikely = [0.95, 0.9, 0.85], [0.3, 0.2, 0.1]
-    alone = select_batch_chains([chain(unlikely)], table, rows=1)
+    alone = select_batch_chains([chain(unlikely)], cost, rows=1)
     assert len(alone[0]) > 0
-    batch = select_batch_chains([chain(likely)] + [chain(unlikely)] * 7, table, rows=8)
+    batch = select_batch_chains([chain(likely)] + [chain(unlikely)] * 7, cost, rows=8)
     assert len(batch[0]) == 3 and all(len(c) == 0 for c in batch[1:])
     # rows kept are prefixes of their chains
-    mixed = select_batch_chains([chain([0.9, 0.5, 0.05]), chain([0.99, 0.97])], table, rows=2)
+    mixed = select_batch_chains([chain([0.9, 0.5, 0.05]), chain([0.99, 0.97])], cost, rows=2)
     assert mixed[0].tokens.tolist() == [10, 11][: len(mixed[0])] and mixed[1].tokens.tolist() == [10, 11]
-    # where verifying costs a whole step per token nothing is ever drafted
-    linear = VerifyCost(KEY, 0, sizes, tuple(0.010 * n for n in sizes))
-    assert all(len(c) == 0 for c in select_batch_chains([chain(likely)] * 4, linear, rows=4))
+    # where a draft token costs a whole row's step nothing is ever drafted
+    dear = learned(lambda r: 0.010 * r, 0.010, rows=(1, 4))
+    assert all(len(c) == 0 for c in select_batch_chains([chain(likely)] * 4, dear, rows=4))
 
 
 # ---- a finished request's output -------------------------------------------------------------------

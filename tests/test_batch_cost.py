@@ -1,0 +1,104 @@
+"""``BatchCost``: an engine's step time by rows and draft tokens, learned from the steps it runs
+(what vLLM's proposer sizes its batches by, ``select_batch_chains``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rest_spec.common.types import DraftTree
+from rest_spec.drafter.cost import (
+    HALF_LIFE,
+    PROVISIONAL_SLOPE,
+    BatchCost,
+    CostKey,
+    VerifyCost,
+    select_batch_chains,
+)
+
+KEY = CostKey("m", "r", 1, "cpu", "float32")
+
+
+def step(rows: int, drafted: int) -> float:
+    """The engine this test pretends to be: 40 ms, 3 ms per row beyond the first, 2 ms a draft token."""
+    return 0.040 + 0.003 * (rows - 1) + 0.002 * drafted
+
+
+def chain(scores) -> DraftTree:
+    n = len(scores)
+    return DraftTree(
+        np.arange(10, 10 + n, dtype=np.int32),
+        np.arange(-1, n - 1, dtype=np.int32),
+        np.ones(n, np.int64),
+        2,
+        1,
+        1,
+        np.asarray(scores, np.float64),
+    )
+
+
+def test_it_learns_each_row_counts_base_and_the_shared_per_token_price():
+    cost = BatchCost()
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        rows = int(rng.choice([1, 2, 4, 8]))
+        drafted = int(rng.integers(0, 4 * rows + 1))
+        cost.observe(rows, drafted, step(rows, drafted))
+    cost.fit()
+    assert cost.per_token == pytest.approx(0.002, rel=0.02)
+    for rows in (1, 2, 4, 8):
+        assert cost.base(rows) == pytest.approx(step(rows, 0), rel=0.02)
+    assert cost.base(3) == pytest.approx((cost.base(2) + cost.base(4)) / 2)  # between row counts it saw
+    assert cost.base(16) == pytest.approx(cost.base(8))  # past them, the nearest
+    np.testing.assert_allclose(cost.seconds(4, np.array([0, 5])), [step(4, 0), step(4, 5)], rtol=0.02)
+    np.testing.assert_allclose(cost.chain(np.array([1, 9])), [step(1, 0), step(1, 8)], rtol=0.02)
+
+
+def test_a_stalled_step_moves_no_price():
+    cost = BatchCost()
+    for _ in range(8):
+        for drafted in range(6):
+            cost.observe(2, drafted, step(2, drafted))
+    cost.fit()
+    before = (cost.base(2), cost.per_token)
+    cost.observe(2, 5, 10 * step(2, 5))  # one step stalled by something else on the machine
+    cost.fit()
+    assert (cost.base(2), cost.per_token) == pytest.approx(before, rel=1e-3)  # the cell median held
+
+
+def test_before_any_step_the_prior_slope_prices_drafting():
+    assert BatchCost().per_token == PROVISIONAL_SLOPE  # relative to a base of 1: only ratios matter
+    table = VerifyCost(KEY, 0, (1, 2, 5), (0.050, 0.052, 0.060))
+    cost = BatchCost(table)
+    assert cost.prior_slope == pytest.approx(0.010 / 4 / 0.050)
+    # one plain step of 50 ms sets the scale; the slope is the table's, relative to it
+    cost.observe(1, 0, 0.050)
+    assert cost.per_token == pytest.approx(0.0025, rel=0.01)
+    assert float(cost.chain(5)) == pytest.approx(0.060, rel=0.01)
+
+
+def test_drafting_priced_out_by_a_noisy_spell_resumes_once_old_steps_fade():
+    cost = BatchCost()
+    for _ in range(16):  # a spell where every drafted step was slow: 20 ms a draft token
+        for drafted in (0, 4, 8):
+            cost.observe(4, drafted, 0.050 + 0.020 * drafted)
+    likely = [chain([0.8, 0.7, 0.6])] * 4
+    assert all(len(c) == 0 for c in select_batch_chains(likely, cost, rows=4))
+    # drafting nothing, the engine only times plain steps; the slow drafted steps fade toward
+    # the (optimistic) prior, and drafting is tried again
+    steps = 0
+    while all(len(c) == 0 for c in select_batch_chains(likely, cost, rows=4)):
+        cost.observe(4, 0, 0.050)
+        steps += 1
+        assert steps < 20 * HALF_LIFE
+    assert steps > HALF_LIFE  # not at the first plain step: evidence is forgotten slowly
+
+
+def test_the_learned_cost_caches_as_a_one_row_table_that_is_its_own_prior():
+    cost = BatchCost()
+    for _ in range(4):
+        for drafted in range(9):
+            cost.observe(1, drafted, step(1, drafted))
+    table = cost.one_row_table(KEY, (1, 2, 5, 9))
+    assert table.sizes == (1, 2, 5, 9) and float(table.chain(9)) == pytest.approx(step(1, 8))
+    assert BatchCost(table).prior_slope == pytest.approx(0.002 / 0.040)
