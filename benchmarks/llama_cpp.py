@@ -12,6 +12,9 @@ index. For every prompt the modes run back to back (interleaved):
 - ``llama-rest``: ``rest_llama`` with the index in process (``RestDraftModel``: index, request text
   and recent outputs merged, the chain sized by llama.cpp's measured t(n));
 - ``llama-rest-grpc``: the same drafting from a ``rest-datastore serve`` process on loopback;
+- ``llama-rest-frozen``, ``llama-rest-killed``: the same, from a server of its own that is stopped
+  (SIGSTOP) or killed (SIGKILL) once the first prompt is done: what a dead datastore costs (the
+  steps' deadlines, then its circuit breaker; drafting goes on from the request's own text);
 - ``llama-oracle``: the ceiling: a draft model that knows ``llama``'s output for the prompt and
   drafts its next ``--oracle-tokens`` tokens every step (all accepted), in a ``RestLlama`` (prompt
   logits at the last position only, as ``llama-rest``): what any drafter of chains that long could
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -60,7 +64,17 @@ from rest_spec.drafter.remote import RemoteDrafter
 
 log = logging.getLogger("benchmarks.llama_cpp")
 
-MODES = ("llama", "llama-pld", "llama-rest", "llama-rest-grpc", "llama-oracle", "transformers")
+MODES = (
+    "llama",
+    "llama-pld",
+    "llama-rest",
+    "llama-rest-grpc",
+    "llama-rest-frozen",
+    "llama-rest-killed",
+    "llama-oracle",
+    "transformers",
+)
+FAULTS = {"llama-rest-frozen": signal.SIGSTOP, "llama-rest-killed": signal.SIGKILL}  # sent after the first prompt
 DEFAULT_MODES = ("llama", "llama-pld", "llama-rest", "llama-rest-grpc", "transformers")
 PROMPT_LOOKUP_TOKENS = 10
 
@@ -102,6 +116,7 @@ def row(run: LlamaGeneration, reference: LlamaGeneration) -> dict:
         "steps": run.steps,
         "mean_accepted": run.mean_accepted,
         "tokens_per_second": run.tokens_per_second,
+        "seconds": run.seconds,
         "speed_vs_llama": run.tokens_per_second / reference.tokens_per_second,
         "same_as_llama": run.output_ids == reference.output_ids,
     }
@@ -152,6 +167,10 @@ def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Nam
     if "llama-rest-grpc" in args.modes:
         server, address = start_server(index, 2, logs)
         llamas["llama-rest-grpc"] = rest_llama(model_path, RemoteDrafter(address), config=config, **options)
+    doomed = {}  # mode -> the server it will lose
+    for mode in FAULTS.keys() & set(args.modes):
+        doomed[mode], address = start_server(index, 2, logs)
+        llamas[mode] = rest_llama(model_path, RemoteDrafter(address), config=config, **options)
     transformers = None
     if "transformers" in args.modes:
         from rest_spec.drafter.model import load_model
@@ -182,8 +201,11 @@ def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Nam
                     continue
                 run = reference if mode == "llama" else runs[mode](ids)
                 rows[mode].append({"prompt": i, "prompt_tokens": len(ids), **row(run, reference)})
-                if mode.startswith("llama-rest") and run.output_ids:
+                if mode.startswith("llama-rest") and run.output_ids and mode not in FAULTS:
                     llamas[mode].draft_model.add_output(run.output_ids)
+            if i == 0:
+                for mode, proc in doomed.items():
+                    proc.send_signal(FAULTS[mode])
             log.info(
                 "%s %d/%d: %s",
                 name,
@@ -201,7 +223,11 @@ def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Nam
             "modes": {mode: summarize(mode_rows) for mode, mode_rows in rows.items()},
             "per_prompt": rows,
         }
-        for mode in ("llama-rest", "llama-rest-grpc"):
+        for mode in doomed:  # the prompts after the fault: their time against llama.cpp alone's
+            after = [r["prompt"] for r in rows[mode] if r["prompt"] > 0]
+            seconds = {m: sum(r["seconds"] for r in rows[m] if r["prompt"] in after) for m in (mode, "llama")}
+            result["modes"][mode]["time_vs_llama_after_fault"] = seconds[mode] / seconds["llama"] if after else None
+        for mode in ("llama-rest", "llama-rest-grpc", *FAULTS):
             if mode in llamas:
                 stats = llamas[mode].draft_model.stats
                 asked = max(stats.calls - stats.skipped, 1)
@@ -217,6 +243,10 @@ def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Nam
                 llm.draft_model.close()
         if server is not None:
             stop(server)
+        for proc in doomed.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+            stop(proc)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -238,6 +268,11 @@ def targets(report: dict) -> dict:
                 out[f"{name}: {mode} median speed >= {target['min']}x llama"] = check(
                     result["modes"][mode]["median_speed_vs_llama"], target
                 )
+        for mode in FAULTS:
+            ratio = result["modes"].get(mode, {}).get("time_vs_llama_after_fault")
+            if ratio is not None:
+                target = limits[f"{mode.replace('-', '_')}_time_vs_llama_{name}"]
+                out[f"{name}: {mode} time after the fault <= {target['max']}x llama"] = check(ratio, target)
     return out
 
 

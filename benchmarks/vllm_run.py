@@ -156,6 +156,13 @@ def proposer_difference(after: dict | None, before: dict | None) -> dict | None:
     return out
 
 
+def parallel(job: dict) -> dict:
+    """The engine arguments of ``job["tensor_parallel_size"]`` (several workers, vLLM's own
+    processes; each binds its own cores, ``VLLM_CPU_OMP_THREADS_BIND`` split by "|")."""
+    size = job.get("tensor_parallel_size", 1)
+    return {} if size == 1 else {"tensor_parallel_size": size, "distributed_executor_backend": "mp"}
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -174,6 +181,7 @@ def run(job: dict) -> dict:
         seed=0,
         disable_log_stats=False,
         speculative_config=speculative_config(job),
+        **parallel(job),
         **extra,
     )
     result = {"startup_seconds": time.perf_counter() - start, "runs": []}

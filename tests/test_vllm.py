@@ -4,9 +4,10 @@ fresh process (``benchmarks.vllm_run``), the datastore a real ``rest-datastore s
 - greedy output equals vLLM's without speculation, 1 and 4 prompts at once, the index in process
   and over gRPC, and through the OpenAI-compatible server;
 - sampling: the tokens sampled at drafted positions have vLLM's own distribution (the expand-kernel
-  fix in place, ``drafter.vllm_sampling_fix``);
+  fix in place, ``drafter.vllm_shim``);
 - one store of outputs for a fleet: an engine drafts from what another added, across a restart of
-  the server (``--outputs-dir``);
+  the server (``--outputs-dir``); tensor-parallel ranks store each output once;
+- a fresh engine with no cached cost, 8 requests at once, drafts from its first steps;
 - the datastore killed mid-generation (under that first engine): every request completes, outputs
   unchanged;
 - bad configuration fails at engine start, naming the option.
@@ -252,6 +253,33 @@ def test_datastore_killed_mid_generation(plain, grpc_engine):
     """Every request of the run the datastore died in completed, outputs unchanged."""
     a, _ = grpc_engine
     assert a["runs"][3]["outputs"] == plain["runs"][0]["outputs"]
+
+
+def test_tensor_parallel_ranks_start_on_one_store_and_store_each_output_once(
+    checkpoint, prompts, plain, stdlib_index, tmp_path
+):
+    """Tensor parallelism 3 (SmolLM2's 9 heads rule out 2; vLLM's own worker processes, on this
+    machine's 2 cores) with the index and its store of outputs opened in the worker: every rank
+    starts (only the rank whose drafts vLLM reads opens the store, whose lock would refuse a second
+    one), outputs equal vLLM alone's, drafts verified, and the store holds each output once. (The
+    runner lets go of a finished request at its next step: a short second run makes that step.)"""
+    from rest_spec.datastore.outputs import OutputStore
+
+    outputs = tmp_path / "outputs"
+    rest = {"datastore": str(stdlib_index), "outputs_dir": str(outputs)}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}
+    runs = [greedy_runs(prompts)[0], {"prompts": prompts[:1], "sampling": {**GREEDY, "max_tokens": 2}}]
+    result = run_job(job(checkpoint, runs=runs, rest=rest, tensor_parallel_size=3), env=env)
+    run = result["runs"][0]
+    assert run["outputs"] == plain["runs"][0]["outputs"]
+    assert run["spec"]["spec_decode_num_accepted_tokens"] > 0, run["spec"]
+    store = OutputStore(10**6, outputs)
+    try:
+        stored = Counter(tuple(document.tolist()) for document in store.documents())
+    finally:
+        store.close()
+    assert all(stored[tuple(output)] == 1 for output in run["outputs"]), stored.values()
+    assert sum(stored.values()) <= len(prompts) + 1
 
 
 @pytest.mark.parametrize("problem", ["unknown option", "unreachable", "another tokenizer"])

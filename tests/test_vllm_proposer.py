@@ -14,8 +14,7 @@ import torch
 from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import BatchCost, CostKey, select_batch_chains, select_chain
 from rest_spec.drafter.vllm import OPTIONS, RestOptions, cached_sizes, finished_output, overlap_default
-from rest_spec.drafter.vllm_runner import check_version
-from rest_spec.drafter.vllm_sampling_fix import expand_is_broken, expand_kernel_impl
+from rest_spec.drafter.vllm_shim import check_version, expand_is_broken, expand_kernel_impl
 
 KEY = CostKey("m", "r", 1, "cpu", "float32")
 
@@ -161,7 +160,7 @@ def test_overlap_is_off_by_default_only_for_a_server_on_this_machine(tmp_path):
     assert RestOptions.parse({"datastore": "h:1", "overlap": "yes"}).overlap is True
 
 
-def test_the_runner_shim_refuses_a_vllm_it_does_not_know():
+def test_the_shim_refuses_a_vllm_it_does_not_know():
     check_version("0.32.0")
     with pytest.raises(RuntimeError, match=r"this is vLLM 0\.40\.1: it cannot tell this vLLM's requests apart"):
         check_version("0.40.1")
