@@ -26,10 +26,9 @@ acceptance while they raise its expected tokens per second (``cost.select_batch_
 step where nothing pays drafts nothing. Prices are vLLM's own, by rows and draft tokens
 (``cost.BatchCost``): the time between two calls is one engine step without the drafting,
 observed for every step of decode rows, from the first step on (a cached table from an earlier
-engine, per model, vLLM version, dtype and threads, is only the prior). Where the steps that
-drafted at a batch size made fewer tokens per second (the proposer's own time counted) than plain
-steps of that size, the proposer skips drafting at that size for a while, twice as long each time
-it still does not pay.
+engine, per model, vLLM version, dtype and threads, is only the prior). Where the drafting itself
+(the proposer's own time) costs more than its expected gain at a batch size, the proposer skips
+drafting at that size for a while, twice as long each time it still does not pay.
 
 vLLM hands the proposer batch rows, not requests. The runner that built it has each row's request
 id, and its hook for removed requests tells which ended: a finished request's output goes to the
@@ -66,7 +65,7 @@ log = logging.getLogger(__name__)
 
 PROPOSER = "rest_spec.drafter.vllm.RestProposer"
 GAP_FACTOR = 5.0  # an interval this many times the median step spans idle time: not a step
-WORTH_WINDOW = 8  # recent drafting steps per batch size whose tokens and time are weighed
+WORTH_WINDOW = 16  # recent drafting steps per batch size whose expected gain and cost are weighed
 MAX_SKIP = 16  # the most steps drafting is skipped at a batch size before it is weighed again
 CACHE_AFTER = 128  # steps observed before the learned cost is cached for the next engine
 
@@ -293,11 +292,10 @@ class RestProposer:
         self._link = None  # drafter.vllm_shim.RunnerLink, once load_model has run
         self._order: dict[str, int] = {}  # request id -> first appearance (rows are drafted in this order)
         self._appeared = 0
-        # the last call: its end, its rows, the draft tokens it handed vLLM (None: not a clean step),
-        # the seconds it spent drafting (None: it did not draft)
-        self._last: tuple[float, frozenset[str], int | None, float | None] | None = None
-        # rows -> recent drafting steps' (tokens made, seconds: the step's and the drafting's)
-        self._worth: dict[int, deque[tuple[int, float]]] = {}
+        # the last call: its end, its rows, the draft tokens it handed vLLM (None: not a clean step)
+        self._last: tuple[float, frozenset[str], int | None] | None = None
+        # rows -> recent drafting steps' (expected extra tokens, expected extra seconds)
+        self._worth: dict[int, deque[tuple[float, float]]] = {}
         self._skip: dict[int, tuple[int, int]] = {}  # rows -> (steps still skipped, the next skip's length)
         self._steps: deque[float] = deque(maxlen=32)
         self.uploads = OutputUploader(self.source, self.stats)  # never on the engine's step
@@ -335,7 +333,6 @@ class RestProposer:
             i for i in range(rows) if self._eligible(i, batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         ]
         eligible.sort(key=lambda i: self._order[batch[i][0]])
-        drafting = None
         if eligible and self._drafts_at(rows):
             contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])].tolist() for i in eligible]
             chains = select_batch_chains(self.scheduler.trees(contexts), self.cost, rows)
@@ -344,12 +341,12 @@ class RestProposer:
             room = token_ids_cpu.shape[1]
             for i, chain, context in zip(eligible, chains, contexts):
                 drafts[i] = chain.tokens.tolist()[: max(0, min(self.k, room - len(context) - 1))]
-            drafting = time.perf_counter() - start
+            self._weigh(rows, sum(float(chain.scores.sum()) for chain in chains), time.perf_counter() - start, drafts)
         elif eligible:
             self.adaptive.forget()  # the rows decode on without its trees
         clean = all(len(s) > 0 for s in sampled_token_ids)
         end = time.perf_counter()
-        self._last = (end, frozenset(rid for rid, _ in batch), sum(len(d) for d in drafts) if clean else None, drafting)
+        self._last = (end, frozenset(rid for rid, _ in batch), sum(len(d) for d in drafts) if clean else None)
         self.stats.calls += 1
         self.stats.rows += rows
         self.stats.rows_drafted += sum(1 for d in drafts if d)
@@ -417,7 +414,7 @@ class RestProposer:
         ran again, all of them decoding (no prefill), and it did not span idle time."""
         if self._last is None:
             return
-        end, rows, drafted, drafting = self._last
+        end, rows, drafted = self._last
         seconds = now - end
         if drafted is None or rows != frozenset(rid for rid, _ in batch) or not all(len(s) for s in sampled):
             return
@@ -427,33 +424,32 @@ class RestProposer:
         self._steps.append(seconds)
         self.scheduler.verified(seconds)
         self.cost.observe(len(rows), drafted, seconds)
-        if drafting is not None:
-            self._weigh(len(rows), sum(len(s) for s in sampled), seconds + drafting)
         self.stats.observed += 1
         if self.cost.steps >= CACHE_AFTER and not self._cached:
             self._cache_cost()
 
     def _drafts_at(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows drafts: yes unless drafting at that batch size recently
-        made fewer tokens per second than plain steps do (``_weigh``), then not for a while."""
+        cost more than it was expected to gain (``_weigh``), then not for a while."""
         left, length = self._skip.get(rows, (0, 1))
         if left:
             self._skip[rows] = (left - 1, length)
             return False
         return True
 
-    def _weigh(self, rows: int, tokens: int, seconds: float) -> None:
-        """A step of ``rows`` rows that drafted made ``tokens`` tokens in ``seconds`` (vLLM's step and
-        the proposer's drafting). Over the recent such steps, drafting pays where their tokens per
-        second reach a plain step's (``rows / cost.base(rows)``): what verification really
-        accepted, whatever the scores promised. Where it does not, drafting at that batch size is
-        skipped for a while (twice as long as the last time, up to ``MAX_SKIP`` steps), then
-        weighed again; plain steps meanwhile keep ``base`` current."""
+    def _weigh(self, rows: int, expected: float, drafting: float, drafts: list[list[int]]) -> None:
+        """A step of ``rows`` rows drafted: expected to gain ``expected`` tokens (the kept scores) for
+        the kept tokens' verification and ``drafting`` seconds of the proposer's own. Over the recent
+        such steps, drafting pays where the extra tokens per plain step's worth of rows outweigh the
+        extra time per plain step; where it does not, it is skipped at that size for a while (twice
+        as long as last time, up to ``MAX_SKIP``), then weighed again."""
+        base = self.cost.base(rows)
+        extra = float(self.cost.seconds(rows, sum(len(d) for d in drafts))) - base + drafting
         recent = self._worth.setdefault(rows, deque(maxlen=WORTH_WINDOW))
-        recent.append((tokens, seconds))
-        made, spent = (sum(values) for values in zip(*recent))
+        recent.append((expected, extra))
+        gained, spent = (sum(values) for values in zip(*recent))
         _, length = self._skip.get(rows, (0, 1))
-        if made / spent >= rows / self.cost.base(rows):
+        if gained / rows >= spent / base:
             self._skip[rows] = (0, 1)
         else:
             self._skip[rows] = (length, min(2 * length, MAX_SKIP))

@@ -12,9 +12,11 @@ runs the full suite): the stdlib index is built once for all workers.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=os.environ.get("REST_TESTS", "").lower() == "full",
         help="run every tier (default: the unit tests and those marked core; also REST_TESTS=full)",
     )
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help=f"write each file's seconds (setup, call, teardown summed) to {DURATIONS.name}, which orders files "
+        "for pytest-xdist (run it with --full)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -60,21 +68,49 @@ def in_default_run(item: pytest.Item) -> bool:
     return item.get_closest_marker(CORE) is not None or not any(item.get_closest_marker(tier) for tier in TIERS)
 
 
-# What a test of each tier costs, roughly, in a unit test's: pytest-xdist's workers take whole files
-# (--dist loadfile) in the order collected, so the dearest files go first and no worker is left with
-# one long file at the end while the other idles.
-TIER_WEIGHTS = {"model": 30, "bench": 30, "server": 10, "build": 10, "cli": 10, "llama": 10, "packaging": 10}
-UNIT_WEIGHT = 0.2
+# pytest-xdist's workers take whole files (--dist loadfile) in the order collected, so the dearest
+# files go first and no worker is left with one long file at the end while the other idles. A
+# file's cost is its seconds in the last recorded full run (DURATIONS, --record-durations), else
+# an estimate from its tests' tiers (TIER_SECONDS, rough seconds a test).
+DURATIONS = Path(__file__).with_name("durations.json")
+TIER_SECONDS = {"model": 6, "bench": 6, "server": 2, "build": 2, "cli": 2, "llama": 2, "packaging": 2}
+UNIT_SECONDS = 0.04
 
 
 def costliest_files_first(items: list[pytest.Item]) -> None:
-    """Sort ``items`` by their file's weight (``TIER_WEIGHTS``), dearest first, keeping the order
-    within a file (the same on every worker: xdist checks that they collected alike)."""
-    weights: dict[Path, float] = {}
+    """Sort ``items`` by their file's cost (recorded seconds, else ``TIER_SECONDS``), dearest first,
+    keeping the order within a file (the same on every worker: xdist checks that they collected
+    alike)."""
+    try:
+        recorded = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    estimates: dict[Path, float] = {}
     for item in items:
-        tiers = [weight for tier, weight in TIER_WEIGHTS.items() if item.get_closest_marker(tier)]
-        weights[item.path] = weights.get(item.path, 0) + max(tiers, default=UNIT_WEIGHT)
-    items.sort(key=lambda item: -weights[item.path])
+        tiers = [seconds for tier, seconds in TIER_SECONDS.items() if item.get_closest_marker(tier)]
+        estimates[item.path] = estimates.get(item.path, 0) + max(tiers, default=UNIT_SECONDS)
+    root = Path(__file__).resolve().parents[1]
+
+    def cost(path: Path) -> float:
+        seconds = recorded.get(path.resolve().relative_to(root).as_posix())
+        return seconds if isinstance(seconds, (int, float)) else estimates[path]
+
+    items.sort(key=lambda item: -cost(item.path))
+
+
+_seconds_by_file: Counter[str] = Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds_by_file[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With ``--record-durations``, in the controlling process (not an xdist worker): each file's
+    seconds to ``DURATIONS``."""
+    if session.config.getoption("--record-durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        seconds = {name: round(value, 1) for name, value in sorted(_seconds_by_file.items())}
+        DURATIONS.write_text(json.dumps(seconds, indent=1) + "\n")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -240,6 +240,20 @@ class StopAfterToken(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
+def scored_chain(scores: Sequence[float]) -> DraftTree:
+    """A chain of tokens 10, 11, ... with these node scores (what a drafter hands a batch rule)."""
+    n = len(scores)
+    return DraftTree(
+        np.arange(10, 10 + n, dtype=np.int32),
+        np.arange(-1, n - 1, dtype=np.int32),
+        np.ones(n, np.int64),
+        2,
+        1,
+        1,
+        np.asarray(scores, np.float64),
+    )
+
+
 def reference_tokens(model: PreTrainedModel, prompt: Sequence[int], max_new_tokens: int, **kwargs) -> list[int]:
     """New tokens of Hugging Face greedy decoding."""
     output = model.generate(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import (
     HALF_LIFE,
     PROVISIONAL_SLOPE,
@@ -15,6 +14,7 @@ from rest_spec.drafter.cost import (
     VerifyCost,
     select_batch_chains,
 )
+from tests.helpers import scored_chain
 
 KEY = CostKey("m", "r", 1, "cpu", "float32")
 
@@ -22,19 +22,6 @@ KEY = CostKey("m", "r", 1, "cpu", "float32")
 def step(rows: int, drafted: int) -> float:
     """The engine this test pretends to be: 40 ms, 3 ms per row beyond the first, 2 ms a draft token."""
     return 0.040 + 0.003 * (rows - 1) + 0.002 * drafted
-
-
-def chain(scores) -> DraftTree:
-    n = len(scores)
-    return DraftTree(
-        np.arange(10, 10 + n, dtype=np.int32),
-        np.arange(-1, n - 1, dtype=np.int32),
-        np.ones(n, np.int64),
-        2,
-        1,
-        1,
-        np.asarray(scores, np.float64),
-    )
 
 
 def test_it_learns_each_row_counts_base_and_the_shared_per_token_price():
@@ -82,7 +69,7 @@ def test_drafting_priced_out_by_a_noisy_spell_resumes_once_old_steps_fade():
     for _ in range(16):  # a spell where every drafted step was slow: 20 ms a draft token
         for drafted in (0, 4, 8):
             cost.observe(4, drafted, 0.050 + 0.020 * drafted)
-    likely = [chain([0.8, 0.7, 0.6])] * 4
+    likely = [scored_chain([0.8, 0.7, 0.6])] * 4
     assert all(len(c) == 0 for c in select_batch_chains(likely, cost, rows=4))
     # drafting nothing, the engine only times plain steps; the slow drafted steps fade toward
     # the (optimistic) prior, and drafting is tried again

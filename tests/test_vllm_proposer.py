@@ -7,29 +7,15 @@ from __future__ import annotations
 import socket
 import types
 
-import numpy as np
 import pytest
 import torch
 
-from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cost import BatchCost, CostKey, select_batch_chains, select_chain
 from rest_spec.drafter.vllm import OPTIONS, RestOptions, cached_sizes, finished_output, overlap_default
 from rest_spec.drafter.vllm_shim import check_version, expand_is_broken, expand_kernel_impl
+from tests.helpers import scored_chain
 
 KEY = CostKey("m", "r", 1, "cpu", "float32")
-
-
-def chain(scores) -> DraftTree:
-    n = len(scores)
-    return DraftTree(
-        np.arange(10, 10 + n, dtype=np.int32),
-        np.arange(-1, n - 1, dtype=np.int32),
-        np.ones(n, np.int64),
-        2,
-        1,
-        1,
-        np.asarray(scores, np.float64),
-    )
 
 
 # ---- options ------------------------------------------------------------------------------------
@@ -85,7 +71,7 @@ def learned(base, per_token, rows=(1,), drafted=range(9)) -> BatchCost:
 def test_one_row_keeps_its_best_chain():
     cost = learned(lambda r: 0.010, 0.0008)
     for scores in ([0.9, 0.8, 0.6, 0.3, 0.1], [0.05, 0.01], [0.95, 0.9, 0.9, 0.85, 0.8, 0.8, 0.7]):
-        best = select_chain(chain(scores), cost)
+        best = select_chain(scored_chain(scores), cost)
         (kept,) = select_batch_chains([best], cost, rows=1)
         assert kept.tokens.tolist() == best.tokens.tolist()
 
@@ -96,16 +82,16 @@ def test_a_batch_drafts_only_what_pays_for_every_row():
     # 8/18 to pay for its millisecond
     cost = learned(lambda r: 0.010 + 0.001 * r, 0.001, rows=(1, 2, 4, 8))
     likely, unlikely = [0.95, 0.9, 0.85], [0.3, 0.2, 0.1]
-    alone = select_batch_chains([chain(unlikely)], cost, rows=1)
+    alone = select_batch_chains([scored_chain(unlikely)], cost, rows=1)
     assert len(alone[0]) > 0
-    batch = select_batch_chains([chain(likely)] + [chain(unlikely)] * 7, cost, rows=8)
+    batch = select_batch_chains([scored_chain(likely)] + [scored_chain(unlikely)] * 7, cost, rows=8)
     assert len(batch[0]) == 3 and all(len(c) == 0 for c in batch[1:])
     # rows kept are prefixes of their chains
-    mixed = select_batch_chains([chain([0.9, 0.5, 0.05]), chain([0.99, 0.97])], cost, rows=2)
+    mixed = select_batch_chains([scored_chain([0.9, 0.5, 0.05]), scored_chain([0.99, 0.97])], cost, rows=2)
     assert mixed[0].tokens.tolist() == [10, 11][: len(mixed[0])] and mixed[1].tokens.tolist() == [10, 11]
     # where a draft token costs a whole row's step nothing is ever drafted
     dear = learned(lambda r: 0.010 * r, 0.010, rows=(1, 4))
-    assert all(len(c) == 0 for c in select_batch_chains([chain(likely)] * 4, dear, rows=4))
+    assert all(len(c) == 0 for c in select_batch_chains([scored_chain(likely)] * 4, dear, rows=4))
 
 
 # ---- a finished request's output -------------------------------------------------------------------
