@@ -1,9 +1,12 @@
 """Throughput of REST on batches of HumanEval prompts, against plain batched ``model.generate`` in the same run.
 
     python -m benchmarks.batch --index indexes/python-stdlib --batch-sizes 1,2,4,8 --prompts 8 --max-new-tokens 128
+    python -m benchmarks.batch --adaptive ...   # the adaptive drafter, sized by the measured cost
 
 The same prompts are decoded at every batch size B, in consecutive batches of B, greedily: first by
-plain ``model.generate`` on left-padded batches, then by the REST loop drafting from the index. Per
+plain ``model.generate`` on left-padded batches, then by the REST loop drafting from the index (raw index trees of ``--budget`` nodes; with
+``--adaptive``, ``AdaptiveDrafter`` over the index, the request's text and the outputs, each row's
+tree and the batch's block sized by the measured cost, ``cost.select_batch_trees``). Per
 batch size: tokens/s (all new tokens / wall time of all batches, median over ``--repeats``), the
 ratio REST / plain, mean accepted length per row (its new tokens / the steps it took part in), and
 whether every REST row equals its plain row. Prints a table on stderr and one JSON object (config,
@@ -26,9 +29,11 @@ import torch
 from benchmarks.common import RESULTS, humaneval_inputs, report_header, save_report
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.generate import BatchGenerationResult, GenerationResult, eos_ids, generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.model import load_model
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.hf.generate import BatchGenerationResult, GenerationResult, eos_ids, generate
+from rest_spec.drafter.hf.measure import load_or_measure
+from rest_spec.drafter.hf.model import load_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=64, help="draft tree size c (default 64)")
     p.add_argument("--max-depth", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per batch size and method (default 3)")
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="draft with AdaptiveDrafter, sized by the verification cost (cached, else measured first)",
+    )
     p.add_argument(
         "--chat",
         action="store_true",
@@ -139,7 +149,8 @@ def main(argv=None) -> int:
     config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
     prompts = humaneval_inputs(tokenizer, args.prompts, chat=args.chat)
     results = []
-    with LocalDrafter.open(args.index, expected_fingerprint=tokenizer_fingerprint(tokenizer)) as drafter:
+    with LocalDrafter.open(args.index, expected_fingerprint=tokenizer_fingerprint(tokenizer)) as local:
+        drafter = AdaptiveDrafter(local, cost=load_or_measure(model), config=config) if args.adaptive else local
         warm = prompts[: max(args.batch_sizes)]
         run_plain(model, tokenizer, warm, len(warm), 8, eos)
         run_rest(model, drafter, warm, len(warm), 8, config)
@@ -196,6 +207,7 @@ def main(argv=None) -> int:
             "budget": args.budget,
             "max_depth": args.max_depth,
             "repeats": args.repeats,
+            "adaptive": args.adaptive,
             "decoding": "greedy",
         },
         "all_rows_identical_to_plain": all(r["rows_identical_to_plain"] == r["rows"] for r in results),

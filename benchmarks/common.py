@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rest_spec.drafter.prompts import chat_ids
+from rest_spec.drafter.cli.prompts import chat_ids
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -96,7 +96,7 @@ def compile_kernels() -> None:
     """The retrieval and merge kernels compiled into this environment's numba cache before anything
     is timed: an edit of their module invalidates the cache, and an engine would compile them in
     its first requests (seconds, counted as drafting)."""
-    from rest_spec.drafter.kernels import compile_kernels as compile_all
+    from rest_spec.drafter.core.kernels import compile_kernels as compile_all
 
     print(f"kernels compiled in {compile_all():.1f} s", file=sys.stderr)
 

@@ -46,11 +46,11 @@ import numpy as np
 from benchmarks.common import REPO, RESULTS, ensure_index, humaneval_inputs, report_header, save_report
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.cost import VerifyCost, shape_problems
-from rest_spec.drafter.generate import generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.measure import (
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import VerifyCost, shape_problems
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.hf.generate import generate
+from rest_spec.drafter.hf.measure import (
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_SIZES,
     cost_key,
@@ -58,7 +58,7 @@ from rest_spec.drafter.measure import (
     measured_tree,
     verify_timer,
 )
-from rest_spec.drafter.model import load_model
+from rest_spec.drafter.hf.model import load_model
 
 log = logging.getLogger("benchmarks.cost_noise")
 

@@ -28,7 +28,7 @@ from benchmarks.replay import Example, greedy_outputs, replay
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
-from rest_spec.drafter.model import load_model
+from rest_spec.drafter.hf.model import load_model
 
 
 def quality(examples: list[Example], drafter, config: DraftConfig) -> dict:

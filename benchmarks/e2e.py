@@ -33,7 +33,7 @@ share) and against ``model.generate`` (the speed-up a user sees). The hf and pld
 draft no trees of their own (draft time 0). Prints one JSON object, saves it under
 benchmarks/results/, and plots accepted length and speed per mode (needs matplotlib).
 
-The verification cost t(n) comes from ``rest_spec.drafter.measure.load_or_measure`` (cached per
+The verification cost t(n) comes from ``rest_spec.drafter.hf.measure.load_or_measure`` (cached per
 model, device and dtype); measure it on the machine that runs the benchmark, quiet, with
 ``rest-measure-cost`` or ``--remeasure``.
 """
@@ -71,13 +71,13 @@ from rest_spec.build_index.corpora import CorpusSpec, held_out_records
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.datastore.format import read_manifest
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.cost import CorrectedCost, VerifyCost
-from rest_spec.drafter.generate import GenerationResult, generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.measure import load_or_measure
-from rest_spec.drafter.model import load_model
-from rest_spec.drafter.protocol import Drafter
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import CorrectedCost, VerifyCost
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.protocol import Drafter
+from rest_spec.drafter.hf.generate import GenerationResult, generate
+from rest_spec.drafter.hf.measure import load_or_measure
+from rest_spec.drafter.hf.model import load_model
 
 log = logging.getLogger("benchmarks.e2e")
 

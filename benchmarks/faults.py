@@ -59,7 +59,7 @@ from benchmarks.load import start_server
 log = logging.getLogger("benchmarks.faults")
 
 MODES = ("no-draft", "healthy", "killed", "frozen", "recovery")
-# rest-generate -v's log lines the benchmark times (drafter.cli, drafter.breaker)
+# rest-generate -v's log lines the benchmark times (drafter.cli.rest_generate, drafter.core.breaker)
 STARTED, OPENED, RESUMED = "generating 1/1", "calls in a row", "answers again"
 WORKERS = 2
 

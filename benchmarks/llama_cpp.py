@@ -58,9 +58,15 @@ from benchmarks.load import start_server
 from benchmarks.overlap import stop
 from rest_spec.common.tokenizer import load_tokenizer, packaged_smollm2, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.llamacpp import LlamaGeneration, RestDraftModel, llama_generate, require_llama_cpp, rest_llama
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.remote import RemoteDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.llamacpp.draft_model import (
+    LlamaGeneration,
+    RestDraftModel,
+    llama_generate,
+    require_llama_cpp,
+    rest_llama,
+)
 
 log = logging.getLogger("benchmarks.llama_cpp")
 
@@ -144,7 +150,7 @@ def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Nam
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    from rest_spec.drafter.llamacpp import RestLlama
+    from rest_spec.drafter.llamacpp.draft_model import RestLlama
 
     model_path = str(packaged_smollm2())
     options = {
@@ -156,7 +162,7 @@ def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Nam
     config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
     llamas: dict[str, llama_cpp.Llama] = {"llama": llama_cpp.Llama(model_path, **options)}
     server = None
-    if "llama-pld" in args.modes:  # logits_all: llama-cpp-python's buffer for drafts (see drafter.llamacpp)
+    if "llama-pld" in args.modes:  # logits_all: llama-cpp-python's buffer for drafts (see drafter.llamacpp.draft_model)
         pld = LlamaPromptLookupDecoding(num_pred_tokens=PROMPT_LOOKUP_TOKENS)
         llamas["llama-pld"] = llama_cpp.Llama(model_path, draft_model=pld, logits_all=True, **options)
     if "llama-rest" in args.modes:
@@ -173,7 +179,7 @@ def run_set(name: str, prompts: list[list[int]], index: Path, args: argparse.Nam
         llamas[mode] = rest_llama(model_path, RemoteDrafter(address), config=config, **options)
     transformers = None
     if "transformers" in args.modes:
-        from rest_spec.drafter.model import load_model
+        from rest_spec.drafter.hf.model import load_model
 
         transformers = load_model(None, device="cpu")
     try:

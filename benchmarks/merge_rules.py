@@ -21,7 +21,7 @@ the store of past outputs (each drafter its own store, fed with each output afte
   (the index's path probability for the last two context tokens; x100 where present, 1 where not,
   as ``common_ngram_cache_draft`` weighs them);
 - ``ours sized`` and ``ours+suffixes sized``: the same two, each step's tree cut to what pays
-  on this hardware (``drafter.cost.select_tree`` with the measured cost, as the tradeoff
+  on this hardware (``drafter.core.cost.select_tree`` with the measured cost, as the tradeoff
   benchmark's ``adaptive`` row);
 - ``paper``: the index alone (REST's semantics in our engine);
 - ``rest``: REST's own engine (``benchmarks.common.DraftRetriever``, ``--budget`` paths).
@@ -49,13 +49,13 @@ from benchmarks.replay import Drafts, Example, replay
 from benchmarks.tradeoff import set_examples
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, SourceTrees
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.measure import load_or_measure
-from rest_spec.drafter.merge import merge_trees
-from rest_spec.drafter.model import load_model
-from rest_spec.drafter.protocol import SUFFIX_CUTS
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import VerifyCost
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.merge import merge_trees
+from rest_spec.drafter.core.protocol import SUFFIX_CUTS
+from rest_spec.drafter.hf.measure import load_or_measure
+from rest_spec.drafter.hf.model import load_model
 
 STATIC_SUFFIX = 2  # llama.cpp's static n-gram size (LLAMA_NGRAM_STATIC)
 SGLANG_PRIORS = {"index": 1.0, "request": 1.0, "outputs": 1.0}

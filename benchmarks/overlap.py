@@ -46,12 +46,12 @@ from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.load import start_server
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.generate import GenerationResult, generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.measure import load_or_measure
-from rest_spec.drafter.model import load_model
-from rest_spec.drafter.remote import RemoteDrafter
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.hf.generate import GenerationResult, generate
+from rest_spec.drafter.hf.measure import load_or_measure
+from rest_spec.drafter.hf.model import load_model
 
 log = logging.getLogger("benchmarks.overlap")
 

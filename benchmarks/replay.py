@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from rest_spec.common.cache import cache_dir
 from rest_spec.common.types import DraftConfig, DraftTree
-from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.generate import generate
-from rest_spec.drafter.measure import cache_dir, cost_key
+from rest_spec.drafter.core.cost import VerifyCost
+from rest_spec.drafter.hf.generate import generate
+from rest_spec.drafter.hf.measure import cost_key
 
 log = logging.getLogger(__name__)
 

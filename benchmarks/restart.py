@@ -34,7 +34,7 @@ from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
 from benchmarks.vllm import ENGINE_MODEL, ENGINE_TIMEOUT, job, summarize
 from benchmarks.vllm_run import VLLM_ENV, run_job
 from rest_spec.common.tokenizer import load_tokenizer
-from rest_spec.drafter.vllm_model import hf_checkpoint
+from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
 log = logging.getLogger("benchmarks.restart")
 

@@ -62,14 +62,14 @@ from rest_spec.datastore.format import read_manifest
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import ServerConfig
 from rest_spec.datastore.shards import format_shard_spec
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.generate import generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.measure import load_or_measure
-from rest_spec.drafter.model import load_model
-from rest_spec.drafter.protocol import Drafter
-from rest_spec.drafter.remote import RemoteDrafter
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import VerifyCost
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.protocol import Drafter
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.hf.generate import generate
+from rest_spec.drafter.hf.measure import load_or_measure
+from rest_spec.drafter.hf.model import load_model
 
 log = logging.getLogger("benchmarks.sharded")
 

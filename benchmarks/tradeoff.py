@@ -5,7 +5,7 @@
 The prompt sets and indexes of ``benchmarks.e2e``. The model's plain greedy outputs are computed
 once (and cached under ``$REST_CACHE_DIR/greedy``); then every drafter is replayed against them
 without the model (``benchmarks.replay``: accepted lengths equal a real run's). A step's time is
-modeled as t(1 + tree nodes) from the measured verification cost (``rest_spec.drafter.measure``),
+modeled as t(1 + tree nodes) from the measured verification cost (``rest_spec.drafter.hf.measure``),
 so speed is relative to plain decoding, sum of t(1) per token over sum of step times; drafting
 time is left out (``median_draft_ms`` reports it).
 
@@ -35,11 +35,11 @@ from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.replay import Example, greedy_outputs, replay
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.measure import load_or_measure
-from rest_spec.drafter.model import load_model
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import VerifyCost
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.hf.measure import load_or_measure
+from rest_spec.drafter.hf.model import load_model
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prompts_per_set": args.prompts,
             "max_new_tokens": args.max_new_tokens,
             "budget": args.budget,
-            "speed": "modeled: t(1) per token / t(1 + tree nodes) per step, t from rest_spec.drafter.measure",
+            "speed": "modeled: t(1) per token / t(1 + tree nodes) per step, t from rest_spec.drafter.hf.measure",
         },
         "verify_cost": {
             "sizes": list(cost.sizes),

@@ -3,12 +3,12 @@
     python -m benchmarks.verify_cost --rounds 3
 
 For each n, one ``verify_trees`` step of a tree of n - 1 nodes on a 512-token cache
-(``rest_spec.drafter.measure.verify_timer``), rounds interleaved, medians over rounds:
+(``rest_spec.drafter.hf.measure.verify_timer``), rounds interleaved, medians over rounds:
 
 - "before": PyTorch's layout of the linear layers on the ``DynamicCache`` that ``model.generate``
   builds (appending by concatenation);
 - "pytorch" and "transposed": the project's cache (``kv_cache.new_cache``, appending in place) in
-  each layout (``drafter.linear_layout``);
+  each layout (``drafter.hf.linear_layout``);
 - "after": what the cost model prices once the faster layout and padding to a cheaper larger
   block are allowed (``VerifyCost``).
 
@@ -30,9 +30,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.common import RESULTS, report_header, save_report
-from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.measure import DEFAULT_CONTEXT_LENGTH, cost_key, measured_tree, verify_timer
-from rest_spec.drafter.model import load_model
+from rest_spec.drafter.core.cost import VerifyCost
+from rest_spec.drafter.hf.measure import DEFAULT_CONTEXT_LENGTH, cost_key, measured_tree, verify_timer
+from rest_spec.drafter.hf.model import load_model
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64)
 PROFILED = (1, 2, 4, 8, 16)
@@ -55,10 +55,10 @@ def same_choices(model, other, n: int = 16, context_length: int = 300) -> bool:
     n tokens on a random context."""
     import torch
 
-    from rest_spec.drafter.hf_internals import forward_with_cache
-    from rest_spec.drafter.kv_cache import CacheRows, new_cache
-    from rest_spec.drafter.tree_attention import build_tree_inputs
-    from rest_spec.drafter.verify import tree_logits
+    from rest_spec.drafter.hf.internals import forward_with_cache
+    from rest_spec.drafter.hf.kv_cache import CacheRows, new_cache
+    from rest_spec.drafter.hf.tree_attention import build_tree_inputs
+    from rest_spec.drafter.hf.verify import tree_logits
 
     context = torch.randint(
         int(model.config.vocab_size), (1, context_length + 1), generator=torch.Generator().manual_seed(1)

@@ -59,10 +59,10 @@ from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
 from benchmarks.vllm_run import VLLM_ENV, engine_env, run_job
+from rest_spec.common.cache import cache_dir
 from rest_spec.common.tokenizer import load_tokenizer
-from rest_spec.drafter.cost import VerifyCost
-from rest_spec.drafter.measure import cache_dir
-from rest_spec.drafter.vllm_model import hf_checkpoint
+from rest_spec.drafter.core.cost import VerifyCost
+from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
 log = logging.getLogger("benchmarks.vllm")
 
@@ -108,7 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--model",
-        help="a .gguf file (converted once to the checkpoint vLLM loads, rest_spec.drafter.vllm_model) or a "
+        help="a .gguf file (converted once to the checkpoint vLLM loads, rest_spec.drafter.vllm.checkpoint) or a "
         "checkpoint directory; its tokenizer tokenizes the prompts (default: the packaged SmolLM2-135M-Instruct)",
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: %(default)s)")

@@ -64,7 +64,9 @@ def speculative_config(job: dict) -> dict | None:
     if method == "plain":
         return None
     if method in ("rest", "oracle"):
-        model = "rest_spec.drafter.vllm.RestProposer" if method == "rest" else "benchmarks.vllm_run.OracleProposer"
+        model = (
+            "rest_spec.drafter.vllm.proposer.RestProposer" if method == "rest" else "benchmarks.vllm_run.OracleProposer"
+        )
         return {"method": "custom_class", "model": model, "num_speculative_tokens": k}
     if method == "ngram":
         low, high = job.get("ngram", (2, 5))
@@ -141,7 +143,7 @@ def attribution_difference(after: dict | None, before: dict | None) -> list[dict
     """Where a run's accepted tokens came from (``Attribution.report`` of the counts over the run)."""
     if after is None or before is None:
         return None
-    from rest_spec.drafter.merge import Attribution
+    from rest_spec.drafter.core.merge import Attribution
 
     return (Attribution.from_counts(after) - Attribution.from_counts(before)).report()
 

@@ -1,4 +1,4 @@
-"""Where the package caches what it computes once per machine: step-cost tables (``drafter.measure``),
+"""Where the package caches what it computes once per machine: step-cost tables (``drafter.hf.measure``),
 the numba kernels (``numba_cached``) and what is converted from a GGUF file (``converted``).
 
 numba keeps one on-disk cache entry per kernel and rewrites it when a numba of another version

@@ -95,7 +95,7 @@ class DraftTree:
                              scores (merged trees) must lie in [0, 1] and never grow down a path,
                              so the top-k nodes by score always form a tree.
 
-    This is what crosses the wire. A drafter's own per-node data (``drafter.merge.MergedTree``'s
+    This is what crosses the wire. A drafter's own per-node data (``drafter.core.merge.MergedTree``'s
     per-source columns) lives in subclasses, which ``subset`` and ``after`` preserve through
     ``_take``.
     """
@@ -201,7 +201,7 @@ class DraftTree:
         ``token``, re-rooted, its scores conditioned on that child (divided by its score), the
         match one token longer; None when no root child is ``token``. A tree drafted one token
         ahead of a context this way equals, on the index, the tree drafted after the token
-        whenever the longer match exists -- what ``drafter.scheduler`` prepares during a forward."""
+        whenever the longer match exists -- what ``drafter.core.scheduler`` prepares during a forward."""
         child = np.flatnonzero((self.parents == -1) & (self.tokens == token))
         if child.size == 0:
             return None

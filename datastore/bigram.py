@@ -2,10 +2,10 @@
 
 REST cannot copy from the prompt (its paper: "no in-context ability"), which is exactly where
 prompt lookup and SuffixDecoding gain most, together with a model's earlier outputs.
-The sources built on ``BigramIndex`` -- ``drafter.request_matcher.RequestMatcher`` (the request's own
+The sources built on ``BigramIndex`` -- ``drafter.core.request_matcher.RequestMatcher`` (the request's own
 text, client side) and ``datastore.outputs.OutputStore`` (recent outputs, service side) -- draft like the index:
 the longest context suffix of ``n_min..n_max`` tokens, the continuations that follow its
-occurrences, ``top_c_tree`` -- so their trees mean the same thing and ``drafter.merge`` can
+occurrences, ``top_c_tree`` -- so their trees mean the same thing and ``drafter.core.merge`` can
 combine them with the index's.
 
 ``BigramIndex`` is a growable token buffer (documents separated by ``SEP``) and a sorted table

@@ -17,16 +17,16 @@ import importlib
 __version__ = "0.1.0"
 
 _API = {
-    "generate": "rest_spec.drafter.generate",
-    "rest_generate": "rest_spec.drafter.hf",
-    "rest_llama": "rest_spec.drafter.llamacpp",
-    "RestDraftModel": "rest_spec.drafter.llamacpp",
-    "LocalDrafter": "rest_spec.drafter.local",
-    "RemoteDrafter": "rest_spec.drafter.remote",
-    "AdaptiveDrafter": "rest_spec.drafter.adaptive",
+    "generate": "rest_spec.drafter.hf.generate",
+    "rest_generate": "rest_spec.drafter.hf.plugin",
+    "rest_llama": "rest_spec.drafter.llamacpp.draft_model",
+    "RestDraftModel": "rest_spec.drafter.llamacpp.draft_model",
+    "LocalDrafter": "rest_spec.drafter.core.local",
+    "RemoteDrafter": "rest_spec.drafter.core.remote",
+    "AdaptiveDrafter": "rest_spec.drafter.core.adaptive",
     "DraftConfig": "rest_spec.common.types",
-    "OverlapConfig": "rest_spec.drafter.scheduler",
-    "load_model": "rest_spec.drafter.model",
+    "OverlapConfig": "rest_spec.drafter.core.scheduler",
+    "load_model": "rest_spec.drafter.hf.model",
     "load_tokenizer": "rest_spec.common.tokenizer",
 }
 __all__ = sorted(_API)

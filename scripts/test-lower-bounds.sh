@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tests that reach into transformers' internals (drafter/hf_internals.py: the cache keyword, the
+# The tests that reach into transformers' internals (drafter/hf/internals.py: the cache keyword, the
 # cache layers, generate's private helpers) on the lowest transformers pyproject.toml admits, after
 # scripts/setup.sh. .venv-lower holds only that transformers (and what it pins differently); every other
 # package, the project included, comes from .venv, which it reads after its own. Extra pytest arguments

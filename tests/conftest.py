@@ -136,7 +136,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 def smollm2():
     """(model, tokenizer): the packaged SmolLM2-135M-Instruct, fp32 on CPU, eval mode."""
     from rest_spec.common.tokenizer import load_tokenizer
-    from rest_spec.drafter.model import load_model
+    from rest_spec.drafter.hf.model import load_model
 
     model = load_model(None)
     return model, load_tokenizer(None)
@@ -166,7 +166,7 @@ def smollm2_cost_dir(smollm2, tmp_path_factory):
     """A ``$REST_CACHE_DIR`` holding SmolLM2's verify-cost table, measured briefly (the tests need
     its shape, not its precision) with one torch thread: a command run with ``helpers.ONE_THREAD``
     finds it instead of measuring for a minute. Copy it before writing to it."""
-    from rest_spec.drafter.measure import load_or_measure
+    from rest_spec.drafter.hf.measure import load_or_measure
 
     directory = tmp_path_factory.mktemp("cost-cache")
     load_or_measure(smollm2[0], directory=directory, sizes=(1, 2, 4, 8, 16, 32, 64), rounds=2, context_length=64)

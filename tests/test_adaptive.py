@@ -12,13 +12,13 @@ from benchmarks.common import humaneval_inputs
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.cost import CostKey, VerifyCost
-from rest_spec.drafter.generate import generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.merge import SourceCalibration
-from rest_spec.drafter.protocol import SUFFIX_CUTS
-from rest_spec.drafter.remote import RemoteDrafter
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import CostKey, VerifyCost
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.merge import SourceCalibration
+from rest_spec.drafter.core.protocol import SUFFIX_CUTS
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.hf.generate import generate
 from tests.helpers import MODEL_VOCAB, tiny_causal_lm, tree_from_paths, write_index
 
 KEY = CostKey("synthetic", "", 0, "test", "float32")
@@ -83,14 +83,64 @@ def test_a_context_that_does_not_continue_the_last_is_a_new_request(base):
 def test_batch_rows_keep_their_own_request_as_rows_finish(base):
     drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("request",))
     row_a, row_b = [40, 41, 42, 43, 40, 41], [50, 51, 52, 50, 51]
-    trees = drafter.draft_batch([row_a, row_b], CONFIG)
+    trees = drafter.draft_batch([row_a, row_b], CONFIG, requests=["a", "b"])
     assert (42,) in trees[0].paths() and (52,) in trees[1].paths()  # each row copies from itself
     assert trees[1].paths() == [(52,), (52, 50), (52, 50, 51)]
     # row a finished; row b accepted 52 50 and got the bonus token 77: credited to row b's tree
-    drafter.draft_batch([row_b + [52, 50, 77]], CONFIG)
+    drafter.draft_batch([row_b + [52, 50, 77]], CONFIG, requests=["b"])
     assert drafter.calibration.observed[0, :, 0].sum() == 2.0  # each rests on one occurrence: class 0
     assert drafter.calibration.predicted[0, :, 0].sum() == 3.0  # tried 52, 50 and 51, each certain
     assert drafter.calibration.predicted.sum() == 3.0
+
+
+def test_named_rows_may_come_in_any_order_and_unnamed_ones_are_their_positions(base):
+    """Sessions follow the engine's names, not the rows' order; without names a row is its
+    position, and a context that does not continue its position's session is a new request."""
+    row_a, row_b = [40, 41, 42, 43, 40, 41], [50, 51, 52, 50, 51]
+    named = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("request",))
+    named.draft_batch([row_a, row_b], CONFIG, requests=["a", "b"])
+    named.draft_batch([row_b + [52, 50, 77], row_a + [42, 43, 9]], CONFIG, requests=["b", "a"])
+    assert named.calibration.observed.sum() == pytest.approx(4.0, abs=0.02)  # 52 50 for b, 42 43 for a (decayed)
+
+    unnamed = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("request",))
+    unnamed.draft_batch([row_a, row_b], CONFIG)
+    unnamed.draft_batch([row_b + [52, 50, 77]], CONFIG)  # row b at row a's position: a new request
+    assert not unnamed.calibration.observed.any() and not unnamed.calibration.predicted.any()
+
+
+def test_an_ended_request_loses_its_session_and_sessions_are_bounded(base, monkeypatch):
+    import rest_spec.drafter.core.adaptive as adaptive
+
+    row = [50, 51, 52, 50, 51]
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("request",))
+    drafter.draft_batch([row], CONFIG, requests=["b"])
+    drafter.finish(["b", "never seen"])
+    drafter.draft_batch([row + [52, 50, 77]], CONFIG, requests=["b"])  # a new session: nothing to credit
+    assert not drafter.calibration.predicted.any()
+
+    monkeypatch.setattr(adaptive, "MAX_SESSIONS", 2)
+    for name in ("c", "d", "b"):  # b seen last; c the longest unseen, dropped for the third
+        drafter.draft_batch([row], CONFIG, requests=[name])
+    assert list(drafter._sessions) == ["d", "b"]
+
+
+def test_contexts_are_read_in_place_and_not_kept(base):
+    """An engine's buffer (vLLM's token array) handed as views and written on after the call:
+    the drafter credits the same as with copies, since it reads each context when called."""
+    row = [50, 51, 52, 50, 51]
+    copies = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("request",))
+    copies.draft_batch([row], CONFIG)
+    copies.draft_batch([row + [52, 50, 77]], CONFIG)
+
+    views = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("request",))
+    buffer = np.zeros(16, np.int64)
+    buffer[:5] = row
+    views.draft_batch([buffer[:5]], CONFIG, requests=["r"])
+    buffer[5:] = 99  # the engine writes on past the context (pending tokens, padding)
+    buffer[5:8] = [52, 50, 77]
+    views.draft_batch([buffer[:8]], CONFIG, requests=["r"])
+    assert views.calibration.observed.sum() == copies.calibration.observed.sum() == 2.0
+    assert np.array_equal(views.calibration.predicted, copies.calibration.predicted)
 
 
 def test_request_source_drafts_a_repeated_identifier_from_the_prompt(base):

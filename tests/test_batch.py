@@ -15,7 +15,7 @@ from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from rest_spec.common.types import DraftConfig, DraftTree
-from rest_spec.drafter.generate import BatchGenerationResult, generate
+from rest_spec.drafter.hf.generate import BatchGenerationResult, generate
 from tests.helpers import OracleTreeDrafter, RecordingStreamer, StopAfterToken, chunks, reference_tokens, tiny_causal_lm
 
 NEW_TOKENS = 20

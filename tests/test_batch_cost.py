@@ -1,16 +1,20 @@
 """``BatchCost``: an engine's step time by rows and draft tokens, learned from the steps it runs
-(what vLLM's proposer sizes its batches by, ``select_batch_chains``)."""
+(what vLLM's proposer sizes its batches by, ``select_batch_chains``); ``DraftingWorth``: when the
+engines do not draft at all."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from rest_spec.drafter.cost import (
+from rest_spec.drafter.core.cost import (
+    FORGET_AFTER,
     HALF_LIFE,
+    MAX_SKIP,
     PROVISIONAL_SLOPE,
     BatchCost,
     CostKey,
+    DraftingWorth,
     VerifyCost,
     select_batch_chains,
 )
@@ -89,3 +93,44 @@ def test_the_learned_cost_caches_as_a_one_row_table_that_is_its_own_prior():
     table = cost.one_row_table(KEY, (1, 2, 5, 9))
     assert table.sizes == (1, 2, 5, 9) and float(table.chain(9)) == pytest.approx(step(1, 8))
     assert BatchCost(table).prior_slope == pytest.approx(0.002 / 0.040)
+
+
+def test_cells_not_seen_for_long_are_dropped_and_the_price_holds():
+    """An engine that ran many batch sizes once keeps no record of them forever: a cell unseen
+    for ``FORGET_AFTER`` steps is gone, and the price is what the live cells say."""
+    cost = BatchCost()
+    for rows in range(2, 60):  # a burst of batch sizes, each seen once
+        cost.observe(rows, rows, step(rows, rows))
+    for i in range(FORGET_AFTER + 16):
+        cost.observe(1, i % 4, step(1, i % 4))
+    assert set(cost._cells) == {(1, 0), (1, 1), (1, 2), (1, 3)}
+    assert cost.per_token == pytest.approx(0.002, rel=0.05)
+
+
+def test_drafting_that_does_not_pay_is_skipped_longer_each_time_until_it_pays():
+    worth = DraftingWorth()
+    drafted = []
+    for step_number in range(80):  # empty drafts: nothing expected, a millisecond of drafting each
+        if worth.drafts(4):
+            drafted.append(step_number)
+            worth.weigh(4, 0.0, 0.001, 0.040)
+    gaps = np.diff(drafted).tolist()
+    assert gaps[:5] == [2, 3, 5, 9, 17] and set(gaps[4:]) == {MAX_SKIP + 1}
+    assert worth.drafts(1)  # another batch size is weighed on its own
+    waited = 0
+    while not worth.drafts(4):  # the current skip runs out
+        waited += 1
+    assert waited <= MAX_SKIP
+    for _ in range(8):  # drafts that pay (2 tokens a row expected for a fifth of a step): every step drafts
+        worth.weigh(4, 8.0, 0.008, 0.040)
+        assert worth.drafts(4)
+    worth.weigh(4, 0.0, 0.001, 0.040)  # one empty draft among paying ones skips nothing
+    assert worth.drafts(4)
+
+
+def test_a_reset_drafts_at_once():
+    worth = DraftingWorth()
+    worth.weigh(1, 0.0, 0.001, 0.040)
+    assert not worth.drafts(1)
+    worth.reset()
+    assert worth.drafts(1)

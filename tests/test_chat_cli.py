@@ -17,9 +17,9 @@ import torch
 from transformers.generation import BaseStreamer
 
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.chat import ChatSession, chat
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.prompts import chat_ids
+from rest_spec.drafter.cli.chat import ChatSession, chat
+from rest_spec.drafter.cli.prompts import chat_ids
+from rest_spec.drafter.core.local import LocalDrafter
 from tests.helpers import ONE_THREAD
 
 pytestmark = [pytest.mark.model, pytest.mark.cli]
@@ -60,7 +60,7 @@ def test_chat_streams_replies_keeps_history_and_reports(stdlib_index, conversati
         [
             sys.executable,
             "-m",
-            "rest_spec.drafter.chat",
+            "rest_spec.drafter.cli.chat",
             "--datastore",
             str(stdlib_index),
             "--max-new-tokens",

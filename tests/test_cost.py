@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftTree
-from rest_spec.drafter.cost import BlockShape, CostKey, VerifyCost, select_chain, select_tree
+from rest_spec.drafter.core.cost import BlockShape, CostKey, VerifyCost, select_chain, select_tree
 from tests.tiers import examples
 
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")

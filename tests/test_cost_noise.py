@@ -9,8 +9,8 @@ import pytest
 
 from benchmarks.common import humaneval_inputs
 from rest_spec.common.types import DraftConfig, DraftTree
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.cost import (
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import (
     OBSERVED_MIN,
     OBSERVED_WINDOW,
     BlockShape,
@@ -22,8 +22,8 @@ from rest_spec.drafter.cost import (
     select_tree,
     shape_problems,
 )
-from rest_spec.drafter.generate import generate
-from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.hf.generate import generate
 
 KEY = CostKey("synthetic", "", 0, "test", "float32")
 

@@ -17,9 +17,9 @@ from rest_spec.build_index.build import BuildConfig, build
 from rest_spec.build_index.corpora import CorpusSpec, Record, Turn, held_out_records
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.generate import generate
-from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.hf.generate import generate
 from tests.test_adaptive import CPU_COST
 
 pytestmark = pytest.mark.bench

@@ -17,9 +17,9 @@ from benchmarks.common import humaneval_prompts
 from rest_spec.common.tokenizer import check_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
-from rest_spec.drafter.generate import generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.remote import RemoteDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.hf.generate import generate
 from tests.helpers import ONE_THREAD, brute_draft
 
 pytestmark = [pytest.mark.model, pytest.mark.server]

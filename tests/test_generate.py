@@ -18,10 +18,10 @@ from transformers import GenerationConfig, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 
 from rest_spec.common.types import DraftConfig, DraftTree
-from rest_spec.drafter.cli import main
-from rest_spec.drafter.generate import GenerationResult, eos_ids, generate
-from rest_spec.drafter.protocol import Drafter
-from rest_spec.drafter.sampling import prepare_generation_config
+from rest_spec.drafter.cli.rest_generate import main
+from rest_spec.drafter.core.protocol import Drafter
+from rest_spec.drafter.hf.generate import GenerationResult, eos_ids, generate
+from rest_spec.drafter.hf.sampling import prepare_generation_config
 from tests.helpers import (
     FAMILIES,
     OracleTreeDrafter,

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from rest_spec.drafter.linear_layout import transposed_linears
+from rest_spec.drafter.hf.linear_layout import transposed_linears
 from tests.helpers import tiny_causal_lm
 
 

@@ -1,4 +1,4 @@
-"""REST inside llama.cpp (``rest_spec.drafter.llamacpp``) on the packaged SmolLM2 GGUF: greedy and
+"""REST inside llama.cpp (``rest_spec.drafter.llamacpp.draft_model``) on the packaged SmolLM2 GGUF: greedy and
 seeded sampling identical to llama.cpp without drafts, in process and over gRPC; the cost table;
 the refusals. Skipped where llama-cpp-python is not installed (the ``llama`` extra)."""
 
@@ -24,8 +24,10 @@ from rest_spec.common.tokenizer import (  # noqa: E402
 from rest_spec.common.types import DraftConfig  # noqa: E402
 from rest_spec.datastore.index import Datastore  # noqa: E402
 from rest_spec.datastore.server import DatastoreServer, ServerConfig  # noqa: E402
-from rest_spec.drafter.cost import VerifyCost  # noqa: E402
-from rest_spec.drafter.llamacpp import (  # noqa: E402
+from rest_spec.drafter.core.cost import VerifyCost  # noqa: E402
+from rest_spec.drafter.core.local import LocalDrafter  # noqa: E402
+from rest_spec.drafter.core.remote import RemoteDrafter  # noqa: E402
+from rest_spec.drafter.llamacpp.draft_model import (  # noqa: E402
     RestDraftModel,
     RestLlama,
     llama_cost_key,
@@ -34,8 +36,6 @@ from rest_spec.drafter.llamacpp import (  # noqa: E402
     measure_llama_cost,
     rest_llama,
 )
-from rest_spec.drafter.local import LocalDrafter  # noqa: E402
-from rest_spec.drafter.remote import RemoteDrafter  # noqa: E402
 from tests.helpers import DatastoreProcess, write_index  # noqa: E402
 
 pytestmark = pytest.mark.llama
@@ -126,7 +126,9 @@ def test_the_cost_is_measured_within_the_context_llama_cpp_python_allocated():
 def test_the_cost_table_is_cached_and_read_back(tmp_path, cost, plain, monkeypatch):
     llm = plain
     calls = []
-    monkeypatch.setattr("rest_spec.drafter.llamacpp.measure_llama_cost", lambda llm: calls.append(1) or cost)
+    monkeypatch.setattr(
+        "rest_spec.drafter.llamacpp.draft_model.measure_llama_cost", lambda llm: calls.append(1) or cost
+    )
     first = load_or_measure_llama(llm, directory=tmp_path)
     again = load_or_measure_llama(llm, directory=tmp_path)
     assert first == again == cost and calls == [1]  # measured once, then read from disk
@@ -244,7 +246,7 @@ def test_attach_refuses_a_foreign_index_and_a_llama_without_every_logit(tmp_path
 
 def test_rest_llama_checks_and_attaches(index, prompts, references, cost, tmp_path, monkeypatch):
     monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr("rest_spec.drafter.llamacpp.measure_llama_cost", lambda llm: cost)
+    monkeypatch.setattr("rest_spec.drafter.llamacpp.draft_model.measure_llama_cost", lambda llm: cost)
     with LocalDrafter.open(index) as drafter:
         llm = rest_llama(packaged_smollm2(), drafter, config=DraftConfig(budget=16), **OPTIONS)
         assert isinstance(llm, RestLlama) and llm.draft_model.adaptive.cost.table == cost

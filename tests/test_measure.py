@@ -13,22 +13,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from rest_spec.common.cache import cache_dir
 from rest_spec.common.types import DraftTree
-from rest_spec.drafter.cost import StepShape, VerifyCost
-from rest_spec.drafter.measure import (
+from rest_spec.drafter.cli.measure_cost import main as measure_main
+from rest_spec.drafter.core.cost import StepShape, VerifyCost
+from rest_spec.drafter.hf.measure import (
     DEFAULT_ROUNDS,
     EXTRA_ROUNDS,
-    cache_dir,
     cost_key,
     load_or_measure,
     measure_verify_cost,
     measured_steps,
 )
-from rest_spec.drafter.measure import main as measure_main
 from tests.helpers import tiny_causal_lm
 
 MEASURE = dict(sizes=(1, 2, 4, 8), context_length=32, rounds=2)
-NOTES = "rest_spec.drafter.measure"  # the logger of the measurement's INFO notes
+NOTES = "rest_spec.drafter.core.cost_cache"  # the logger of the measurement's INFO notes
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def test_a_planted_noisy_table_is_used_with_a_note_not_measured_again(tiny_model
 def test_decoding_without_drafts_reads_the_cached_table_and_measures_none(tiny_model, tmp_path, monkeypatch):
     """``rest-generate --no-draft`` (and ``--compare``'s runs without drafts) at the cached table's
     fastest layout when there is one; nothing is measured for them."""
-    from rest_spec.drafter.cli import no_draft_cost
+    from rest_spec.drafter.cli.rest_generate import no_draft_cost
 
     monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
     assert no_draft_cost(tiny_model) is None and not (tmp_path / "verify-cost").exists()

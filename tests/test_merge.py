@@ -19,11 +19,11 @@ from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.bigram import SEP
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.drafter.hf_internals import forward_with_cache
-from rest_spec.drafter.kv_cache import CacheRows, new_cache
-from rest_spec.drafter.merge import Attribution, SourceCalibration, merge_trees
-from rest_spec.drafter.request_matcher import RequestMatcher
-from rest_spec.drafter.verify import verify_trees
+from rest_spec.drafter.core.merge import Attribution, SourceCalibration, merge_trees
+from rest_spec.drafter.core.request_matcher import RequestMatcher
+from rest_spec.drafter.hf.internals import forward_with_cache
+from rest_spec.drafter.hf.kv_cache import CacheRows, new_cache
+from rest_spec.drafter.hf.verify import verify_trees
 from tests.helpers import tiny_causal_lm
 from tests.tiers import examples
 
@@ -290,9 +290,9 @@ def test_request_and_output_store_drafts_verified_on_a_real_model():
 DRAFTER_SCRIPT = """
 import json, sys
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.merge import _merge, compile_kernels
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.merge import _merge, compile_kernels
 from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
 docs = synthetic_corpus()
 index = write_index(sys.argv[1], docs, CORPUS_VOCAB, shard_tokens=10_000)

@@ -1,4 +1,4 @@
-"""Overlapped drafting (``drafter.scheduler``): the pieces it rests on (``DraftTree.after``,
+"""Overlapped drafting (``drafter.core.scheduler``): the pieces it rests on (``DraftTree.after``,
 ``RequestMatcher.draft_ahead``), its bookkeeping driven step by step with a scripted datastore
 (foreseen outcomes, stale speculation, deadlines, falling back to local sources), and generation
 on real parts -- SmolLM2, a real index of Python code, a real gRPC server in process and as a
@@ -30,21 +30,21 @@ from benchmarks.latency_proxy import LatencyProxy
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.cost import CostKey, VerifyCost
-from rest_spec.drafter.generate import BatchGenerationResult, generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.merge import MergedTree
-from rest_spec.drafter.protocol import SUFFIX_CUTS
-from rest_spec.drafter.remote import RemoteDrafter
-from rest_spec.drafter.request_matcher import RequestMatcher
-from rest_spec.drafter.scheduler import (
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import CostKey, VerifyCost
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.merge import MergedTree
+from rest_spec.drafter.core.protocol import SUFFIX_CUTS
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.core.request_matcher import RequestMatcher
+from rest_spec.drafter.core.scheduler import (
     DraftingStats,
     DraftScheduler,
     OverlapConfig,
     ahead_config,
     likely_outcomes,
 )
+from rest_spec.drafter.hf.generate import BatchGenerationResult, generate
 from tests.helpers import (
     CORPUS_VOCAB,
     ScriptedDrafter,
@@ -363,6 +363,22 @@ def test_a_foreseen_outcome_gets_the_tree_prepared_during_the_forward(bonus):
     stats = drafting.stats
     assert (stats.steps, stats.predicted, stats.fresh, stats.fallbacks, stats.cancelled) == (2, 1, 1, 0, 0)
     assert stats.ready_steps == 1 and len(stats.waits) == 2 and len(stats.launches) == 1
+
+
+def test_named_rows_find_their_foreseen_outcomes_in_any_order():
+    """Rows named by their requests (as vLLM's are) may come back in another order, or with a
+    row gone: each finds the outcome foreseen for its own request."""
+    remote, drafting = scripted(OverlapConfig(hypotheses=1), step_seconds=10.0)
+    trees = drafting.trees([[1, 2, 3], [5, 6, 3], [7, 8, 3]], ["a", "b", "c"])
+    assert trees == [STEP_ONE] * 3
+    drafting.speculate(trees)
+    drafting._ahead.job.result(timeout=5)
+    drafting.finish(["c"])
+    trees = drafting.trees([[5, 6, 3, 10, 11, 20], [1, 2, 3, 10, 11, 21]], ["b", "a"])
+    assert trees == [AHEAD.after(20), AHEAD.after(21)]
+    assert len(remote.calls) == 2  # both foreseen: no call after the forward
+    drafting.close()
+    assert (drafting.stats.predicted, drafting.stats.fresh) == (2, 3)
 
 
 def test_a_bonus_token_the_prepared_tree_lacks_is_drafted_fresh():

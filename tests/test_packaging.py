@@ -82,7 +82,9 @@ def test_the_wheel_adds_one_import_name_and_ships_the_license(wheel):
 
 
 def test_the_installed_package_imports_from_its_own_directory(installed, tmp_path):
-    code = "import rest_spec, rest_spec.datastore.server, rest_spec.drafter.cli; print(rest_spec.__file__)"
+    code = (
+        "import rest_spec, rest_spec.datastore.server, rest_spec.drafter.cli.rest_generate; print(rest_spec.__file__)"
+    )
     result = outside(installed, tmp_path, sys.executable, "-c", code)
     assert result.returncode == 0, result.stderr
     assert Path(result.stdout.strip()).is_relative_to(installed)

@@ -14,9 +14,9 @@ from rest_spec.common.tokenizer import tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.drafter.hf import REST_GENERATE_DIR, RestGenerateOutput, generate_with_drafts, rest_generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.remote import RemoteDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.hf.plugin import REST_GENERATE_DIR, RestGenerateOutput, generate_with_drafts, rest_generate
 
 pytestmark = pytest.mark.model
 NEW_TOKENS = 24

@@ -1,4 +1,4 @@
-"""The drafting protocol's contract (``drafter.protocol``): what each drafter declares, the one
+"""The drafting protocol's contract (``drafter.core.protocol``): what each drafter declares, the one
 step sequence the drafter and the scheduler both run, and the one error for a store of outputs
 that is not there -- with a real index, a real server on a loopback port and a real model."""
 
@@ -17,9 +17,9 @@ from rest_spec.common.types import DraftConfig, DraftTree, SourceTrees
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.protocol import (
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.protocol import (
     SUFFIX_CUTS,
     Deferred,
     DraftSource,
@@ -29,8 +29,8 @@ from rest_spec.drafter.protocol import (
     draft_step,
     steps_for,
 )
-from rest_spec.drafter.remote import RemoteDrafter
-from rest_spec.drafter.scheduler import NO_OVERLAP, DraftScheduler
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftScheduler
 from tests.helpers import CORPUS_VOCAB as VOCAB
 from tests.helpers import ScriptedDrafter, contexts_from, synthetic_corpus, write_index
 
@@ -126,9 +126,9 @@ def test_a_store_that_keeps_no_outputs_raises_one_error_everywhere(index):
 def test_generation_from_a_local_index_never_imports_grpc(index):
     script = f"""
 import sys
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.generate import generate
-from rest_spec.drafter.local import LocalDrafter
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.hf.generate import generate
+from rest_spec.drafter.core.local import LocalDrafter
 from tests.helpers import tiny_causal_lm
 with LocalDrafter.open({str(index)!r}) as local:
     generate(tiny_causal_lm("llama"), [1, 2, 3, 4], AdaptiveDrafter(local, cost=None), max_new_tokens=4, overlap=True)

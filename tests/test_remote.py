@@ -14,9 +14,9 @@ from rest_spec.common.types import DraftConfig, SourceTrees
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.protocol import Drafter, SourceDrafter
-from rest_spec.drafter.remote import RemoteDrafter
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.protocol import Drafter, SourceDrafter
+from rest_spec.drafter.core.remote import RemoteDrafter
 from tests.helpers import CORPUS_VOCAB as VOCAB
 from tests.helpers import UNSEEN, contexts_from, synthetic_corpus, write_index
 

@@ -1,5 +1,5 @@
 """A datastore that dies or freezes mid-generation (issue 24): the circuit breaker's state machine
-(``drafter.breaker``, on an injected clock), then real processes -- a ``rest-datastore serve``
+(``drafter.core.breaker``, on an injected clock), then real processes -- a ``rest-datastore serve``
 subprocess frozen with SIGSTOP and resumed with SIGCONT, or killed with SIGKILL and started again on
 its port -- under the decoding loop's scheduler, under generation with SmolLM2, and under the
 ``rest-generate`` CLI: the generation completes with plain decoding's output, the breaker opens
@@ -26,14 +26,14 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from benchmarks.common import humaneval_prompts
 from rest_spec.common.tokenizer import tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.adaptive import AdaptiveDrafter
-from rest_spec.drafter.breaker import Admission, BreakerState, CircuitBreaker
-from rest_spec.drafter.cost import CostKey, VerifyCost
-from rest_spec.drafter.generate import generate
-from rest_spec.drafter.local import LocalDrafter
-from rest_spec.drafter.remote import RemoteDrafter
-from rest_spec.drafter.scheduler import DraftScheduler, OverlapConfig
-from rest_spec.drafter.uploads import OutputUploader, UploadStats
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.breaker import Admission, BreakerState, CircuitBreaker
+from rest_spec.drafter.core.cost import CostKey, VerifyCost
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.core.scheduler import DraftScheduler, OverlapConfig
+from rest_spec.drafter.core.uploads import OutputUploader, UploadStats
+from rest_spec.drafter.hf.generate import generate
 from tests.helpers import CORPUS_VOCAB, ONE_THREAD, DatastoreProcess, synthetic_corpus, write_index
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +131,7 @@ def test_a_probe_whose_outcome_never_comes_is_followed_by_another():
 def test_each_state_change_is_logged_once(caplog):
     clock = Clock()
     b = breaker(clock)
-    with caplog.at_level(logging.DEBUG, logger="rest_spec.drafter.breaker"):
+    with caplog.at_level(logging.DEBUG, logger="rest_spec.drafter.core.breaker"):
         for _ in range(10):
             b.failed()
         for _ in range(4):

@@ -30,11 +30,11 @@ from transformers.generation.logits_process import (
 )
 
 from rest_spec.common.types import DraftConfig, DraftTree
-from rest_spec.drafter.generate import StopConditions, decode, generate, prefill
-from rest_spec.drafter.kv_cache import new_cache
-from rest_spec.drafter.sampling import TokenChooser, prepare_generation_config, row_logits_processors
-from rest_spec.drafter.tree_attention import TreeInputs, build_tree_inputs
-from rest_spec.drafter.verify import tree_logits
+from rest_spec.drafter.hf.generate import StopConditions, decode, generate, prefill
+from rest_spec.drafter.hf.kv_cache import new_cache
+from rest_spec.drafter.hf.sampling import TokenChooser, prepare_generation_config, row_logits_processors
+from rest_spec.drafter.hf.tree_attention import TreeInputs, build_tree_inputs
+from rest_spec.drafter.hf.verify import tree_logits
 from tests.helpers import ScriptedDrafter, tiny_causal_lm, tree_from_paths
 
 PROMPTS = ([17], [5, 17, 33, 99, 100, 7])

@@ -111,7 +111,7 @@ def test_routers_answer_as_the_index_and_latency_and_throughput_are_measured(tmp
 
 
 def test_generation_through_every_topology_equals_plain_decoding(tmp_path):
-    from rest_spec.drafter.model import load_model
+    from rest_spec.drafter.hf.model import load_model
 
     tokenizer = load_tokenizer(None)
     texts = humaneval_prompts(40)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore, OutputStoreError
-from rest_spec.drafter.request_matcher import RequestMatcher
+from rest_spec.drafter.core.request_matcher import RequestMatcher
 from tests.helpers import brute_draft, request_oracle, synthetic_corpus, write_index
 from tests.tiers import examples
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from transformers import PreTrainedModel
 
 from rest_spec.common.types import DraftTree
-from rest_spec.drafter.generate import prefill
-from rest_spec.drafter.kv_cache import CacheRows, new_cache
-from rest_spec.drafter.tree_attention import PADDING_DEPTH, ancestor_matrix, build_tree_inputs, padded_prefill_mask
-from rest_spec.drafter.verify import tree_logits
+from rest_spec.drafter.hf.generate import prefill
+from rest_spec.drafter.hf.kv_cache import CacheRows, new_cache
+from rest_spec.drafter.hf.tree_attention import PADDING_DEPTH, ancestor_matrix, build_tree_inputs, padded_prefill_mask
+from rest_spec.drafter.hf.verify import tree_logits
 from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
 from tests.helpers import MODEL_VOCAB as VOCAB
 from tests.tiers import examples

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, PreTrainedModel, StaticCache
 
 from rest_spec.common.types import DraftTree
-from rest_spec.drafter.cost import BlockShape
-from rest_spec.drafter.generate import prefill
-from rest_spec.drafter.hf_internals import forward_with_cache
-from rest_spec.drafter.kv_cache import (
+from rest_spec.drafter.core.cost import BlockShape
+from rest_spec.drafter.hf.generate import prefill
+from rest_spec.drafter.hf.internals import forward_with_cache
+from rest_spec.drafter.hf.kv_cache import (
     CacheRows,
     UnsupportedCacheError,
     cache_length,
@@ -27,8 +27,8 @@ from rest_spec.drafter.kv_cache import (
     new_cache,
     select_rows,
 )
-from rest_spec.drafter.tree_attention import build_tree_inputs
-from rest_spec.drafter.verify import accept_path, greedy_rule, verify_trees
+from rest_spec.drafter.hf.tree_attention import build_tree_inputs
+from rest_spec.drafter.hf.verify import accept_path, greedy_rule, verify_trees
 from tests.helpers import FAMILIES, tiny_causal_lm, tree_from_paths
 from tests.helpers import MODEL_VOCAB as VOCAB
 from tests.tiers import examples

@@ -4,7 +4,7 @@ fresh process (``benchmarks.vllm_run``), the datastore a real ``rest-datastore s
 - greedy output equals vLLM's without speculation, 1 and 4 prompts at once, the index in process
   and over gRPC, and through the OpenAI-compatible server;
 - sampling: the tokens sampled at drafted positions have vLLM's own distribution (the expand-kernel
-  fix in place, ``drafter.vllm_shim``);
+  fix in place, ``drafter.vllm.shim``);
 - one store of outputs for a fleet: an engine drafts from what another added, across a restart of
   the server (``--outputs-dir``); tensor-parallel ranks store each output once;
 - a fresh engine with no cached cost, 8 requests at once, drafts from its first steps;
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from benchmarks.common import humaneval_inputs  # noqa: E402
 from benchmarks.vllm_run import EngineFailed, engine_env, job_result, run_job, start_job  # noqa: E402
 from rest_spec.common.tokenizer import load_tokenizer  # noqa: E402
-from rest_spec.drafter.vllm_model import hf_checkpoint  # noqa: E402
+from rest_spec.drafter.vllm.checkpoint import hf_checkpoint  # noqa: E402
 from tests.helpers import DatastoreProcess, synthetic_corpus, write_index  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -306,7 +306,7 @@ def test_openai_server_with_the_proposer(checkpoint, prompts, plain, server, tmp
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--dtype", "float32",
         "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
-        "--speculative-config", json.dumps({"method": "custom_class", "model": "rest_spec.drafter.vllm.RestProposer", "num_speculative_tokens": K}),
+        "--speculative-config", json.dumps({"method": "custom_class", "model": "rest_spec.drafter.vllm.proposer.RestProposer", "num_speculative_tokens": K}),
         "--additional-config", json.dumps({"rest": {"datastore": datastore.address}}),
     ]  # fmt: skip
     log = (tmp_path / "server.log").open("w")

@@ -1,0 +1,187 @@
+"""``rest-chat``: an interactive chat with REST drafting, replies streamed as tokens are accepted.
+
+Reads one user turn per line from stdin, renders the whole conversation with the tokenizer's chat
+template, streams the assistant's reply to stdout and ends each turn with a status line on stderr
+(new tokens, tokens/s, verifier steps, mean accepted length, context length). ``/reset`` forgets the
+conversation, ``/exit`` (or end of input) quits; Ctrl-C during a reply drops that turn, at the
+prompt it quits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rest_spec.drafter.cli.prompts import Prompt, encode_prompt
+from rest_spec.drafter.cli.rest_generate import (
+    EXIT_STATUSES,
+    add_model_arguments,
+    load_parts,
+    parse_args,
+    remember_output,
+    run_cli,
+)
+
+if TYPE_CHECKING:
+    from transformers.generation import BaseStreamer
+
+    from rest_spec.common.types import DraftConfig
+    from rest_spec.drafter.core.protocol import Drafter
+    from rest_spec.drafter.hf.generate import GenerationResult
+
+COMMANDS = {"/reset": "forget the conversation", "/exit": "quit (so does end of input)"}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One assistant turn: its text, the decoding loop's result, and the length in tokens of the
+    prompt (conversation so far) it continued."""
+
+    text: str
+    result: GenerationResult
+    context_tokens: int
+
+
+class ChatSession:
+    """A conversation with the model: the message history and one ``reply`` per user turn."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        drafter: Drafter | None,
+        *,
+        config: DraftConfig,
+        max_new_tokens: int,
+        system: str | None = None,
+        overlap: bool = False,
+    ) -> None:
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.config, self.max_new_tokens, self.overlap = config, max_new_tokens, overlap
+        self.system = system
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every turn (the system message stays)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+
+    def prompt_ids(self, user_text: str) -> list[int]:
+        """The conversation so far plus ``user_text``, rendered with the chat template."""
+        turn = {"role": "user", "content": user_text}
+        return encode_prompt(self.tokenizer, Prompt(messages=(*self.messages, turn)))
+
+    def reply(self, user_text: str, streamer: BaseStreamer | None = None) -> Reply:
+        """Generate the assistant's reply to ``user_text`` (streamed to ``streamer``) and add the
+        exchange to the history; if generation is interrupted, the history is left as it was."""
+        from rest_spec.drafter.hf.generate import generate
+
+        ids = self.prompt_ids(user_text)
+        result = generate(
+            self.model,
+            ids,
+            self.drafter,
+            max_new_tokens=self.max_new_tokens,
+            config=self.config,
+            streamer=streamer,
+            overlap=self.overlap,
+        )
+        remember_output(self.drafter, result.output_ids)
+        text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
+        return Reply(text, result, len(ids))
+
+
+def status_line(turn: int, reply: Reply) -> str:
+    """The end-of-turn statistics printed on stderr."""
+    result = reply.result
+    return (
+        f"[turn {turn}] {len(result.output_ids)} tokens in {result.seconds:.2f} s "
+        f"({result.tokens_per_second:.1f} tok/s), {result.steps} steps, mean accepted "
+        f"{result.mean_accepted:.2f}, context {reply.context_tokens} tokens"
+    )
+
+
+def chat(session: ChatSession) -> None:
+    """The read-reply loop over stdin until ``/exit``, end of input or Ctrl-C at the prompt: replies
+    stream to stdout, everything else goes to stderr."""
+    from transformers import TextStreamer
+
+    stderr = sys.stderr
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"[ready; commands: {', '.join(COMMANDS)}]", file=stderr, flush=True)
+    prompt = "> " if interactive else ""
+    turn = 0
+    while True:
+        try:
+            line = input(prompt).strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=stderr)
+            return
+        if not line:
+            continue
+        if line.startswith("/"):  # a command, never sent to the model
+            command = line.split()[0]
+            if command == "/exit":
+                return
+            if command == "/reset":
+                session.reset()
+                print("[conversation cleared]", file=stderr, flush=True)
+            else:
+                print(f"[unknown command {command}; commands: {', '.join(COMMANDS)}]", file=stderr, flush=True)
+            continue
+        streamer = TextStreamer(session.tokenizer, skip_special_tokens=True)  # our loop never puts the prompt
+        try:
+            reply = session.reply(line, streamer)
+        except KeyboardInterrupt:
+            print(flush=True)
+            print("[interrupted: this turn is dropped from the conversation]", file=stderr, flush=True)
+            continue
+        turn += 1
+        print(status_line(turn, reply), file=stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rest-chat",
+        description="Interactive chat with retrieval-based speculative decoding (REST). Type one user turn "
+        "per line; the reply is streamed as tokens are accepted, followed by a status line on stderr "
+        "(tokens/s, mean accepted length). The conversation is kept across turns. "
+        + "; ".join(f"{name}: {what}" for name, what in COMMANDS.items())
+        + "; Ctrl-C during a reply drops that turn.",
+        epilog=EXIT_STATUSES,
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
+    """Everything after argument parsing; raises on errors."""
+    tokenizer, model, drafter = load_parts(args)
+    try:
+        session = ChatSession(
+            model,
+            tokenizer,
+            drafter,
+            config=args.config,
+            max_new_tokens=args.max_new_tokens,
+            system=args.system,
+            overlap=args.overlap,
+        )
+        chat(session)
+    finally:
+        if drafter is not None:
+            drafter.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("rest-chat", parse_args(build_parser(), argv), run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

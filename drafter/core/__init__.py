@@ -1,0 +1,1 @@
+"""Engine-agnostic drafting: sources, merge, cost, scheduling (see ``rest_spec.drafter``)."""

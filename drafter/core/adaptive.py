@@ -1,0 +1,265 @@
+"""The adaptive drafter: every source merged into one scored tree, sized for this hardware.
+
+Each step it drafts candidates from the static index and the store of recent outputs (one call to
+the base drafter, one RPC when remote; with ``suffixes``, the index's trees for the context cut to
+its last few tokens too, each a source) and from the request's own text (``RequestMatcher``),
+merges them into one tree scored by estimated acceptance (``drafter.core.merge``: per-source path
+probabilities, weights calibrated per source and sample size, noisy-OR) and keeps the part that
+maximizes expected tokens per second of verification, (1 + sum of kept scores) / t(1 + kept)
+(``drafter.core.cost.select_tree``, Sequoia's hardware-aware size). Where verifying many tokens costs
+several 1-token steps, as on a CPU, that is a small tree, or none at all.
+
+It implements the per-step protocol (``drafter.core.protocol.StepDrafter``) that the scheduler
+(``drafter.core.scheduler``) runs; ``draft`` runs the same sequence at once. It keeps a session per
+request the engine names (its matcher, where its context stood, the tree last verified). What the
+verifier accepted is read from the tokens the request's context gained since the last step --
+the accepted path of the previous tree and the verifier's bonus token -- and credited to the
+sources (``SourceCalibration.observe``) before drafting again. A request not seen before, or a
+context that does not continue its session, starts a new session (the calibration carries over).
+Outputs enter the output store only through ``add_output``, called by whoever finished a
+generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+
+from rest_spec.common.errors import NoOutputStoreError
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.drafter.core.cost import BatchCost, CorrectedCost, VerifyCost, select_chain, select_tree
+from rest_spec.drafter.core.merge import Attribution, SourceCalibration, merge_trees
+from rest_spec.drafter.core.protocol import Deferred, Drafter, Mark, Pending, SourceDrafter, as_source, draft_step
+from rest_spec.drafter.core.request_matcher import RequestMatcher
+
+SOURCES = ("index", "request", "outputs")
+MAX_SESSIONS = 4096  # sessions kept at most; past it the longest unseen goes (an engine that never says "ended")
+
+
+@dataclasses.dataclass(frozen=True)
+class CutTrees(SourceTrees):
+    """``SourceTrees`` with the index's trees for the context cut to each of ``suffixes`` tokens
+    (empty where the cut adds nothing)."""
+
+    shorter: tuple[DraftTree, ...] = ()
+
+
+def with_cuts(trees: Sequence[SourceTrees], rows: int, suffixes: Sequence[int], n_min: int) -> list[CutTrees]:
+    """``rows`` contexts' trees, then each context's cuts in ``suffixes`` order (all drafted with
+    n_min 1), regrouped per context: its own trees held to ``n_min`` (as a query with it answers),
+    and cut k where it matched all its k tokens and the context matched longer (a cut matches
+    min(k, the context's longest match): otherwise it repeats the context's tree or a shorter cut's)."""
+    grouped = []
+    for i, own in enumerate(trees[:rows]):
+        index, outputs = (tree if tree.match_len >= n_min else DraftTree.empty() for tree in (own.index, own.outputs))
+        cuts = trees[rows + i * len(suffixes) : rows + (i + 1) * len(suffixes)]
+        longest = index.match_len or n_min
+        shorter = tuple(
+            cut.index if cut.index.match_len == k < longest else DraftTree.empty() for k, cut in zip(suffixes, cuts)
+        )
+        grouped.append(CutTrees(index, outputs, shorter))
+    return grouped
+
+
+class _Regrouped:
+    """A ``Pending`` whose answer is another's passed through ``regroup``."""
+
+    def __init__(self, pending: Pending, regroup: Callable[[list[SourceTrees]], list[CutTrees]]) -> None:
+        self.pending, self.regroup = pending, regroup
+
+    def result(self, timeout: float | None = None) -> list[CutTrees]:
+        return self.regroup(self.pending.result(timeout))
+
+    def cancel(self) -> bool:
+        return self.pending.cancel()
+
+
+@dataclasses.dataclass
+class _Session:
+    """One request being decoded: where its context stood at the last step, the tree answered
+    then, and the matcher over its own tokens (None when the request source is off)."""
+
+    matcher: RequestMatcher | None
+    mark: Mark = dataclasses.field(default_factory=lambda: Mark(0, []))
+    tree: DraftTree = dataclasses.field(default_factory=DraftTree.empty)
+
+
+class AdaptiveDrafter:
+    """A ``Drafter`` that merges the ``sources`` (any of "index", "request", "outputs") into one
+    scored tree and, with a ``cost``, verifies only the part that pays on this hardware.
+
+    base         where the index and outputs trees come from: a ``SourceDrafter`` (``LocalDrafter``,
+                 ``RemoteDrafter``); a plain ``Drafter`` does when "outputs" is not a source.
+                 Kept as ``source`` (``drafter.core.protocol.as_source``)
+    cost         the measured verification cost (``drafter.hf.measure.load_or_measure``), kept as a
+                 ``CorrectedCost`` (given one, that one): the loop that verifies these trees
+                 corrects it by the steps it times (``generate``), across requests; or a
+                 ``BatchCost`` (an engine's step by rows and draft tokens, vLLM's); None keeps
+                 the ``budget`` best-scored nodes (no hardware-aware size)
+    config       how each source drafts its candidates (budget 64 per source and for the merge)
+    suffixes     context cuts (descending token counts, e.g. ``SUFFIX_CUTS``) whose index trees are
+                 extra sources, after ``sources`` in the calibration; needs "index"; () for none
+                 (``benchmarks.merge_rules`` measures what they add)
+    calibration  per-source, per-sample-class weights, learned from what the verifier accepts;
+                 default: prior 1 everywhere. Shared by all rows and requests.
+    chains       verify a chain, never a branching tree: the root path that pays most under the
+                 cost's chain times (``drafter.core.cost.select_chain``; needs a ``cost``), for engines
+                 that verify chains only (llama.cpp, ``drafter.llamacpp.draft_model``)
+
+    ``draft(context, config)``: the loop's ``config`` caps the verified tree (``budget`` nodes,
+    ``max_depth`` levels) on top of the candidates' own config. Rows of ``draft_batch`` keep
+    their own session, named by ``requests`` (default: their positions), so rows may finish and
+    leave the batch. Not thread-safe: one per decoding loop.
+    """
+
+    def __init__(
+        self,
+        base: Drafter,
+        *,
+        cost: VerifyCost | CorrectedCost | BatchCost | None,
+        config: DraftConfig = DraftConfig(),
+        sources: Sequence[str] = SOURCES,
+        suffixes: Sequence[int] = (),
+        calibration: SourceCalibration | None = None,
+        chains: bool = False,
+    ) -> None:
+        if chains and cost is None:
+            raise ValueError("choosing chains needs a verify cost")
+        self.sources = tuple(sources)
+        unknown = sorted(set(self.sources) - set(SOURCES))
+        if unknown or not self.sources or len(set(self.sources)) != len(self.sources):
+            raise ValueError(f"sources must be distinct names among {', '.join(SOURCES)}, got {list(sources)}")
+        if "outputs" in self.sources and not isinstance(base, SourceDrafter):
+            raise TypeError(
+                f"drafting from outputs needs a SourceDrafter base (LocalDrafter, RemoteDrafter), "
+                f"got {type(base).__name__}"
+            )
+        self.suffixes = tuple(suffixes)
+        if self.suffixes and (
+            "index" not in self.sources
+            or list(self.suffixes) != sorted(set(self.suffixes), reverse=True)
+            or self.suffixes[-1] < 1
+        ):
+            raise ValueError(f"suffixes must be distinct positive lengths, descending, with an index; got {suffixes}")
+        num_sources = len(self.sources) + len(self.suffixes)
+        self.calibration = calibration if calibration is not None else SourceCalibration(num_sources)
+        if self.calibration.num_sources != num_sources:
+            raise ValueError(f"calibration has {self.calibration.num_sources} sources, expected {num_sources}")
+        # where accepted tokens come from, per source and match length (reports; no decision reads it)
+        self.attribution = Attribution(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes))
+        self.source, self.config, self.chains = as_source(base), config, chains
+        self.cost = CorrectedCost(cost) if isinstance(cost, VerifyCost) else cost
+        self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # least recently seen first
+        self._rows: list[_Session] = []  # the sessions of the last call's rows, in row order
+
+    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
+        return self.draft_batch([context], config)[0]
+
+    def draft_batch(
+        self, contexts: Sequence[Sequence[int]], config: DraftConfig, requests: Sequence[Hashable] | None = None
+    ) -> list[DraftTree]:
+        return draft_step(self, contexts, config, requests)
+
+    # The steps of ``drafter.core.protocol.StepDrafter``: the scheduler runs the slow ones (the
+    # source's call, the merges) for likely next contexts while the model verifies the current ones.
+
+    def advance(self, rows: Sequence[Sequence[int]], requests: Sequence[Hashable]) -> list[_Session]:
+        """Each row's session: its request's, crediting what the verifier accepted of the tree
+        recorded for it (the tokens its context gained), or a new one for a request not seen
+        before or a context that does not continue its session. Reads each context's new tokens
+        and tail only."""
+        self._rows = []
+        for row, request in zip(rows, requests):
+            session = self._sessions.get(request)
+            if session is None or not session.mark.continued_by(row):
+                session = self._sessions[request] = _Session(RequestMatcher() if "request" in self.sources else None)
+                if len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
+            else:
+                self._sessions.move_to_end(request)
+                gained = session.mark.gained(row)
+                if len(session.tree) and gained:
+                    accepted = session.tree.accepted_nodes(gained)
+                    self.calibration.observe(session.tree, accepted)
+                    self.attribution.observe(session.tree, accepted)
+            session.mark, session.tree = Mark.of(row), DraftTree.empty()
+            if session.matcher is not None:
+                session.matcher.extend(row)
+            self._rows.append(session)
+        return self._rows
+
+    def finish(self, requests: Sequence[Hashable]) -> None:
+        """These requests ended: their sessions go."""
+        for request in requests:
+            self._sessions.pop(request, None)
+
+    def record(self, trees: Sequence[DraftTree]) -> None:
+        """The trees verified for the rows of the last ``advance``: what the next one credits."""
+        for session, tree in zip(self._rows, trees):
+            session.tree = tree
+
+    def forget(self) -> None:
+        """The trees last recorded were not verified (the loop decoded without drafts since): the
+        next ``advance`` credits nothing to the sources for them."""
+        for session in self._rows:
+            session.tree = DraftTree.empty()
+
+    def candidates(self, config: DraftConfig) -> DraftConfig:
+        """How each source drafts under the loop's ``config``: this drafter's config, capped."""
+        return dataclasses.replace(
+            self.config,
+            budget=min(self.config.budget, config.budget),
+            max_depth=min(self.config.max_depth, config.max_depth),
+        )
+
+    def request_tree(self, session: _Session, extra: Sequence[int], config: DraftConfig) -> DraftTree:
+        """The request source's tree for the request's context continued by ``extra``."""
+        return DraftTree.empty() if session.matcher is None else session.matcher.draft_ahead(extra, config)
+
+    def start_shared(self, rows: Sequence[Sequence[int]], config: DraftConfig, timeout: float | None = None) -> Pending:
+        """The index and outputs trees per row (empty where off; ``CutTrees`` with the cuts when
+        there are ``suffixes``), in one call to the source (``DraftSource.start_sources``)."""
+        if not self.suffixes:
+            return self._start_base(rows, config, timeout)
+        cuts = [row[-k:] for row in rows for k in self.suffixes]
+        pending = self._start_base([*rows, *cuts], dataclasses.replace(config, n_min=1), timeout)
+        return _Regrouped(pending, lambda trees: with_cuts(trees, len(rows), self.suffixes, config.n_min))
+
+    def _start_base(self, rows: Sequence[Sequence[int]], config: DraftConfig, timeout: float | None) -> Pending:
+        if "index" not in self.sources and "outputs" not in self.sources:
+            return Deferred(lambda: [SourceTrees(DraftTree.empty(), DraftTree.empty())] * len(rows))
+        return self.source.start_sources(rows, config, outputs="outputs" in self.sources, timeout=timeout)
+
+    def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
+        """Every source's candidates merged into one scored tree (``config.budget`` nodes)."""
+        by_source = {"index": shared.index, "outputs": shared.outputs, "request": request}
+        # trees fetched without the cuts (the scheduler's speculation) have none
+        shorter = shared.shorter if isinstance(shared, CutTrees) else (DraftTree.empty(),) * len(self.suffixes)
+        trees = [by_source[s] for s in self.sources] + list(shorter)
+        return merge_trees(trees, self.calibration.weights_for([tree.match_len for tree in trees]), config.budget)
+
+    def select(self, tree: DraftTree) -> DraftTree:
+        """The part of a merged tree worth verifying on this hardware (all of it without a cost)."""
+        if self.cost is None:
+            return tree
+        return select_chain(tree, self.cost) if self.chains else select_tree(tree, self.cost)
+
+    def add_output(self, tokens: Sequence[int]) -> int:
+        """Store a finished generation in the base's output store (later requests draft from it);
+        returns its sequence number."""
+        if not isinstance(self.source, SourceDrafter):
+            raise NoOutputStoreError(f"{type(self.source).__name__} keeps no outputs")
+        return self.source.add_output(tokens)
+
+    def info(self) -> IndexInfo:
+        return self.source.info()
+
+    def close(self) -> None:
+        self.source.close()
+
+    def __enter__(self) -> AdaptiveDrafter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,86 @@
+"""The in-process draft source: an opened index and a store of recent outputs, no network."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from rest_spec.common.errors import NoOutputStoreError
+from rest_spec.common.tokenizer import require_tokenizer
+from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
+from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.outputs import (
+    DEFAULT_OUTPUTS_MAX_TOKENS,
+    OutputStore,
+    check_outputs_options,
+    open_output_store,
+)
+from rest_spec.drafter.core.protocol import DraftSource
+
+
+class LocalDrafter(DraftSource):
+    """``SourceDrafter`` over a ``Datastore`` and an optional ``OutputStore`` in this process;
+    returns the same trees as the gRPC service. Owns both (``close`` closes them). Its batches
+    are drafted when collected, in the thread that collects them."""
+
+    reads_suffixes = True
+
+    def __init__(self, datastore: Datastore, outputs: OutputStore | None = None) -> None:
+        self.datastore = datastore
+        self.outputs = outputs
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        *,
+        expected_fingerprint: str | None = None,
+        outputs_max_tokens: int = DEFAULT_OUTPUTS_MAX_TOKENS,
+        outputs_dir: str | Path | None = None,
+        **kwargs,
+    ) -> LocalDrafter:
+        """Open the index at ``path`` (``kwargs`` go to ``Datastore.open``) with an output store of
+        ``outputs_max_tokens`` tokens (0: none), persistent in ``outputs_dir`` if given; with
+        ``expected_fingerprint`` (the model's ``tokenizer_fingerprint``), an index built with another
+        tokenizer is refused with ``TokenizerMismatchError``."""
+        check_outputs_options(outputs_max_tokens, outputs_dir)
+        datastore = Datastore.open(path, **kwargs)
+        try:
+            require_tokenizer(datastore, expected_fingerprint)
+            outputs = open_output_store(outputs_max_tokens, outputs_dir, vocab_size=datastore.vocab_size)
+        except BaseException:
+            datastore.close()
+            raise
+        return cls(datastore, outputs)
+
+    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
+        return self.datastore.draft(context, config)
+
+    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
+        return self.datastore.draft_batch(contexts, config)
+
+    def draft_sources(self, context: Sequence[int], config: DraftConfig) -> SourceTrees:
+        outputs = DraftTree.empty() if self.outputs is None else self.outputs.draft(context, config)
+        return SourceTrees(self.datastore.draft(context, config), outputs)
+
+    def draft_sources_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[SourceTrees]:
+        return [self.draft_sources(context, config) for context in contexts]
+
+    def add_output(self, tokens: Sequence[int]) -> int:
+        if self.outputs is None:
+            raise NoOutputStoreError("this drafter keeps no outputs (it was opened with outputs_max_tokens=0)")
+        return self.outputs.add(tokens)
+
+    def info(self) -> IndexInfo:
+        return self.datastore.info()
+
+    def close(self) -> None:
+        if self.outputs is not None:
+            self.outputs.close()
+        self.datastore.close()
+
+    def __enter__(self) -> LocalDrafter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,474 @@
+"""One draft tree from several sources, each node scored by its estimated acceptance probability.
+
+Every source (the static index, the request itself, past outputs) answers its own tree. Under a
+source, a node's probability is the product along its path of child count / parent count (=
+count / root count; SuffixDecoding), and the expected number of tokens a tree yields is the sum
+of its nodes' path probabilities (Sequoia) -- so nodes are selected by that score, and
+``drafter.core.cost.select_tree`` sizes the tree from it.
+
+Sources are not equally trustworthy, and neither is every ratio: a suffix that occurred once
+claims certainty it has not earned (on held-out chat text, index nodes with ratio 1 from a single
+occurrence are accepted far less often than those near 1 from many occurrences). Each
+source therefore has a weight per *sample class* -- the parent count c(parent) in powers of two:
+1, 2-3, 4-7, ... -- learned by ``SourceCalibration`` from the acceptance actually observed, that
+scales its per-token probability: node i under source s gets
+P_s(i) = prod over the path of min(1, w_s[class(c(parent))] * c(node) / c(parent)). The weight
+is per token, not per node, because acceptance is a sequence of per-token trials: a source that
+is overconfident is overconfident at every depth, and the product captures the decay with depth
+that one factor per node cannot.
+
+Sources combine by noisy-OR, p = 1 - prod_s (1 - P_s):
+- a node only one source proposes keeps exactly that source's probability (so a one-source merge
+  is that source's tree, and the request's own identifiers, which no index holds, are not
+  diluted as a weighted average would dilute them);
+- agreement counts: a node several sources propose scores above each of them (``max`` ignores it);
+- it stays in [0, 1] and grows with each P_s, so scores never increase down a path and the top-k
+  nodes by score form a tree.
+It overestimates when sources saw the same text (an output also in the index); that only
+misranks a few nodes and never changes the output, which verification keeps exact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rest_spec.common.cache import numba_cached
+from rest_spec.common.types import DraftTree, frozen_array
+
+numba = numba_cached()
+
+
+@dataclass(frozen=True, eq=False)
+class MergedTree(DraftTree):
+    """A tree merged from S sources (``merge_trees``) with what the calibration learns from, kept
+    through ``subset`` and ``after``; never sent anywhere.
+
+    source_probs   float64 [n, S]: each source's own probability of the node given its parent
+                   (0 where that source did not propose it)
+    source_samples int64 [n, S]: how many continuations each of those rests on (the source's
+                   count of the node's parent; 0 where it did not propose the node). One
+                   occurrence claiming certainty is worth less than a hundred agreeing: the
+                   calibration weighs sources per sample-size class.
+    source_match_len int64 [S]: the length of the context suffix each source's tree was drafted
+                   from (0: it matched nothing); what ``Attribution`` reports acceptance by
+    """
+
+    source_probs: np.ndarray = field(default_factory=lambda: np.zeros((0, 1)), repr=False)
+    source_samples: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int64), repr=False)
+    source_match_len: np.ndarray | None = field(default=None, repr=False)  # None: zeros
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        probs = frozen_array(self.source_probs, np.float64)
+        samples = frozen_array(self.source_samples, np.int64)
+        if probs.ndim != 2 or probs.shape[0] != len(self):
+            raise ValueError(f"source_probs must be [n={len(self)}, sources], got shape {probs.shape}")
+        if not np.all((probs >= 0) & (probs <= 1)):
+            raise ValueError("source_probs must lie in [0, 1]")
+        if samples.shape != probs.shape:
+            raise ValueError("source_samples must have source_probs' [n, sources] shape")
+        if np.any(samples < 0):
+            raise ValueError("source_samples must be non-negative")
+        match_len = frozen_array(
+            np.zeros(probs.shape[1], np.int64) if self.source_match_len is None else self.source_match_len, np.int64
+        )
+        if match_len.shape != (probs.shape[1],) or np.any(match_len < 0):
+            raise ValueError(
+                f"source_match_len must be {probs.shape[1]} non-negative lengths, got {match_len.tolist()}"
+            )
+        object.__setattr__(self, "source_probs", probs)
+        object.__setattr__(self, "source_samples", samples)
+        object.__setattr__(self, "source_match_len", match_len)
+
+    def _take(self, keep: np.ndarray, parents: np.ndarray, **fields) -> MergedTree:
+        return MergedTree(
+            self.tokens[keep],
+            parents,
+            self.counts[keep],
+            **fields,
+            source_probs=self.source_probs[keep],
+            source_samples=self.source_samples[keep],
+            source_match_len=self.source_match_len,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DraftTree):
+            return NotImplemented
+        return (
+            isinstance(other, MergedTree)
+            and super().__eq__(other)
+            and np.array_equal(self.source_probs, other.source_probs)
+            and np.array_equal(self.source_samples, other.source_samples)
+            and np.array_equal(self.source_match_len, other.source_match_len)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@numba.vectorize(["int64(int64, int64)"], nopython=True, cache=True)
+def sample_class(samples, classes):
+    """The sample class of a parent count (>= 1): floor(log2), capped at ``classes - 1``
+    (1 -> 0, 2-3 -> 1, 4-7 -> 2, ...). A ufunc: elementwise on arrays, and callable from the
+    merge kernel."""
+    return min(int(np.floor(np.log2(max(samples, 1)))), classes - 1)
+
+
+def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarray, budget: int) -> MergedTree:
+    """The ``budget`` best-scored nodes of the union of ``trees`` (one per source), in BFS order.
+
+    weights  float [S] or [S, K], >= 0: each source's per-token calibration, per sample class
+             when 2-D (``SourceCalibration.weights``; ``sample_class``); [S] is one class
+    returns  a ``MergedTree`` whose ``scores`` are the noisy-OR of the weighted per-source path probabilities
+             (see module docstring), ``source_probs`` [n, S] the sources' own conditional
+             probabilities and ``source_samples`` [n, S] the parent counts behind them, ``counts``
+             the summed counts, ``num_matches`` / ``num_sampled`` the sums and ``match_len`` the
+             longest match. Ties go to the earlier BFS node.
+
+    It runs every decoding step, so the work is one compiled pass (``_merge``), not a numpy
+    call per tree level.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    if not trees:
+        raise ValueError("merge_trees needs at least one source tree")
+    if weights.ndim == 1:
+        weights = weights[:, None]
+    if weights.ndim != 2 or weights.shape[0] != len(trees) or weights.shape[1] < 1:
+        raise ValueError(
+            f"weights must hold one weight (or one per sample class) per source ({len(trees)}), "
+            f"got shape {weights.shape}"
+        )
+    if not np.all(weights >= 0) or not np.all(np.isfinite(weights)):
+        raise ValueError(f"weights must be finite and non-negative, got {weights.tolist()}")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    tokens, parents, counts, scores, source_probs, source_samples = _merge(
+        np.concatenate([t.tokens for t in trees]),
+        np.concatenate([t.parents for t in trees]),
+        np.concatenate([t.counts for t in trees]),
+        np.concatenate([t.scores for t in trees]),
+        np.array([len(t) for t in trees], dtype=np.int64),
+        np.array([t.num_sampled for t in trees], dtype=np.int64),
+        weights,
+        budget,
+    )
+    return MergedTree(
+        tokens,
+        parents,
+        counts,
+        match_len=max(t.match_len for t in trees),
+        num_matches=sum(t.num_matches for t in trees),
+        num_sampled=sum(t.num_sampled for t in trees),
+        scores=scores,
+        source_probs=source_probs,
+        source_samples=source_samples,
+        source_match_len=np.array([t.match_len for t in trees], dtype=np.int64),
+    )
+
+
+@numba.njit(nogil=True, cache=True)
+def _merge(tokens, parents, counts, scores, sizes, num_sampled, weights, budget):
+    """The merge on the sources' nodes concatenated (each source in BFS order, ``parents``
+    local to its source): (tokens int32, parents int32, counts int64, scores float64,
+    source_probs float64 [n, S], source_samples int64 [n, S]) of the kept nodes in BFS order."""
+    n, num_sources, classes = tokens.shape[0], weights.shape[0], weights.shape[1]
+    root = n  # the slot of the root in ``first_child``
+
+    # 1. The union trie, nodes numbered as first seen. A source lists parents before children,
+    #    so a node's parent is always placed before the node itself.
+    merged = np.empty(n, np.int64)  # source node -> trie node
+    source = np.empty(n, np.int64)
+    cond = np.empty(n, np.float64)  # the node's probability given its parent, under its source
+    samples = np.empty(n, np.int64)  # the parent's count under its source
+    node_token = np.empty(n, np.int64)
+    node_parent = np.empty(n, np.int64)
+    first_child = np.full(n + 1, -1, np.int64)
+    next_sibling = np.full(n, -1, np.int64)
+    m = 0
+    offset = 0
+    for s in range(num_sources):
+        for i in range(offset, offset + sizes[s]):
+            source[i] = s
+            local = parents[i]
+            parent_score = scores[local + offset] if local >= 0 else 1.0
+            samples[i] = counts[local + offset] if local >= 0 else num_sampled[s]
+            cond[i] = scores[i] / parent_score if parent_score > 0 else 0.0
+            if cond[i] > 1 + 1e-9:
+                raise ValueError("a node's score exceeds its parent's: not a tree of counts or acceptance estimates")
+            up = merged[local + offset] if local >= 0 else root
+            child = first_child[up]
+            while child != -1 and node_token[child] != tokens[i]:
+                child = next_sibling[child]
+            if child == -1:
+                child = m
+                m += 1
+                node_token[child] = tokens[i]
+                node_parent[child] = up if up != root else -1
+                next_sibling[child] = first_child[up]
+                first_child[up] = child
+            merged[i] = child
+        offset += sizes[s]
+
+    # 2. BFS order, siblings by ascending token.
+    order = np.empty(m, np.int64)  # BFS index -> trie node
+    siblings = np.empty(m, np.int64)
+    head, tail, node = 0, 0, root
+    while True:
+        k = 0
+        child = first_child[node]
+        while child != -1:
+            siblings[k] = child
+            k += 1
+            child = next_sibling[child]
+        if k > 0:
+            group = siblings[:k]
+            order[tail : tail + k] = group[np.argsort(node_token[group])]
+            tail += k
+        if head == tail:
+            break
+        node = order[head]
+        head += 1
+    bfs = np.empty(m, np.int64)  # trie node -> BFS index
+    bfs[order] = np.arange(m)
+
+    # 3. Per node: counts summed, each source's conditional probability, the noisy-OR score of
+    #    the weighted per-source path probabilities (parents come first in BFS order).
+    bfs_parent = np.full(m, -1, np.int64)
+    for b in range(m):
+        if node_parent[order[b]] >= 0:
+            bfs_parent[b] = bfs[node_parent[order[b]]]
+    node_counts = np.zeros(m, np.int64)
+    probs = np.zeros((m, num_sources), np.float64)
+    node_samples = np.zeros((m, num_sources), np.int64)
+    for i in range(n):  # a source proposes each path once (its tree is a trie)
+        b = bfs[merged[i]]
+        node_counts[b] += counts[i]
+        probs[b, source[i]] = min(cond[i], 1.0)
+        node_samples[b, source[i]] = samples[i]
+    path = np.empty((m, num_sources), np.float64)
+    node_scores = np.empty(m, np.float64)
+    for b in range(m):
+        up = bfs_parent[b]
+        miss = 1.0
+        for s in range(num_sources):
+            p = min(1.0, weights[s, sample_class(node_samples[b, s], classes)] * probs[b, s])
+            if up >= 0:
+                p *= path[up, s]
+            path[b, s] = p
+            miss *= 1.0 - p
+        # exact in theory; the minimum keeps rounding from breaking monotonicity
+        node_scores[b] = min(1.0 - miss, node_scores[up]) if up >= 0 else 1.0 - miss
+
+    # 4. The best ``budget`` nodes. A parent scores at least its child and precedes it in BFS
+    #    order, so a stable sort ranks it first and the kept set is prefix-closed.
+    if m <= budget:
+        keep = np.arange(m)
+    else:
+        keep = np.sort(np.argsort(-node_scores, kind="mergesort")[:budget])
+    new_index = np.full(m, -1, np.int64)
+    new_index[keep] = np.arange(keep.shape[0])
+    out_parents = np.empty(keep.shape[0], np.int32)
+    out_tokens = np.empty(keep.shape[0], np.int32)
+    for j in range(keep.shape[0]):
+        up = bfs_parent[keep[j]]
+        out_parents[j] = new_index[up] if up >= 0 else -1
+        out_tokens[j] = node_token[order[keep[j]]]
+    return out_tokens, out_parents, node_counts[keep], node_scores[keep], probs[keep], node_samples[keep]
+
+
+def compile_kernels() -> float:
+    """Compile ``merge_trees``'s kernel for the arrays the drafters pass it (source trees as
+    ``DraftTree`` holds them, a calibration's weights for their match lengths), filling numba's on-disk cache, so an
+    adaptive drafter's first step on a fresh install does not spend seconds compiling; returns the
+    seconds it took."""
+    start = time.perf_counter()
+    tree = DraftTree(np.array([5], np.int32), np.array([-1], np.int32), np.array([1], np.int64), 1, 1, 1)
+    merge_trees([tree, DraftTree.empty()], SourceCalibration(2).weights_for([1, 0]), 1)
+    return time.perf_counter() - start
+
+
+MATCH_LENGTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16)  # the first length of each match-length class
+
+
+def length_class(match_len: np.ndarray | Sequence[int], edges: Sequence[int] = MATCH_LENGTH_EDGES) -> np.ndarray:
+    """The class of each match length among ``edges`` (0 and 1 share the first)."""
+    return np.searchsorted(edges, np.maximum(np.asarray(match_len, dtype=np.int64), 1), side="right") - 1
+
+
+class SourceCalibration:
+    """Per-source, per-sample-class weights for ``merge_trees``, learned from the acceptance
+    actually observed.
+
+    Over the verified nodes the verifier actually tried -- children of the root and of accepted
+    nodes -- a (source, sample class) cell's *observed* is how many it accepted among those it
+    proposed, and its *predicted* the sum of its own conditional probabilities for them. The
+    weight is the running ratio (observed + strength * prior) / (predicted + strength): the prior
+    holds it while evidence is thin, and all sums decay by ``decay`` per step so it follows
+    drift (roughly the last 1 / (1 - decay) steps count). ``classes`` sample classes (parent
+    counts 1, 2-3, 4-7, ..., the last open-ended); 1 gives one weight per source.
+
+    Cells are also kept per class of the length of the match the source's tree was drafted from
+    (``lengths``, the first length of each class): a 16-token match in the request's own text is
+    far more reliable than a 2-token one, with the same single occurrence behind both. A
+    (source, length, sample class) cell's prior is its (source, sample class) weight over every
+    length, so a length class with little evidence follows the source's pooled weight and one
+    with much evidence its own. One per decoding loop; not thread-safe.
+    """
+
+    def __init__(
+        self,
+        num_sources: int,
+        prior: float | Sequence[float] = 1.0,
+        strength: float = 4.0,
+        decay: float = 0.995,
+        classes: int = 8,
+        lengths: Sequence[int] = MATCH_LENGTH_EDGES,
+    ) -> None:
+        self.lengths = tuple(lengths)
+        if not self.lengths or self.lengths[0] != 1 or list(self.lengths) != sorted(set(self.lengths)):
+            raise ValueError(f"lengths must be ascending distinct match lengths from 1, got {list(lengths)}")
+        if num_sources < 1 or classes < 1:
+            raise ValueError(f"need at least one source and one class, got {num_sources} and {classes}")
+        self.prior = np.broadcast_to(np.asarray(prior, dtype=np.float64), (num_sources,)).copy()
+        if not np.all(self.prior >= 0):
+            raise ValueError(f"priors must be non-negative, got {self.prior.tolist()}")
+        if not strength > 0 or not 0 < decay <= 1:
+            raise ValueError(f"strength must be > 0 and decay in (0, 1], got {strength} and {decay}")
+        self.strength, self.decay = strength, decay
+        self.observed = np.zeros((num_sources, len(self.lengths), classes))
+        self.predicted = np.zeros((num_sources, len(self.lengths), classes))
+
+    @property
+    def num_sources(self) -> int:
+        return int(self.prior.size)
+
+    @property
+    def weights(self) -> np.ndarray:
+        """float64 [S, L, K]: each source's current per-token weight per match-length class and
+        sample class."""
+        pooled = (self.observed.sum(axis=1) + self.strength * self.prior[:, None]) / (
+            self.predicted.sum(axis=1) + self.strength
+        )
+        if len(self.lengths) == 1:
+            return pooled[:, None, :]
+        return (self.observed + self.strength * pooled[:, None, :]) / (self.predicted + self.strength)
+
+    def weights_for(self, match_len: Sequence[int] | np.ndarray) -> np.ndarray:
+        """float64 [S, K]: the weights ``merge_trees`` takes for source trees drafted from matches
+        of ``match_len`` [S] tokens."""
+        return self.weights[np.arange(self.num_sources), length_class(match_len, self.lengths)]
+
+    def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:
+        """Learn from one verified ``tree`` (from ``merge_trees``, possibly cut by
+        ``select_tree``); ``accepted`` = indices of its accepted nodes (``Verification.keep[1:] - 1``)."""
+        if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != self.num_sources:
+            raise ValueError(
+                f"tree must carry source_probs and source_samples for {self.num_sources} sources (a merge_trees result)"
+            )
+        probs, samples = tree.source_probs, tree.source_samples
+        accepted = np.asarray(accepted, dtype=np.int64)
+        if accepted.size and (accepted.min() < 0 or accepted.max() >= len(tree)):
+            raise ValueError(f"accepted node indices must be in [0, {len(tree)})")
+        is_accepted = np.zeros(len(tree) + 1, dtype=bool)  # slot -1: the root, always reached
+        is_accepted[accepted] = True
+        is_accepted[-1] = True
+        tried = np.flatnonzero(is_accepted[tree.parents])
+        node, source = np.nonzero(probs[tried] > 0)  # every (tried node, proposing source) pair
+        node = tried[node]
+        _, lengths, classes = self.observed.shape
+        length = length_class(tree.source_match_len, self.lengths)[source]
+        cell = (source * lengths + length) * classes + sample_class(samples[node, source], classes)
+        size = self.observed.size
+        self.observed = self.decay * self.observed + np.bincount(
+            cell, weights=is_accepted[node].astype(np.float64), minlength=size
+        ).reshape(self.observed.shape)
+        self.predicted = self.decay * self.predicted + np.bincount(
+            cell, weights=probs[node, source], minlength=size
+        ).reshape(self.predicted.shape)
+
+
+class Attribution:
+    """Where accepted tokens come from: per source and per length of the match its tree was
+    drafted from, over the verified trees (``observe``, as ``SourceCalibration`` sees them).
+
+    Per (source, match-length class) cell, counted over steps where the source proposed a first
+    token (a root child) of the verified tree:
+
+    steps          such steps
+    first_accepted steps where the token the verifier accepted first was one of the source's
+    accepted       accepted tokens the source proposed (how deep it carries)
+    verified       verified tokens the source proposed (what it cost)
+
+    Plain sums, no decay: a report of a run, not a weight. Not thread-safe."""
+
+    def __init__(self, sources: Sequence[str]) -> None:
+        self.sources = tuple(sources)
+        shape = (len(self.sources), len(MATCH_LENGTH_EDGES))
+        self.steps, self.first_accepted = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+        self.accepted, self.verified = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+
+    COUNTS = ("steps", "first_accepted", "accepted", "verified")
+
+    def counts(self) -> dict:
+        """The sources and every count, as lists: JSON, or across a process boundary."""
+        return {"sources": list(self.sources), **{name: getattr(self, name).tolist() for name in self.COUNTS}}
+
+    @classmethod
+    def from_counts(cls, counts: dict) -> Attribution:
+        """The inverse of ``counts``."""
+        attribution = cls(counts["sources"])
+        for name in cls.COUNTS:
+            getattr(attribution, name)[...] = counts[name]
+        return attribution
+
+    def __sub__(self, earlier: Attribution) -> Attribution:
+        """What was counted since ``earlier`` (a ``from_counts`` of this one's ``counts`` then)."""
+        if earlier.sources != self.sources:
+            raise ValueError(f"sources differ: {earlier.sources} and {self.sources}")
+        since = Attribution(self.sources)
+        for name in self.COUNTS:
+            getattr(since, name)[...] = getattr(self, name) - getattr(earlier, name)
+        return since
+
+    def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:
+        """Count one verified ``tree``; ``accepted`` = indices of its accepted nodes."""
+        if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != len(self.sources):
+            raise ValueError(f"tree must be a merge_trees result over {len(self.sources)} sources")
+        proposed = tree.source_probs > 0  # [n, S]
+        first = proposed[tree.parents == -1].any(axis=0)  # [S]: proposed a root child
+        if not first.any():
+            return
+        accepted = np.asarray(accepted, dtype=np.int64)
+        length = length_class(tree.source_match_len)
+        rows, cols = np.flatnonzero(first), length[first]
+        self.steps[rows, cols] += 1
+        if accepted.size:
+            self.first_accepted[rows, cols] += proposed[accepted[0], first]
+        self.accepted[rows, cols] += proposed[accepted][:, first].sum(axis=0)
+        self.verified[rows, cols] += proposed[:, first].sum(axis=0)
+
+    def report(self) -> list[dict]:
+        """One dict per cell with steps: source, match lengths ("4-5", "16+"), the counts, the
+        first token's acceptance rate and accepted tokens per step."""
+        cells = []
+        for source, bucket in zip(*np.nonzero(self.steps)):
+            low = MATCH_LENGTH_EDGES[bucket]
+            high = MATCH_LENGTH_EDGES[bucket + 1] - 1 if bucket + 1 < len(MATCH_LENGTH_EDGES) else None
+            steps = int(self.steps[source, bucket])
+            first, accepted = int(self.first_accepted[source, bucket]), int(self.accepted[source, bucket])
+            cells.append(
+                {
+                    "source": self.sources[source],
+                    "match_len": f"{low}+" if high is None else str(low) if high == low else f"{low}-{high}",
+                    "steps": steps,
+                    "first_accepted": first,
+                    "accepted": accepted,
+                    "verified": int(self.verified[source, bucket]),
+                    "first_token_acceptance": round(first / steps, 4),
+                    "accepted_per_step": round(accepted / steps, 4),
+                }
+            )
+        return cells
