@@ -8,7 +8,10 @@ vLLM's CPU build (``.venv-vllm``, scripts/setup-vllm.sh) serving the packaged Sm
 first N HumanEval prompts with the python-stdlib index, the first user turns of N held-out ShareGPT
 conversations with the sharegpt index. Every mode is one fresh engine in its own process
 (``benchmarks.vllm_run``), so nothing (caches, output stores) leaks from one mode to the next.
-For concurrency c the prompts are submitted c at a time (one ``LLM.generate`` per group). Modes:
+For concurrency c the prompts are submitted c at a time (one ``LLM.generate`` per group, which ends
+with its slowest request), or with ``--schedule continuous`` all at once to an engine that runs at
+most c (vLLM's ``max_num_seqs``), a request starting as soon as another ends, as a server runs
+them: the run is then one group, and its speed the overall tokens/s. Modes:
 
 - ``plain``: no speculation, the reference output and speed; it runs first and again last
   (``plain-again``) for every set and concurrency, every other mode between, so the two plain runs
@@ -82,7 +85,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
     )
-    p.add_argument("--concurrency", default="1,8", help="comma-separated prompts per group (default: %(default)s)")
+    p.add_argument("--concurrency", default="1,8", help="comma-separated requests at once (default: %(default)s)")
+    p.add_argument(
+        "--schedule",
+        choices=("groups", "continuous"),
+        default="groups",
+        help="groups: --concurrency prompts per LLM.generate, each group ending with its slowest request; "
+        "continuous: every prompt submitted at once to an engine running at most --concurrency of them, a "
+        "request starting as another ends, as in a server (default: %(default)s)",
+    )
     p.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs, first and last)"
     )
@@ -152,14 +163,21 @@ def setting_name(setting: Sequence[int]) -> str:
 ENGINE_MODEL = {"model": "", "dtype": "float32"}
 
 
+# how requests reach each engine: "groups" of --concurrency, or "continuous" (main sets it from --schedule)
+SCHEDULE = {"schedule": "groups"}
+
+
 def job(method: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int, **fields) -> dict:
-    """A ``benchmarks.vllm_run`` job: one engine of ``method`` running ``prompts`` greedily."""
+    """A ``benchmarks.vllm_run`` job: one engine of ``method`` running ``prompts`` greedily, at most
+    ``concurrency`` at once (in groups, or continuously: ``SCHEDULE``)."""
     run = {
         "prompts": prompts,
         "sampling": {"temperature": 0.0, "max_tokens": max_new_tokens},
         "concurrency": concurrency,
+        **SCHEDULE,
     }
-    return {**ENGINE_MODEL, "method": method, "runs": [run], **fields}
+    engine_fields = {"max_num_seqs": concurrency} if SCHEDULE["schedule"] == "continuous" else {}
+    return {**ENGINE_MODEL, "method": method, "runs": [run], **engine_fields, **fields}
 
 
 def engine(spec: dict) -> dict:
@@ -213,8 +231,8 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def group_rates(run: dict) -> list[float]:
-    """Tokens/s of each group of a run: its new tokens over its seconds."""
-    concurrency = run["concurrency"]
+    """Tokens/s of each group of a run: its new tokens over its seconds (one group: a continuous run)."""
+    concurrency = run["concurrency"] if len(run["seconds"]) > 1 else len(run["outputs"])
     tokens = [
         sum(len(o) for o in run["outputs"][i * concurrency : (i + 1) * concurrency]) for i in range(len(run["seconds"]))
     ]
@@ -504,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else args.model
     )
     ENGINE_MODEL.update(model=str(checkpoint), dtype=args.dtype)
+    SCHEDULE.update(schedule=args.schedule)
     compile_kernels()  # the engines' workers load them from the cache this fills
     sets = {}
     for name in args.sets:
@@ -526,6 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_new_tokens": args.max_new_tokens,
             "max_prompt_tokens_sharegpt": args.max_prompt_tokens,
             "concurrency": args.concurrency,
+            "schedule": args.schedule,
             "modes": args.modes,
             "k": args.k,
             "ngram_settings": [setting_name(s) for s in args.ngram_settings],

@@ -12,7 +12,10 @@ A job::
                "seeds": false}]}
 
 Each run (announced by a ``RUN i`` line) submits its prompts ``concurrency`` at a time
-(``LLM.generate`` per group) and reports each output's token ids, the seconds of each group, vLLM's
+(``"schedule": "groups"``, the default: one ``LLM.generate`` per group, which ends with its slowest
+request) or all at once to an engine that runs at most ``concurrency`` of them (``"continuous"``:
+the job's ``max_num_seqs``; a request starts as soon as another ends, as in a server) and reports
+each output's token ids, the seconds of each group (one for the whole run when continuous), vLLM's
 spec-decode counters over the run and the REST proposer's own (``proposer``: calls, rows drafted, its seconds, ``ms_per_call``);
 with ``"logprobs": n`` among its sampling fields, also each output position's n most likely tokens
 (``logprobs``: [[token, logprob], ...] per position, best first).
@@ -149,11 +152,12 @@ def attribution_difference(after: dict | None, before: dict | None) -> list[dict
 
 
 def proposer_difference(after: dict | None, before: dict | None) -> dict | None:
-    """The proposer's counters over a run (``first_draft_call`` as is: the engine's), and its seconds
-    per call in ms."""
+    """The proposer's counters over a run (``first_draft_call`` and the learned cost as they are at
+    its end: the engine's), and its seconds per call in ms."""
     if after is None or before is None:
         return None
-    out = {key: after[key] if key == "first_draft_call" else after[key] - before[key] for key in after}
+    as_is = ("first_draft_call", "per_token_ms", "largest_base_ms")  # the engine's, not counts
+    out = {key: after[key] if key in as_is else after[key] - before[key] for key in after}
     out["ms_per_call"] = 1e3 * out["seconds"] / out["calls"] if out["calls"] else None
     return out
 
@@ -196,7 +200,7 @@ def run(job: dict) -> dict:
             SamplingParams(**fields, seed=i) if spec.get("seeds") else SamplingParams(**fields)
             for i in range(len(prompts))
         ]
-        group = spec.get("concurrency", 1)
+        group = spec.get("concurrency", 1) if spec.get("schedule", "groups") == "groups" else len(prompts)
         before, outputs, seconds, top = counters(llm), [], [], []
         drafter_before = llm.collective_rpc(drafter_stats)[0]
         attribution_before = llm.collective_rpc(drafter_attribution)[0]

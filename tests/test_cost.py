@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftTree
-from rest_spec.drafter.core.cost import BlockShape, CostKey, VerifyCost, select_chain, select_tree
+from rest_spec.drafter.core.cost import BlockShape, CostKey, VerifyCost, select_batch_trees, select_chain, select_tree
 from tests.tiers import examples
 
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
@@ -95,6 +95,33 @@ def test_select_chain_is_the_best_root_path(tree, times, max_depth):
     assert set(chosen.paths()) <= set(tree.paths())
     if len(chosen):  # a draft only where it beats verifying the pending token alone
         assert rate(chosen, list(range(len(chosen))), chain_cost) > 1 / times[0]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    trees=st.lists(scored_trees(max_nodes=6), min_size=1, max_size=4),
+    steps=st.lists(st.floats(0.0, 2.0), min_size=1, max_size=24),
+)
+def test_a_batch_keeps_each_rows_best_nodes_at_the_width_that_pays_most(trees, steps):
+    """Rows verified in one padded block: every row cut to its best w nodes (prefix-closed), w
+    the common width of the highest (rows + kept scores) / t(rows x (1 + w)) of all widths."""
+    cost = cost_curve(list(np.cumsum([1.0, *steps])))  # t(n) never decreases
+    chosen = select_batch_trees(trees, cost)
+    if len(trees) == 1:
+        assert chosen == trees
+        return
+    width = max(len(tree) for tree in chosen)
+    for tree, kept in zip(trees, chosen):
+        assert set(kept.paths()) <= set(tree.paths()) and len(kept) == min(len(tree), width)
+        best = np.sort(tree.scores)[::-1][: len(kept)]
+        assert np.allclose(np.sort(kept.scores)[::-1], best)  # its best-scored nodes
+
+    def batch_rate(w: int) -> float:
+        gain = sum(np.sort(tree.scores)[::-1][:w].sum() for tree in trees)
+        return (len(trees) + gain) / float(cost(len(trees) * (1 + w)))
+
+    widest = max((len(tree) for tree in trees), default=0)
+    assert batch_rate(width) >= max(batch_rate(w) for w in range(widest + 1)) * (1 - 1e-12)
 
 
 def test_select_chain_drafts_nothing_from_an_empty_tree_or_when_nothing_pays():

@@ -594,6 +594,11 @@ class BatchCost:
         self.per_token = max(float(slope), 0.0)
         self._rows, self._bases = rows, np.maximum(mean_t - self.per_token * mean_d, 1e-9)
 
+    @property
+    def largest_rows(self) -> int:
+        """The most rows of a step seen (1 before any)."""
+        return int(self._rows[-1])
+
     def base(self, rows: int) -> float:
         """Seconds of a step of ``rows`` rows drafting nothing (the nearest row counts' where it
         has no steps of its own)."""
@@ -660,3 +665,25 @@ class DraftingWorth:
         """Start over (a new request where an engine runs one at a time): draft at once."""
         self._recent.clear()
         self._skip.clear()
+
+
+def select_batch_trees(trees: Sequence[DraftTree], cost: VerifyCost | CorrectedCost) -> list[DraftTree]:
+    """Parts of ``trees`` (one per row, each already what pays verified alone) for a step that
+    verifies every row in one block padded to the widest (the transformers loop): each row keeps
+    its ``w`` best-scored nodes (prefix-closed), ``w`` the width that maximizes the batch's
+    expected tokens per second, (rows + sum of kept scores) / ``cost(rows * (1 + w))`` (one row's
+    time for the block's token count: the work is linear in the tokens the linear layers see).
+    One row keeps its tree."""
+    if len(trees) < 2:
+        return list(trees)
+    widest = max(len(tree) for tree in trees)
+    if widest == 0:
+        return list(trees)
+    gains, ranked = np.zeros(widest + 1), []
+    for tree in trees:
+        order = np.lexsort((np.arange(len(tree)), -tree.scores))  # a parent before its children
+        kept = np.concatenate(([0.0], np.cumsum(tree.scores[order])))
+        gains += np.concatenate((kept, np.full(widest - len(tree), kept[-1])))
+        ranked.append(order)
+    width = int(np.argmax((len(trees) + gains) / cost(len(trees) * (1 + np.arange(widest + 1)))))
+    return [tree if len(tree) <= width else tree.subset(np.sort(order[:width])) for tree, order in zip(trees, ranked)]

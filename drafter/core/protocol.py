@@ -18,6 +18,7 @@ Three layers, each a small typed interface:
       config = candidates(loop_config)            # how the sources draft this step
       shared = start_shared(rows, config)         # index and output trees: one call, maybe async
       trees = [select(merge(shared[i], request_tree(sessions[i], (), config), config)) ...]
+      trees = admit(trees)                        # the engine's batch rule, if it has one
       record(trees)                               # what the next advance credits
       finish(ended)                               # requests the engine says have ended
 
@@ -250,15 +251,25 @@ class StepDrafter(Protocol):
         ...
 
 
+BatchRule = Callable[[list[DraftTree]], list[DraftTree]]  # a batch's trees -> the parts its step verifies
+
+
 def finish_step(
-    steps: StepDrafter, sessions: Sequence[Any], shared: Sequence[SourceTrees], config: DraftConfig
+    steps: StepDrafter,
+    sessions: Sequence[Any],
+    shared: Sequence[SourceTrees],
+    config: DraftConfig,
+    admit: BatchRule | None = None,
 ) -> list[DraftTree]:
     """The end of a step once each row has its shared trees: merged with the request's own,
-    selected, recorded."""
+    selected (what pays for one row), admitted (what pays for the batch: the engine's rule,
+    ``cost.select_batch_chains``, ``cost.select_batch_trees``), recorded."""
     trees = [
         steps.select(steps.merge(both, steps.request_tree(session, (), config), config))
         for session, both in zip(sessions, shared)
     ]
+    if admit is not None:
+        trees = admit(trees)
     steps.record(trees)
     return trees
 

@@ -51,7 +51,7 @@ import numpy as np
 from rest_spec.common.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.core.breaker import Admission, CircuitBreaker
 from rest_spec.drafter.core.cost import CorrectedCost
-from rest_spec.drafter.core.protocol import SUFFIX_CUTS, Drafter, Mark, Pending, finish_step, steps_for
+from rest_spec.drafter.core.protocol import SUFFIX_CUTS, BatchRule, Drafter, Mark, Pending, finish_step, steps_for
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +237,15 @@ class DraftScheduler:
         """A forward (verification) took ``seconds``: the deadlines follow it."""
         self._forwards.append(seconds)
 
-    def trees(self, contexts: Sequence[Sequence[int]], requests: Sequence[Hashable] | None = None) -> list[DraftTree]:
+    def trees(
+        self,
+        contexts: Sequence[Sequence[int]],
+        requests: Sequence[Hashable] | None = None,
+        admit: BatchRule | None = None,
+    ) -> list[DraftTree]:
         """One tree per live context (read now, not kept), its request named by ``requests``
         (default: the row's position): from the sources fetched ahead where the outcome was
-        foreseen, else from sources fetched now."""
+        foreseen, else from sources fetched now; cut by ``admit``, the engine's batch rule."""
         if self.sources is None:
             return [DraftTree.empty()] * len(contexts)
         start = time.perf_counter()
@@ -262,7 +267,7 @@ class DraftScheduler:
             fresh = self._fresh(queries, config, remote_ok)
             for i, trees in zip(missing, fresh):
                 shared[i] = trees
-        trees = finish_step(self.sources, sessions, shared, config)
+        trees = finish_step(self.sources, sessions, shared, config, admit)
         self.stats.steps += 1
         self.stats.ready_steps += ready and not missing
         self.stats.predicted += len(rows) - len(missing)

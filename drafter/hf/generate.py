@@ -27,7 +27,7 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.core.cost import CorrectedCost, VerifyCost
+from rest_spec.drafter.core.cost import CorrectedCost, VerifyCost, select_batch_trees
 from rest_spec.drafter.core.protocol import Drafter
 from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftingStats, DraftScheduler, OverlapConfig
 from rest_spec.drafter.hf import internals as hf_internals
@@ -257,11 +257,13 @@ def decode(
     drafting = DraftScheduler(drafter, config, overlap, step_seconds=prefill_seconds)
     if cost is None:
         cost = drafting.cost
+    # rows verified together pay for the widest row's block: the batch's width by its cost
+    admit = None if cost is None else lambda trees: select_batch_trees(trees, cost)
     try:
         while active:
             t0 = time.perf_counter()
             live = [contexts[row] for row in active]  # read by the drafter now, not kept
-            trees = drafting.trees(live, active)  # each row's request: its prompt's number
+            trees = drafting.trees(live, active, admit)  # each row's request: its prompt's number
             drafting.speculate(trees)  # the next step's drafts, during this forward
             t1 = time.perf_counter()
             shape = None if cost is None else cost.block_shape(trees)

@@ -208,17 +208,22 @@ def finished_output(state) -> list[int]:
 @dataclasses.dataclass
 class ProposerStats(UploadStats):
     """What the proposer did: ``calls`` to ``propose``, ``drafted`` tokens returned, ``rows`` asked for,
-    ``rows_drafted`` with a non-empty chain, ``observed`` steps timed, seconds spent,
-    ``first_draft_call`` (the number of the first call that drafted; 0: none yet); and its outputs
-    (``UploadStats``)."""
+    ``rows_drafted`` with a non-empty chain, ``skipped`` calls that did not draft at all (drafting
+    did not pay at that batch size, ``DraftingWorth``), ``observed`` steps timed, seconds spent,
+    ``first_draft_call`` (the number of the first call that drafted; 0: none yet), the step cost
+    as last learned (``per_token_ms``, a draft token's price; ``largest_base_ms``, a step of the
+    most rows seen, drafting nothing); and its outputs (``UploadStats``)."""
 
     calls: int = 0
     rows: int = 0
     rows_drafted: int = 0
     drafted: int = 0
     observed: int = 0
+    skipped: int = 0
     seconds: float = 0.0
     first_draft_call: int = 0
+    per_token_ms: float = 0.0
+    largest_base_ms: float = 0.0
 
 
 class RestProposer:
@@ -303,9 +308,10 @@ class RestProposer:
         ]
         if eligible and self.worth.drafts(rows):
             contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in eligible]  # views: read, not kept
-            trees = self.scheduler.trees(contexts, [batch[i][0] for i in eligible])
-            chains = select_batch_chains(trees, self.cost, rows)
-            self.adaptive.record(chains)
+            requests = [batch[i][0] for i in eligible]
+            chains = self.scheduler.trees(
+                contexts, requests, lambda chains: select_batch_chains(chains, self.cost, rows)
+            )
             self.scheduler.speculate(chains)
             room = token_ids_cpu.shape[1]
             for i, chain, context in zip(eligible, chains, contexts):
@@ -315,6 +321,7 @@ class RestProposer:
             self.worth.weigh(rows, sum(float(chain.scores.sum()) for chain in chains), extra, base)
         elif eligible:
             self.adaptive.forget()  # the rows decode on without its trees
+            self.stats.skipped += 1
         clean = all(len(s) > 0 for s in sampled_token_ids)
         end = time.perf_counter()
         self._last = (end, frozenset(rid for rid, _ in batch), sum(len(d) for d in drafts) if clean else None)
@@ -391,6 +398,8 @@ class RestProposer:
         self.scheduler.verified(seconds)
         self.cost.observe(len(rows), drafted, seconds)
         self.stats.observed += 1
+        self.stats.per_token_ms = 1e3 * self.cost.per_token
+        self.stats.largest_base_ms = 1e3 * self.cost.base(self.cost.largest_rows)
         if self.cost.steps >= CACHE_AFTER and not self._cached:
             self._cache_cost()
 
