@@ -112,9 +112,10 @@ def plain(checkpoint, prompts, busy_run):
 
 @pytest.fixture(scope="module")
 def rest_local(checkpoint, prompts, busy_run, stdlib_index):
-    """The proposer with the index opened in the worker and no cached cost (``remeasure``): 8
-    requests at once from its first step, then greedy 1 and 4 at a time, then sampled."""
-    rest = {"datastore": str(stdlib_index), "outputs_max_tokens": 0, "remeasure": True}
+    """The proposer with the index opened in the worker, drafting the next step's sources during
+    each forward (``overlap``; off by default there) and no cached cost (``remeasure``): 8 requests
+    at once from its first step, then greedy 1 and 4 at a time, then sampled."""
+    rest = {"datastore": str(stdlib_index), "outputs_max_tokens": 0, "remeasure": True, "overlap": True}
     return run_job(job(checkpoint, runs=[busy_run, *greedy_runs(prompts), sampling_run(prompts[0])], rest=rest))
 
 

@@ -137,8 +137,8 @@ def test_the_probe_tells_the_buggy_kernel_from_the_fixed_one():
 # ---- where the datastore runs; the vLLM the runner shim knows ------------------------------------
 
 
-def test_overlap_is_off_by_default_only_for_a_server_on_this_machine(tmp_path):
-    assert overlap_default(str(tmp_path)) is True  # an index in the worker
+def test_overlap_is_on_by_default_only_for_a_server_on_another_machine(tmp_path):
+    assert overlap_default(str(tmp_path)) is False  # an index in the worker: on the engine's cores
     for beside in ("127.0.0.1:50051", "localhost:50051", "[::1]:50051", f"{socket.gethostname()}:1"):
         assert overlap_default(beside) is False, beside
     assert overlap_default("10.0.0.7:50051") is True and overlap_default("datastore.internal:50051") is True
