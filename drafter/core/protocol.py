@@ -284,8 +284,7 @@ def draft_step(
     positions), drafted now: the whole sequence, nothing ahead."""
     sessions = steps.advance(rows, range(len(rows)) if requests is None else requests)
     candidates = steps.candidates(config)
-    queries = [Mark.of(row).tail if steps.source.reads_suffixes else row for row in rows]
-    return finish_step(steps, sessions, steps.start_shared(queries, candidates).result(), candidates)
+    return finish_step(steps, sessions, steps.start_shared(rows, candidates).result(), candidates)
 
 
 def token_list(context: Sequence[int] | np.ndarray, start: int = 0, stop: int | None = None) -> list[int]:

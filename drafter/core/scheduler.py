@@ -262,9 +262,8 @@ class DraftScheduler:
         sessions = self.sources.advance(contexts, requests)  # the background job has finished: safe
         missing = [i for i, trees in enumerate(shared) if trees is None]
         if missing:
-            suffixes = self.sources.source.reads_suffixes  # then a context's tail is all it reads
-            queries = [rows[i][1].tail if suffixes else contexts[i] for i in missing]
-            fresh = self._fresh(queries, config, remote_ok)
+            # read within this call, before the engine writes on (a probe's answer only tells the breaker)
+            fresh = self._fresh([contexts[i] for i in missing], config, remote_ok)
             for i, trees in zip(missing, fresh):
                 shared[i] = trees
         trees = finish_step(self.sources, sessions, shared, config, admit)
