@@ -170,10 +170,27 @@ class DraftTree:
         [-1, 0, 1, ...]``): such a tree is verified on the model's plain causal path."""
         return bool(np.array_equal(self.parents, np.arange(-1, len(self) - 1)))
 
-    def _take(self, keep: np.ndarray, parents: np.ndarray, **fields) -> DraftTree:
-        """A tree of this one's nodes ``keep`` under new ``parents``, with ``fields`` (match
-        statistics, scores); a subclass carries its own per-node columns along."""
-        return DraftTree(self.tokens[keep], parents, self.counts[keep], **fields)
+    def _take(self, keep: np.ndarray, parents: np.ndarray, depths: np.ndarray, **fields) -> DraftTree:
+        """A tree of this one's nodes ``keep`` under new ``parents`` at ``depths``, with ``fields``
+        (match statistics, scores); a subclass carries its own per-node columns along.
+
+        Not checked again: ``subset`` and ``after`` derive a valid tree from this valid one (BFS
+        order, parents and monotone scores are kept), and they run several times per row and
+        step, where the checks would cost as much as the rest of the drafting."""
+        return self._derived(
+            tokens=self.tokens[keep], parents=parents, counts=self.counts[keep], depths=depths, **fields
+        )
+
+    @classmethod
+    def _derived(cls, **values) -> DraftTree:
+        """An instance of ``cls`` holding ``values`` (every field, arrays of the field's dtype)
+        without ``__post_init__``'s checks: only for parts of a tree already checked."""
+        tree = object.__new__(cls)
+        for name, value in values.items():
+            if isinstance(value, np.ndarray):
+                value.setflags(write=False)
+            object.__setattr__(tree, name, value)
+        return tree
 
     def subset(self, keep: np.ndarray) -> DraftTree:
         """The tree of nodes ``keep`` (ascending indices; every kept node's parent kept too), with
@@ -189,7 +206,8 @@ class DraftTree:
             raise ValueError("keep is not prefix-closed: a kept node's parent is dropped")
         return self._take(
             keep,
-            parents,
+            parents.astype(np.int32),
+            self.depths[keep],
             match_len=self.match_len,
             num_matches=self.num_matches,
             num_sampled=self.num_sampled,
@@ -220,11 +238,12 @@ class DraftTree:
         scores = self.scores[keep] / top_score if top_score > 0 else np.zeros(keep.size)
         return self._take(
             keep,
-            parents,
+            parents.astype(np.int32),
+            depths[keep] - 1,
             match_len=self.match_len + 1 if self.match_len else 0,
             num_matches=int(self.counts[top]),
             num_sampled=int(self.counts[top]),
-            scores=np.minimum(scores, 1.0),
+            scores=np.minimum(scores, 1.0).astype(np.float64),
         )
 
     def path_to(self, node: int) -> np.ndarray:

@@ -72,6 +72,23 @@ def store(tmp_path_factory):
 # ---- DraftTree.after -------------------------------------------------------------------------------
 
 
+def assert_checks_pass(tree: DraftTree) -> None:
+    """A tree derived without the checks (``subset``, ``after``) is the tree its fields build
+    through them: same depths, dtypes, scores, read-only arrays."""
+    fields = {
+        name: getattr(tree, name)
+        for name in ("tokens", "parents", "counts", "match_len", "num_matches", "num_sampled", "scores")
+    }
+    if isinstance(tree, MergedTree):
+        fields |= {name: getattr(tree, name) for name in ("source_probs", "source_samples", "source_match_len")}
+    checked = type(tree)(**fields)
+    assert checked == tree
+    for name in ("tokens", "parents", "counts", "scores", "depths"):
+        ours, theirs = getattr(tree, name), getattr(checked, name)
+        np.testing.assert_array_equal(ours, theirs)
+        assert ours.dtype == theirs.dtype and not ours.flags.writeable and ours.flags.c_contiguous
+
+
 def assert_after_is_the_subtree(tree: DraftTree) -> None:
     """For every root child b: ``after(b)`` is exactly the nodes below b (paths with b stripped,
     BFS order kept), scores divided by b's, counts and source columns carried; None for a token
@@ -83,6 +100,7 @@ def assert_after_is_the_subtree(tree: DraftTree) -> None:
         below = [i for i, path in enumerate(paths) if path[0] == b and len(path) > 1]
         sub = tree.after(b)
         assert sub is not None
+        assert_checks_pass(sub)
         assert sub.paths() == [paths[i][1:] for i in below]
         assert sub.counts.tolist() == tree.counts[below].tolist()
         expected = tree.scores[below] / tree.scores[top] if tree.scores[top] > 0 else np.zeros(len(below))
@@ -119,10 +137,29 @@ def test_after_on_merged_trees_carries_scores_and_source_columns(store):
     merged = 0
     for context in contexts_from(DOCS, 30, seed=22):
         tree = drafter.draft(context + context[-6:], DraftConfig())  # the repeat feeds the request source
-        assert isinstance(tree, MergedTree)
+        assert isinstance(tree, MergedTree) or len(tree) == 0  # nothing to merge: the empty tree
         assert_after_is_the_subtree(tree)
         merged += len(tree) > 0
     assert merged > 20
+
+
+def test_subsets_of_index_and_merged_trees_are_checked_trees(store):
+    """``subset`` keeps any prefix-closed part of a tree: its paths, and fields that pass the checks."""
+    rng = np.random.default_rng(23)
+    drafter = AdaptiveDrafter(LocalDrafter(store), cost=None, sources=("index", "request"))
+    subsets = 0
+    for context in contexts_from(DOCS, 30, seed=24):
+        for tree in (store.draft(context, DraftConfig()), drafter.draft(context + context[-6:], DraftConfig())):
+            keep = np.zeros(len(tree) + 1, dtype=bool)
+            keep[-1] = True  # slot -1: the root, always kept
+            for node in range(len(tree)):  # BFS order: a parent is decided before its children
+                keep[node] = keep[tree.parents[node]] and rng.random() < 0.7
+            nodes = np.flatnonzero(keep[:-1])
+            part = tree.subset(nodes)
+            assert_checks_pass(part)
+            assert part.paths() == [tree.paths()[i] for i in nodes]
+            subsets += len(part) > 0
+    assert subsets > 20
 
 
 def test_after_on_a_hand_built_tree():

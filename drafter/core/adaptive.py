@@ -237,6 +237,8 @@ class AdaptiveDrafter:
         # trees fetched without the cuts (the scheduler's speculation) have none
         shorter = shared.shorter if isinstance(shared, CutTrees) else (DraftTree.empty(),) * len(self.suffixes)
         trees = [by_source[s] for s in self.sources] + list(shorter)
+        if not any(len(tree) for tree in trees):  # most rows of a busy batch, some steps: no merge to run
+            return DraftTree.empty()
         return merge_trees(trees, self.calibration.weights_for([tree.match_len for tree in trees]), config.budget)
 
     def select(self, tree: DraftTree) -> DraftTree:

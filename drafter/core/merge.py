@@ -84,11 +84,12 @@ class MergedTree(DraftTree):
         object.__setattr__(self, "source_samples", samples)
         object.__setattr__(self, "source_match_len", match_len)
 
-    def _take(self, keep: np.ndarray, parents: np.ndarray, **fields) -> MergedTree:
-        return MergedTree(
-            self.tokens[keep],
-            parents,
-            self.counts[keep],
+    def _take(self, keep: np.ndarray, parents: np.ndarray, depths: np.ndarray, **fields) -> MergedTree:
+        return self._derived(
+            tokens=self.tokens[keep],
+            parents=parents,
+            counts=self.counts[keep],
+            depths=depths,
             **fields,
             source_probs=self.source_probs[keep],
             source_samples=self.source_samples[keep],
