@@ -43,8 +43,10 @@ difference is named and its gap reported, and only a failed engine fails the run
 The REST proposer sizes its chains by vLLM's step cost t(n), measured in an engine's first steps
 and cached per model, vLLM version and threads (``~/.cache/rest-spec/verify-cost/``). Unless
 ``--no-measure-t``, a first engine measures it afresh (``remeasure``) on one long prompt, and the
-report keeps the table (``t_n``, ms) the REST modes then run with. Prints one JSON object, saves it
-under benchmarks/results/, and prints a summary table per set and concurrency on stderr.
+report keeps the table (``t_n``, ms) the REST modes then run with; with ``--remeasure`` they ignore
+the cache and learn the cost from their first steps, as a fresh engine on a new machine does.
+Prints one JSON object, saves it under benchmarks/results/, and prints a summary table per set and
+concurrency on stderr.
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="measure vLLM's step cost t(n) afresh before the modes run (default: %(default)s)",
+    )
+    p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="the REST modes start with no cached step cost and learn it from their first steps, as a fresh "
+        "engine on a new machine does (the proposer's remeasure option)",
     )
     p.add_argument(
         "--model",
@@ -201,10 +209,15 @@ def mode_job(mode: str, prompts, args, concurrency: int, index: Path, references
     if mode == "suffix":
         return job("suffix", *common, k=args.k)
     if mode == "rest":
-        return job("rest", *common, k=args.k, rest={"datastore": str(index)})
+        return job("rest", *common, k=args.k, rest=rest_options(str(index), args))
     if mode == "oracle":
         return job("oracle", *common, k=args.k, oracle=[[p, o] for p, o in zip(prompts, references)])
     raise ValueError(f"no job for mode {mode!r}")
+
+
+def rest_options(datastore: str, args: argparse.Namespace) -> dict:
+    """The REST proposer's options for a run: ``datastore``, and ``remeasure`` with ``--remeasure``."""
+    return {"datastore": datastore, **({"remeasure": True} if args.remeasure else {})}
 
 
 def run_mode(mode: str, prompts, args, concurrency: int, index: Path, references, server_log) -> dict:
@@ -214,7 +227,9 @@ def run_mode(mode: str, prompts, args, concurrency: int, index: Path, references
         return engine(mode_job(mode, prompts, args, concurrency, index, references))
     server, address = start_server(index, 2, server_log)
     try:
-        return engine(job("rest", prompts, args.max_new_tokens, concurrency, k=args.k, rest={"datastore": address}))
+        return engine(
+            job("rest", prompts, args.max_new_tokens, concurrency, k=args.k, rest=rest_options(address, args))
+        )
     finally:
         stop(server)
 

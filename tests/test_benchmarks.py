@@ -162,3 +162,14 @@ def test_reports_name_the_cpu_and_the_flags_that_change_step_costs():
     if Path("/proc/cpuinfo").is_file():
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
         assert described["cpu_flags"] == [flag for flag in CPU_FLAGS if f" {flag} " in f"{flags} "]
+
+
+def test_vllm_benchmark_remeasure_reaches_every_rest_engine():
+    """``--remeasure``: the REST engines start with no cached step cost; without it they read the cache."""
+    from benchmarks import vllm as bench
+
+    for argv, extra in (([], {}), (["--remeasure"], {"remeasure": True})):
+        args = bench.parse_args(argv)
+        spec = bench.mode_job("rest", [[1, 2, 3]], args, 8, Path("/indexes/stdlib"), [[4]])
+        assert spec["rest"] == {"datastore": "/indexes/stdlib", **extra}
+        assert bench.rest_options("127.0.0.1:50051", args) == {"datastore": "127.0.0.1:50051", **extra}
