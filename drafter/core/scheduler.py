@@ -251,10 +251,11 @@ class DraftScheduler:
         start = time.perf_counter()
         self._settle_probe()
         requests = range(len(contexts)) if requests is None else requests
-        rows = [(request, Mark.of(context)) for request, context in zip(requests, contexts)]
+        # where each context stands: what speculation drafts ahead from, and checks its outcomes by
+        rows = [(request, Mark.of(context)) for request, context in zip(requests, contexts)] if self._worker else []
         config = self.sources.candidates(self.config)
         ahead, self._ahead = self._ahead, None
-        shared: list[SourceTrees | None] = [None] * len(rows)
+        shared: list[SourceTrees | None] = [None] * len(contexts)
         remote_ok, ready = True, ahead is not None and ahead.job.done()
         if ahead is not None:
             remote_ok = self._collect(ahead, contexts, rows, shared)
@@ -269,7 +270,7 @@ class DraftScheduler:
         trees = finish_step(self.sources, sessions, shared, config, admit)
         self.stats.steps += 1
         self.stats.ready_steps += ready and not missing
-        self.stats.predicted += len(rows) - len(missing)
+        self.stats.predicted += len(contexts) - len(missing)
         self.stats.fresh += len(missing)
         self.stats.waits.append(time.perf_counter() - start)
         return trees

@@ -211,7 +211,9 @@ def finished_output(state) -> list[int]:
 class ProposerStats(UploadStats):
     """What the proposer did: ``calls`` to ``propose``, ``drafted`` tokens returned, ``rows`` asked for,
     ``rows_drafted`` with a non-empty chain, ``skipped`` calls that did not draft at all (drafting
-    did not pay at that batch size, ``DraftingWorth``), ``observed`` steps timed, seconds spent,
+    did not pay at that batch size, ``DraftingWorth``), ``expected`` draft tokens accepted by the
+    drafts' scores (against vLLM's count of those accepted: how well the scores are calibrated),
+    ``observed`` steps timed, seconds spent,
     ``first_draft_call`` (the number of the first call that drafted; 0: none yet), the step cost
     as last learned (``per_token_ms``, a draft token's price; ``largest_base_ms``, a step of the
     most rows seen, drafting nothing); and its outputs (``UploadStats``)."""
@@ -220,6 +222,7 @@ class ProposerStats(UploadStats):
     rows: int = 0
     rows_drafted: int = 0
     drafted: int = 0
+    expected: float = 0.0
     observed: int = 0
     skipped: int = 0
     seconds: float = 0.0
@@ -320,7 +323,9 @@ class RestProposer:
                 drafts[i] = chain.tokens.tolist()[: max(0, min(self.k, room - len(context) - 1))]
             base = self.cost.base(rows)
             extra = float(self.cost.seconds(rows, sum(len(d) for d in drafts))) - base + time.perf_counter() - start
-            self.worth.weigh(rows, sum(float(chain.scores.sum()) for chain in chains), extra, base)
+            expected = sum(float(chain.scores[: len(draft)].sum()) for chain, draft in zip(chains, drafts))
+            self.worth.weigh(rows, expected, extra, base)
+            self.stats.expected += expected
         elif eligible:
             self.adaptive.forget()  # the rows decode on without its trees
             self.stats.skipped += 1
