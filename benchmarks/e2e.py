@@ -375,7 +375,10 @@ def run_set(
         "prompts": len(prompts),
         "modes": {mode: summarize(mode_rows) for mode, mode_rows in rows.items()},
         "adaptive_mode_source_weights": dict(zip(adaptive.sources, adaptive.calibration.weights.round(4).tolist())),
-        "adaptive_mode_attribution": adaptive.attribution.report(),
+        "adaptive_mode_attribution": {
+            "cells": adaptive.attribution.report(),
+            "hindsight": adaptive.attribution.hindsight(),
+        },
         "per_prompt": rows,
     }
     for mode, baseline in SIDE_BY_SIDE:  # prompt by prompt, as the speeds against plain

@@ -140,7 +140,7 @@ class RuleDrafter(AdaptiveDrafter):
         super().__init__(base, cost=None, config=config)
         self.rule = rule
 
-    def record(self, trees: Sequence[DraftTree]) -> None:
+    def record(self, trees: Sequence[DraftTree], merged: Sequence[DraftTree]) -> None:
         """Nothing: the published rules learn nothing from what the verifier accepts."""
 
     def merge(self, shared: StaticTrees, request: DraftTree, config: DraftConfig) -> DraftTree:

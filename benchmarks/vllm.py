@@ -305,7 +305,7 @@ def summarize(run: dict, reference: dict | None) -> dict:
         "first_difference": {str(i): d for i, d in differ.items()},  # prompt -> first differing token
         **spec_metrics(run["spec"]),
         "proposer": step_split(run),
-        "attribution": run.get("attribution"),  # the REST modes: per source and match length
+        "attribution": run.get("attribution"),  # the REST modes: per source and match length, and hindsight
         "startup_seconds": run["startup_seconds"],
         "group_tokens_per_second": rates,
     }
@@ -517,6 +517,14 @@ def summary(report: dict) -> str:
                     f"{m['equal_to_plain']:>3}/{m['outputs']:<3} {step:>19}"
                 )
             lines += [f"{mode:<12} FAILED" for mode in block["failed"]]
+            for mode, m in block["modes"].items():
+                hindsight = (m.get("attribution") or {}).get("hindsight")
+                if hindsight and hindsight["steps"]:
+                    lines.append(
+                        f"  {mode} in hindsight: its merged trees held {hindsight['held_per_step']:.2f} tokens of "
+                        f"what followed a step, the verified parts got {hindsight['accepted_per_step']:.2f} "
+                        f"({hindsight['steps']} trees)"
+                    )
             partings = block.get("partings")  # a dict with the error where they were not measured
             for point in partings if isinstance(partings, list) else []:
                 gap = point["logit_gap"]

@@ -142,13 +142,15 @@ def drafter_attribution(worker) -> dict | None:
     return None if adaptive is None else adaptive.attribution.counts()
 
 
-def attribution_difference(after: dict | None, before: dict | None) -> list[dict] | None:
-    """Where a run's accepted tokens came from (``Attribution.report`` of the counts over the run)."""
+def attribution_difference(after: dict | None, before: dict | None) -> dict | None:
+    """Where a run's accepted tokens came from, over the run: ``cells`` (``Attribution.report``)
+    and the merged trees in ``hindsight`` (``Attribution.hindsight``)."""
     if after is None or before is None:
         return None
     from rest_spec.drafter.core.merge import Attribution
 
-    return (Attribution.from_counts(after) - Attribution.from_counts(before)).report()
+    since = Attribution.from_counts(after) - Attribution.from_counts(before)
+    return {"cells": since.report(), "hindsight": since.hindsight()}
 
 
 def proposer_difference(after: dict | None, before: dict | None) -> dict | None:

@@ -70,6 +70,28 @@ def test_calibration_observes_the_nodes_the_verifier_accepted(base):
     (cell,) = drafter.attribution.report()
     assert (cell["source"], cell["match_len"], cell["steps"], cell["first_accepted"]) == ("index", "2", 1, 1)
     assert (cell["accepted"], cell["verified"]) == (3, 6)
+    # in hindsight, the whole tree was verified: it held the 3 tokens that followed, all accepted
+    assert (cell["offered"], cell["held"], cell["passed_over"]) == (1, 3, 0)
+    assert drafter.attribution.hindsight() == {"steps": 1, "held_per_step": 3.0, "accepted_per_step": 3.0}
+
+
+def test_hindsight_waits_for_the_tokens_after_a_tree_and_counts_what_selection_passed_over(base):
+    """The verified part of a merged tree is its first token only (a chain cut short); the tokens
+    that follow show the merged tree held three: counted once the context has grown by its depth."""
+
+    class FirstToken(AdaptiveDrafter):
+        def select(self, tree: DraftTree) -> DraftTree:
+            first = np.flatnonzero(tree.parents == -1)[:1]
+            return tree.subset(first) if first.size else tree
+
+    drafter = FirstToken(base, cost=None, config=CONFIG, sources=("index",))
+    assert [tuple(p) for p in drafter.draft([30, 1, 2], CONFIG).paths()] == [(3,)]
+    drafter.draft([30, 1, 2, 3], CONFIG)  # accepted 3, no bonus token: 1 of the tree's 3 levels known
+    assert drafter.attribution.hindsight()["steps"] == 0
+    drafter.draft([30, 1, 2, 3, 4, 6], CONFIG)  # now all 3, and both of the next tree's (4, then 5 or 6)
+    assert drafter.attribution.hindsight() == {"steps": 2, "held_per_step": 2.5, "accepted_per_step": 1.0}
+    cells = {cell["match_len"]: cell for cell in drafter.attribution.report()}  # matches of 1 2, of 1 2 3
+    assert [(c["offered"], c["held"], c["passed_over"]) for c in (cells["2"], cells["3"])] == [(1, 3, 1), (1, 2, 1)]
 
 
 def test_a_context_that_does_not_continue_the_last_is_a_new_request(base):

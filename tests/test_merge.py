@@ -163,6 +163,7 @@ def test_attribution_counts_per_source_and_match_length():
     assert by_source["index"] == {
         "source": "index", "match_len": "4-5", "steps": 3, "first_accepted": 2, "accepted": 3,
         "verified": 12, "first_token_acceptance": round(2 / 3, 4), "accepted_per_step": 1.0,
+        "offered": 0, "held": 0, "passed_over": 0, "held_per_offer": 0.0, "passed_over_share": 0.0,
     }  # fmt: skip
     assert by_source["request"]["match_len"] == "16+"
     assert (by_source["request"]["first_accepted"], by_source["request"]["accepted"]) == (1, 3)
@@ -172,6 +173,27 @@ def test_attribution_counts_per_source_and_match_length():
     assert [(c["source"], c["steps"], c["accepted"]) for c in since.report()] == [("index", 1, 1), ("request", 1, 1)]
     with pytest.raises(ValueError, match="merge_trees result over 3 sources"):
         attribution.observe(index, [])
+
+
+def test_hindsight_counts_how_deep_each_source_ran_along_what_followed():
+    """The same merged tree. 1 2 4 followed: the index held 1 2, the request 1 2 4, and the
+    verified chain (9) got nothing accepted, so both were passed over. Then 9 5 followed with 9
+    accepted: the index held 9 and lost nothing; the request offered 1, which held nothing."""
+    index = dataclasses.replace(counted_tree([[1, 2, 3], [1, 2, 3], [9]], budget=10), match_len=5)
+    request = dataclasses.replace(counted_tree([[1, 2, 4]], budget=10), match_len=17)
+    merged = merge_trees([index, request, DraftTree.empty()], [1.0, 1.0, 1.0], budget=10)
+    attribution = Attribution(["index", "request", "outputs"])
+    attribution.observe_hindsight(merged, [1, 2, 4, 7], accepted=0)
+    attribution.observe_hindsight(merged, [9, 5, 5], accepted=1)
+    by_source = {cell["source"]: cell for cell in attribution.report()}
+    assert set(by_source) == {"index", "request"}
+    assert [by_source["index"][k] for k in ("steps", "offered", "held", "passed_over")] == [0, 2, 3, 1]
+    assert [by_source["request"][k] for k in ("offered", "held", "passed_over", "held_per_offer")] == [2, 3, 1, 1.5]
+    assert attribution.hindsight() == {"steps": 2, "held_per_step": 2.0, "accepted_per_step": 0.5}
+    since = attribution - Attribution.from_counts(json.loads(json.dumps(attribution.counts())))
+    assert since.hindsight()["steps"] == 0 and not since.report()
+    with pytest.raises(ValueError, match="merge_trees result over 3 sources"):
+        attribution.observe_hindsight(index, [1], accepted=0)
 
 
 # ---- calibration --------------------------------------------------------------------------------

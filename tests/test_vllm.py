@@ -366,6 +366,8 @@ def test_restart_benchmark_drafts_from_the_outputs_the_first_engine_stored(stdli
     report = json.loads(out.read_text())
     day_2 = report["methods"]["rest"]["runs"]["day 2, repeated"]
     assert day_2["equal_to_plain"] == 2
-    from_outputs = [cell for cell in day_2["attribution"] if cell["source"] == "outputs"]
+    from_outputs = [cell for cell in day_2["attribution"]["cells"] if cell["source"] == "outputs"]
     assert sum(cell["accepted"] for cell in from_outputs) > 0, day_2["attribution"]
+    hindsight = day_2["attribution"]["hindsight"]  # the merged trees held at least what was accepted of them
+    assert hindsight["steps"] > 0 and hindsight["held_per_step"] >= hindsight["accepted_per_step"] > 0, hindsight
     assert set(report["methods"]) == {"rest"} and set(report["methods"]["rest"]["runs"]) == set(restart.RUNS)

@@ -23,14 +23,23 @@ generation.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.core.cost import BatchCost, CorrectedCost, VerifyCost, select_chain, select_tree
-from rest_spec.drafter.core.merge import Attribution, SourceCalibration, merge_trees
-from rest_spec.drafter.core.protocol import Deferred, Drafter, Mark, Pending, SourceDrafter, as_source, draft_step
+from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, merge_trees
+from rest_spec.drafter.core.protocol import (
+    Deferred,
+    Drafter,
+    Mark,
+    Pending,
+    SourceDrafter,
+    as_source,
+    draft_step,
+    token_list,
+)
 from rest_spec.drafter.core.request_matcher import RequestMatcher
 
 SOURCES = ("index", "request", "outputs")
@@ -78,11 +87,15 @@ class _Regrouped:
 @dataclasses.dataclass
 class _Session:
     """One request being decoded: where its context stood at the last step, the tree answered
-    then, and the matcher over its own tokens (None when the request source is off)."""
+    then (and the merged tree it was selected from), and the matcher over its own tokens (None when
+    the request source is off)."""
 
     matcher: RequestMatcher | None
     mark: Mark = dataclasses.field(default_factory=lambda: Mark(0, []))
     tree: DraftTree = dataclasses.field(default_factory=DraftTree.empty)
+    merged: DraftTree = dataclasses.field(default_factory=DraftTree.empty)  # what ``tree`` was selected from
+    # merged trees waiting for the tokens that followed them: (context length, tree, tokens accepted)
+    hindsight: deque[tuple[int, MergedTree, int]] = dataclasses.field(default_factory=deque)
 
 
 class AdaptiveDrafter:
@@ -183,27 +196,43 @@ class AdaptiveDrafter:
                     accepted = session.tree.accepted_nodes(gained)
                     self.calibration.observe(session.tree, accepted)
                     self.attribution.observe(session.tree, accepted)
-            session.mark, session.tree = Mark.of(row), DraftTree.empty()
+                if isinstance(session.merged, MergedTree) and gained:
+                    verified = len(session.tree.accepted_nodes(gained)) if len(session.tree) else 0
+                    session.hindsight.append((session.mark.length, session.merged, verified))
+                self._look_back(session, row)
+            session.mark, session.tree, session.merged = Mark.of(row), DraftTree.empty(), DraftTree.empty()
             if session.matcher is not None:
                 session.matcher.extend(row)
             self._rows.append(session)
         return self._rows
+
+    def _look_back(self, session: _Session, row: Sequence[int]) -> None:
+        """Count in hindsight (``Attribution.observe_hindsight``) each of the session's merged trees
+        whose context has since grown by the tree's depth."""
+        while session.hindsight:
+            start, merged, verified = session.hindsight[0]
+            end = start + int(merged.depths.max())
+            if len(row) < end:
+                return
+            session.hindsight.popleft()
+            self.attribution.observe_hindsight(merged, token_list(row, start, end), verified)
 
     def finish(self, requests: Sequence[Hashable]) -> None:
         """These requests ended: their sessions go."""
         for request in requests:
             self._sessions.pop(request, None)
 
-    def record(self, trees: Sequence[DraftTree]) -> None:
-        """The trees verified for the rows of the last ``advance``: what the next one credits."""
-        for session, tree in zip(self._rows, trees):
-            session.tree = tree
+    def record(self, trees: Sequence[DraftTree], merged: Sequence[DraftTree]) -> None:
+        """The trees verified for the rows of the last ``advance``, and the merged trees they were
+        selected from: what the next one credits."""
+        for session, tree, whole in zip(self._rows, trees, merged):
+            session.tree, session.merged = tree, whole
 
     def forget(self) -> None:
         """The trees last recorded were not verified (the loop decoded without drafts since): the
         next ``advance`` credits nothing to the sources for them."""
         for session in self._rows:
-            session.tree = DraftTree.empty()
+            session.tree, session.merged = DraftTree.empty(), DraftTree.empty()
 
     def candidates(self, config: DraftConfig) -> DraftConfig:
         """How each source drafts under the loop's ``config``: this drafter's config, capped."""

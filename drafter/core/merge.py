@@ -403,6 +403,19 @@ class Attribution:
     accepted       accepted tokens the source proposed (how deep it carries)
     verified       verified tokens the source proposed (what it cost)
 
+    and in hindsight (``observe_hindsight``), over steps where the source proposed a first token of
+    the *merged* tree, before selection cut it to what was verified:
+
+    offered        such steps
+    held           tokens of what actually followed that the source's part of the merged tree
+                   drafted, from the root (how deep it would have carried had its path been verified)
+    passed_over    steps where that was more than the verified tree got accepted: the selection (or
+                   the batch's admission) took another path, or cut this one short, and lost tokens
+
+    and for the whole merged tree: ``tree_steps``, ``tree_held`` (what the best path in it would have
+    carried) and ``tree_accepted`` (what the verified part of it did): the gap between the two is
+    what a better selection could win from these sources; below ``tree_held`` only better sources help.
+
     Plain sums, no decay: a report of a run, not a weight. Not thread-safe."""
 
     def __init__(self, sources: Sequence[str]) -> None:
@@ -410,8 +423,14 @@ class Attribution:
         shape = (len(self.sources), len(MATCH_LENGTH_EDGES))
         self.steps, self.first_accepted = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
         self.accepted, self.verified = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+        self.offered, self.held = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+        self.passed_over = np.zeros(shape, np.int64)
+        self.tree_steps, self.tree_held, self.tree_accepted = (np.zeros((), np.int64) for _ in range(3))
 
-    COUNTS = ("steps", "first_accepted", "accepted", "verified")
+    COUNTS = (
+        "steps", "first_accepted", "accepted", "verified", "offered", "held", "passed_over",
+        "tree_steps", "tree_held", "tree_accepted",
+    )  # fmt: skip
 
     def counts(self) -> dict:
         """The sources and every count, as lists: JSON, or across a process boundary."""
@@ -451,15 +470,35 @@ class Attribution:
         self.accepted[rows, cols] += proposed[accepted][:, first].sum(axis=0)
         self.verified[rows, cols] += proposed[:, first].sum(axis=0)
 
+    def observe_hindsight(self, merged: MergedTree, followed: Sequence[int], accepted: int) -> None:
+        """Count one merged tree against the tokens that ``followed`` its context (at least its
+        depth of them), once they are known: how deep each source's part of it ran along them, and
+        whether deeper than the ``accepted`` tokens of the part that was verified (0 where none was)."""
+        if not isinstance(merged, MergedTree) or merged.source_probs.shape[1] != len(self.sources):
+            raise ValueError(f"merged must be a merge_trees result over {len(self.sources)} sources")
+        path = merged.accepted_nodes(followed)
+        # each source's part of the path from the root (a source proposes a node's parent too)
+        held = np.logical_and.accumulate(merged.source_probs[path] > 0, axis=0).sum(axis=0)  # [S]
+        first = (merged.source_probs[merged.parents == -1] > 0).any(axis=0)
+        rows, cols = np.flatnonzero(first), length_class(merged.source_match_len)[first]
+        self.offered[rows, cols] += 1
+        self.held[rows, cols] += held[first]
+        self.passed_over[rows, cols] += held[first] > accepted
+        self.tree_steps += 1
+        self.tree_held += len(path)
+        self.tree_accepted += accepted
+
     def report(self) -> list[dict]:
-        """One dict per cell with steps: source, match lengths ("4-5", "16+"), the counts, the
-        first token's acceptance rate and accepted tokens per step."""
+        """One dict per cell with steps or offers: source, match lengths ("4-5", "16+"), the
+        counts, the first token's acceptance rate, accepted tokens per step, tokens held per offer
+        and the share of offers passed over."""
         cells = []
-        for source, bucket in zip(*np.nonzero(self.steps)):
+        for source, bucket in zip(*np.nonzero(self.steps + self.offered)):
             low = MATCH_LENGTH_EDGES[bucket]
             high = MATCH_LENGTH_EDGES[bucket + 1] - 1 if bucket + 1 < len(MATCH_LENGTH_EDGES) else None
-            steps = int(self.steps[source, bucket])
+            steps, offered = int(self.steps[source, bucket]), int(self.offered[source, bucket])
             first, accepted = int(self.first_accepted[source, bucket]), int(self.accepted[source, bucket])
+            held, passed_over = int(self.held[source, bucket]), int(self.passed_over[source, bucket])
             cells.append(
                 {
                     "source": self.sources[source],
@@ -468,8 +507,23 @@ class Attribution:
                     "first_accepted": first,
                     "accepted": accepted,
                     "verified": int(self.verified[source, bucket]),
-                    "first_token_acceptance": round(first / steps, 4),
-                    "accepted_per_step": round(accepted / steps, 4),
+                    "first_token_acceptance": round(first / max(steps, 1), 4),
+                    "accepted_per_step": round(accepted / max(steps, 1), 4),
+                    "offered": offered,
+                    "held": held,
+                    "passed_over": passed_over,
+                    "held_per_offer": round(held / max(offered, 1), 4),
+                    "passed_over_share": round(passed_over / max(offered, 1), 4),
                 }
             )
         return cells
+
+    def hindsight(self) -> dict:
+        """The merged trees in hindsight: steps, tokens the best path in each would have carried
+        and tokens its verified part did, per step."""
+        steps = int(self.tree_steps)
+        return {
+            "steps": steps,
+            "held_per_step": round(int(self.tree_held) / max(steps, 1), 4),
+            "accepted_per_step": round(int(self.tree_accepted) / max(steps, 1), 4),
+        }

@@ -17,9 +17,9 @@ Three layers, each a small typed interface:
       sessions = advance(rows, requests)          # each row's request session, credited
       config = candidates(loop_config)            # how the sources draft this step
       shared = start_shared(rows, config)         # index and output trees: one call, maybe async
-      trees = [select(merge(shared[i], request_tree(sessions[i], (), config), config)) ...]
-      trees = admit(trees)                        # the engine's batch rule, if it has one
-      record(trees)                               # what the next advance credits
+      merged = [merge(shared[i], request_tree(sessions[i], (), config), config) ...]
+      trees = admit([select(tree) for tree in merged])                        # the engine's batch rule, if it has one
+      record(trees, merged)                       # what the next advance credits
       finish(ended)                               # requests the engine says have ended
 
   An engine names each row's request (vLLM's request id, the loop's row) and the requests that
@@ -246,8 +246,9 @@ class StepDrafter(Protocol):
         """The part of a merged tree worth verifying."""
         ...
 
-    def record(self, trees: Sequence[DraftTree]) -> None:
-        """The trees verified for the rows of the last ``advance``."""
+    def record(self, trees: Sequence[DraftTree], merged: Sequence[DraftTree]) -> None:
+        """The trees verified for the rows of the last ``advance``, and the merged trees they were
+        selected from."""
         ...
 
 
@@ -264,13 +265,13 @@ def finish_step(
     """The end of a step once each row has its shared trees: merged with the request's own,
     selected (what pays for one row), admitted (what pays for the batch: the engine's rule,
     ``cost.select_batch_chains``, ``cost.select_batch_trees``), recorded."""
-    trees = [
-        steps.select(steps.merge(both, steps.request_tree(session, (), config), config))
-        for session, both in zip(sessions, shared)
+    merged = [
+        steps.merge(both, steps.request_tree(session, (), config), config) for session, both in zip(sessions, shared)
     ]
+    trees = [steps.select(tree) for tree in merged]
     if admit is not None:
         trees = admit(trees)
-    steps.record(trees)
+    steps.record(trees, merged)
     return trees
 
 
@@ -333,7 +334,7 @@ class PlainSteps:
     def finish(self, requests: Sequence[Hashable]) -> None:
         pass
 
-    def record(self, trees: Sequence[DraftTree]) -> None:
+    def record(self, trees: Sequence[DraftTree], merged: Sequence[DraftTree]) -> None:
         pass
 
     def candidates(self, config: DraftConfig) -> DraftConfig:
