@@ -106,10 +106,30 @@ def test_router_trees_equal_the_single_index(tmp_path_factory):
         seen["gathered"] += router.calls["Gather"]
         seen["one round"] += router.calls["Gather"] == 0 and any(t.num_matches for t in expected)
         seen["several servers"] += num_servers > 1
-        seen["gathered from several servers"] += num_servers > 1 and router.calls["Gather"]
 
     check()
-    assert all(seen[k] >= 2 for k in ("sampled", "gathered", "one round", "gathered from several servers")), seen
+    # (a second round across several servers, rarer in random cases, has its own test below)
+    assert all(seen[k] >= 2 for k in ("sampled", "gathered", "one round", "several servers")), seen
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("inline", [0, 2])
+def test_a_second_round_across_several_servers_equals_the_single_index(tmp_path, inline):
+    """Four shards of one repeated text on two servers, a cap of one candidate: every row samples
+    over the cap, so the router gathers the sampled continuations from both servers in a second
+    round; the trees are the single index's."""
+    docs = [[0, 1, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 1, 0]] * 4
+    contexts, config = [[0, 1], [1, 0, 1]], DraftConfig(budget=8, max_depth=4, n_min=1, n_max=4)
+    path = write_index(tmp_path / "idx", docs, 2, shard_tokens=15)
+    with Datastore.open(path, max_candidates=1) as store:
+        expected = store.draft_batch(contexts, config)
+        assert len(store.manifest.shards) == 4 and all(t.num_sampled < t.num_matches for t in expected)
+    with (
+        shard_servers(path, [[0, 1], [2, 3]]) as addresses,
+        Router.connect(path / "manifest.json", RouterConfig(addresses, max_candidates=1, inline_rows=inline)) as router,
+    ):
+        assert list(router.drafts(contexts, config)) == expected
+        assert (router.calls["Match"], router.calls["Gather"]) == (1, 1)
 
 
 # ---- what the router refuses at start -----------------------------------------------------------

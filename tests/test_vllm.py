@@ -97,7 +97,7 @@ def greedy_runs(prompts):
 
 
 def sampling_run(prompt):
-    return {"prompts": [prompt] * SAMPLES, "concurrency": 4, "sampling": SAMPLING, "seeds": True}
+    return {"prompts": [prompt] * SAMPLES, "concurrency": 16, "sampling": SAMPLING, "seeds": True}
 
 
 def job(checkpoint, method="rest", runs=(), **extra) -> dict:
@@ -106,7 +106,7 @@ def job(checkpoint, method="rest", runs=(), **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def plain(checkpoint, prompts, busy_run):
-    """vLLM without speculation: greedy outputs, 1 and 4 at a time, sampled ones, and 8 at a time."""
+    """vLLM without speculation: greedy outputs, 1 and 4 at a time, sampled ones (16 at a time), and 8 at a time."""
     return run_job(job(checkpoint, "plain", [*greedy_runs(prompts), sampling_run(prompts[0]), busy_run]))
 
 
@@ -114,7 +114,7 @@ def plain(checkpoint, prompts, busy_run):
 def rest_local(checkpoint, prompts, busy_run, stdlib_index):
     """The proposer with the index opened in the worker, drafting the next step's sources during
     each forward (``overlap``; off by default there) and no cached cost (``remeasure``): 8 requests
-    at once from its first step, then greedy 1 and 4 at a time, then sampled."""
+    at once from its first step, then greedy 1 and 4 at a time, then sampled (16 at a time)."""
     rest = {"datastore": str(stdlib_index), "outputs_max_tokens": 0, "remeasure": True, "overlap": True}
     return run_job(job(checkpoint, runs=[busy_run, *greedy_runs(prompts), sampling_run(prompts[0])], rest=rest))
 
@@ -269,10 +269,10 @@ def test_tensor_parallel_ranks_start_on_one_store_and_store_each_output_once(
     outputs = tmp_path / "outputs"
     rest = {"datastore": str(stdlib_index), "outputs_dir": str(outputs)}
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}
-    runs = [greedy_runs(prompts)[0], {"prompts": prompts[:1], "sampling": {**GREEDY, "max_tokens": 2}}]
+    runs = [greedy_runs(prompts)[1], {"prompts": prompts[:1], "sampling": {**GREEDY, "max_tokens": 2}}]
     result = run_job(job(checkpoint, runs=runs, rest=rest, tensor_parallel_size=3), env=env)
-    run = result["runs"][0]
-    assert run["outputs"] == plain["runs"][0]["outputs"]
+    run = result["runs"][0]  # the prompts 4 at once: a quarter of the steps, each across 3 processes
+    assert run["outputs"] == plain["runs"][1]["outputs"]
     assert run["spec"]["spec_decode_num_accepted_tokens"] > 0, run["spec"]
     store = OutputStore(10**6, outputs)
     try:
