@@ -192,13 +192,13 @@ class AdaptiveDrafter:
             else:
                 self._sessions.move_to_end(request)
                 gained = session.mark.gained(row)
-                if len(session.tree) and gained:
-                    accepted = session.tree.accepted_nodes(gained)
-                    self.calibration.observe(session.tree, accepted)
-                    self.attribution.observe(session.tree, accepted)
-                if isinstance(session.merged, MergedTree) and gained:
-                    verified = len(session.tree.accepted_nodes(gained)) if len(session.tree) else 0
-                    session.hindsight.append((session.mark.length, session.merged, verified))
+                if gained:
+                    accepted = session.tree.accepted_nodes(gained)  # none of an empty tree
+                    if len(session.tree):
+                        self.calibration.observe(session.tree, accepted)
+                        self.attribution.observe(session.tree, accepted)
+                    if isinstance(session.merged, MergedTree):
+                        session.hindsight.append((session.mark.length, session.merged, len(accepted)))
                 self._look_back(session, row)
             session.mark, session.tree, session.merged = Mark.of(row), DraftTree.empty(), DraftTree.empty()
             if session.matcher is not None:

@@ -18,7 +18,7 @@ Three layers, each a small typed interface:
       config = candidates(loop_config)            # how the sources draft this step
       shared = start_shared(rows, config)         # index and output trees: one call, maybe async
       merged = [merge(shared[i], request_tree(sessions[i], (), config), config) ...]
-      trees = admit([select(tree) for tree in merged])                        # the engine's batch rule, if it has one
+      trees = admit([select(tree) for tree in merged])  # selected; the engine's batch rule, if any
       record(trees, merged)                       # what the next advance credits
       finish(ended)                               # requests the engine says have ended
 
