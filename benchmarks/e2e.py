@@ -2,7 +2,7 @@
 and the adaptive drafter.
 
     python -m benchmarks.e2e --prompts 40 --max-new-tokens 128 --sets humaneval,sharegpt \
-        --modes plain,plain-layout,hf,pld,paper,adaptive
+        --modes plain,plain-layout,hf,pld,paper,adaptive,oracle
 
 Prompt sets, each with its index: ``humaneval``, the first N HumanEval prompts (raw code to
 complete), and ``humaneval-chat``, the same prompts as a user turn rendered with the chat template,
@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from benchmarks.common import (
@@ -72,7 +73,7 @@ from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.datastore.format import read_manifest
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
-from rest_spec.drafter.core.cost import CorrectedCost, VerifyCost
+from rest_spec.drafter.core.cost import CorrectedCost, VerifyCost, select_chain
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.protocol import Drafter
 from rest_spec.drafter.hf.generate import GenerationResult, generate
@@ -81,9 +82,15 @@ from rest_spec.drafter.hf.model import load_model
 
 log = logging.getLogger("benchmarks.e2e")
 
-MODES = ("plain", "plain-layout", "hf", "pld", "paper", "adaptive")
+MODES = ("plain", "plain-layout", "hf", "pld", "paper", "adaptive", "oracle")
 # (mode, baseline) pairs whose per-prompt speed ratios each set reports as medians
-SIDE_BY_SIDE = (("adaptive", "pld"), ("adaptive", "plain-layout"), ("adaptive", "hf"), ("plain-layout", "hf"))
+SIDE_BY_SIDE = (
+    ("adaptive", "pld"),
+    ("adaptive", "plain-layout"),
+    ("adaptive", "hf"),
+    ("plain-layout", "hf"),
+    ("oracle", "plain-layout"),
+)
 PROMPT_LOOKUP_TOKENS = 10  # the pld mode's prompt_lookup_num_tokens
 SETS = ("humaneval", "humaneval-chat", "sharegpt", "codebase")
 DEFAULT_SETS = ("humaneval", "sharegpt")
@@ -255,6 +262,30 @@ class TreeSizes:
         pass  # the wrapped drafter belongs to the caller
 
 
+class Oracle:
+    """A ``Drafter`` that knows the output: a chain of the next ``max_depth`` tokens of ``output``
+    (plain decoding's, after ``prompt``), every score 1, cut to the length ``cost`` says is fastest
+    (``select_chain``). Nothing drafts better in this loop: the oracle mode is drafting's ceiling."""
+
+    def __init__(self, prompt: Sequence[int], output: Sequence[int], cost: CorrectedCost) -> None:
+        self.prompt_length, self.output, self.cost = len(prompt), list(output), cost
+
+    def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
+        at = len(context) - self.prompt_length
+        tokens = self.output[at : at + config.max_depth]
+        chain = DraftTree(tokens, np.arange(len(tokens)) - 1, np.ones(len(tokens)), scores=np.ones(len(tokens)))
+        return select_chain(chain, self.cost, config.max_depth)
+
+    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
+        return [self.draft(context, config) for context in contexts]
+
+    def info(self) -> IndexInfo:
+        raise TypeError("the oracle drafts from plain decoding's output: it has no index to describe")
+
+    def close(self) -> None:
+        pass
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One mode on one prompt."""
@@ -332,26 +363,33 @@ def run_set(
     config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
     adaptive = AdaptiveDrafter(base, cost=cost, config=config)  # one per set: outputs and calibration carry over
     layout_cost = CorrectedCost(cost)  # what rest-generate --no-draft runs at: corrected over the set, as adaptive's
-    runs: dict[str, Callable[[list[int]], Run]] = {
-        "plain": lambda ids: loop_run(model, ids, None, args.max_new_tokens, config),
-        "plain-layout": lambda ids: loop_run(model, ids, None, args.max_new_tokens, config, cost=layout_cost),
-        "hf": lambda ids: hf_run(model, ids, args.max_new_tokens),
-        "pld": lambda ids: hf_run(model, ids, args.max_new_tokens, PROMPT_LOOKUP_TOKENS),
-        "paper": lambda ids: loop_run(model, ids, base, args.max_new_tokens, config),
-        "adaptive": lambda ids: loop_run(model, ids, adaptive, args.max_new_tokens, config),
+    oracle_cost = CorrectedCost(cost)
+    new_tokens = args.max_new_tokens
+    # each mode on a prompt, given plain's run of it (only the oracle reads that)
+    runs: dict[str, Callable[[list[int], Run | None], Run]] = {
+        "plain": lambda ids, _: loop_run(model, ids, None, new_tokens, config),
+        "plain-layout": lambda ids, _: loop_run(model, ids, None, new_tokens, config, cost=layout_cost),
+        "hf": lambda ids, _: hf_run(model, ids, new_tokens),
+        "pld": lambda ids, _: hf_run(model, ids, new_tokens, PROMPT_LOOKUP_TOKENS),
+        "paper": lambda ids, _: loop_run(model, ids, base, new_tokens, config),
+        "adaptive": lambda ids, _: loop_run(model, ids, adaptive, new_tokens, config),
+        "oracle": lambda ids, plain: loop_run(
+            model, ids, Oracle(ids, plain.output_ids, oracle_cost), new_tokens, config
+        ),
     }
     warm = prompts[0][: min(len(prompts[0]), 32)]  # compiled kernels, caches, allocator; no outputs added
     loop_run(model, warm, AdaptiveDrafter(base, cost=cost, config=config), 8, config)
+    warm_plain = runs["plain"](warm, None)
     for mode in args.modes:
-        if mode != "adaptive":
-            runs[mode](warm)
+        if mode not in ("plain", "adaptive"):
+            runs[mode](warm, warm_plain)
     rows: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     plain_outputs = []
     for i, ids in enumerate(prompts):
-        reference = runs["plain"](ids)
+        reference = runs["plain"](ids, None)
         plain_outputs.append(reference.output_ids)
         for mode in args.modes:
-            run = reference if mode == "plain" else runs[mode](ids)
+            run = reference if mode == "plain" else runs[mode](ids, reference)
             rows[mode].append({"prompt": i, "prompt_tokens": len(ids), **run.row(reference)})
             if mode == "adaptive":
                 adaptive.add_output(run.output_ids)
