@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import importlib
 
+from rest_spec import _moved
+
+_moved.install()  # names the README documented before they moved (rest_spec._moved)
+
 __version__ = "0.1.0"
 
 _API = {

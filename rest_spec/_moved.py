@@ -1,0 +1,114 @@
+"""Names the README documented before they moved: each keeps working, as an alias of where it lives now.
+
+A moved module is the same module object under its old name (``import``, ``from ... import`` and
+``python -m`` alike), found by a finder that ``rest_spec`` installs on import; a name that moved out
+of a module that became a package is resolved by that package's ``__getattr__`` (``moved_name``).
+Each use of an old name warns once (``DeprecationWarning``) with the name to use instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+
+# old module -> the module that holds it now
+MOVED_MODULES = {
+    # the split of drafter/ into rooms (core, hf, vllm, llamacpp, cli)
+    "rest_spec.drafter.vllm_model": "rest_spec.drafter.vllm.checkpoint",
+    "rest_spec.drafter.vllm_shim": "rest_spec.drafter.vllm.shim",
+    "rest_spec.drafter.chat": "rest_spec.drafter.cli.chat",
+    "rest_spec.drafter.prompts": "rest_spec.drafter.cli.prompts",
+    "rest_spec.drafter.hf_internals": "rest_spec.drafter.hf.internals",
+    **{
+        f"rest_spec.drafter.{name}": f"rest_spec.drafter.core.{name}"
+        for name in (
+            "adaptive",
+            "breaker",
+            "cost",
+            "kernels",
+            "local",
+            "merge",
+            "protocol",
+            "remote",
+            "request_matcher",
+            "scheduler",
+            "uploads",
+        )
+    },
+    **{
+        f"rest_spec.drafter.{name}": f"rest_spec.drafter.hf.{name}"
+        for name in (
+            "generate",
+            "kv_cache",
+            "linear_layout",
+            "measure",
+            "model",
+            "sampling",
+            "tree_attention",
+            "verify",
+        )
+    },
+    # earlier moves
+    "rest_spec.drafter.vllm_plugin": "rest_spec.drafter.vllm.shim",
+    "rest_spec.drafter.vllm_sampling_fix": "rest_spec.drafter.vllm.shim",
+    "rest_spec.datastore.tokenizer": "rest_spec.common.tokenizer",
+}
+
+# package that was a module -> the module its public names live in now
+MOVED_NAMES = {
+    "rest_spec.drafter.vllm": "rest_spec.drafter.vllm.proposer",
+    "rest_spec.drafter.hf": "rest_spec.drafter.hf.plugin",
+    "rest_spec.drafter.llamacpp": "rest_spec.drafter.llamacpp.draft_model",
+}
+
+
+def _warn(old: str, new: str) -> None:
+    warnings.warn(f"{old} moved to {new}; the old name is an alias", DeprecationWarning, stacklevel=3)
+
+
+class _Alias(importlib.abc.Loader):
+    """Loads an old module name as the module it moved to (the same object)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec):
+        _warn(spec.name, self.target)
+        module = importlib.import_module(self.target)
+        self._own_spec = module.__spec__  # importlib sets __spec__ to the alias's next
+        return module
+
+    def exec_module(self, module) -> None:
+        """The module ran when it was first imported under its own name: only its spec is put back."""
+        module.__spec__ = self._own_spec
+
+    def get_code(self, fullname: str):
+        """The moved module's code, for ``python -m OLD_NAME`` (runpy runs it as ``__main__``)."""
+        return importlib.util.find_spec(self.target).loader.get_code(self.target)
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path, target=None):
+        moved = MOVED_MODULES.get(fullname)
+        return None if moved is None else importlib.util.spec_from_loader(fullname, _Alias(moved))
+
+
+def install() -> None:
+    if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.append(MovedModuleFinder())
+
+
+def moved_name(package: str, name: str):
+    """``name`` of ``package`` (a module that became a package) from where it lives now; for a
+    package's ``__getattr__``."""
+    home = MOVED_NAMES[package]
+    if name.startswith("__"):
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name, None)
+    if value is None:
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    _warn(f"{package}.{name}", f"{home}.{name}")
+    return value
