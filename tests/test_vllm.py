@@ -241,13 +241,28 @@ def test_greedy_over_grpc_and_one_store_of_outputs_for_a_fleet(checkpoint, promp
     # (after the kill: a torn last record at most, dropped on reopening) serves engine B, which drafts
     # the prompt A answered from A's output
     second = server(outputs)
-    b = run_job(
-        job(checkpoint, runs=[{"prompts": prompts[-1:], "sampling": GREEDY}], rest={"datastore": second.address})
-    )
+    # B's second run: a short chat answer generated past its end-of-text (ignore_eos); the third, a
+    # step after it, so that the runner lets go of it and the proposer stores it
+    tokenizer = load_tokenizer(None)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Say yes."}], add_generation_prompt=True)
+    runs = [
+        {"prompts": prompts[-1:], "sampling": GREEDY},
+        {"prompts": [list(chat)], "sampling": {**GREEDY, "ignore_eos": True}},
+        {"prompts": prompts[:1], "sampling": {**GREEDY, "max_tokens": 2}},
+    ]
+    b = run_job(job(checkpoint, runs=runs, rest={"datastore": second.address}))
     assert b["runs"][0]["outputs"] == [plain["runs"][0]["outputs"][-1]]
     alone, shared = a["runs"][0]["spec"], b["runs"][0]["spec"]
     assert shared["spec_decode_num_accepted_tokens"] >= 0.6 * NEW_TOKENS, (alone, shared)
     assert shared["spec_decode_num_accepted_tokens"] > alone["spec_decode_num_accepted_tokens"], (alone, shared)
+    # the store keeps what the user got: all NEW_TOKENS of the ignore_eos request, end-of-text and after
+    [answer] = b["runs"][1]["outputs"]
+    assert len(answer) == NEW_TOKENS and tokenizer.eos_token_id in answer[:-1], answer
+    second.stop()
+    from rest_spec.datastore.outputs import OutputStore
+
+    with OutputStore(10**6, outputs) as store:
+        assert answer in [document.tolist() for document in store.documents()]
 
 
 def test_datastore_killed_mid_generation(plain, grpc_engine):

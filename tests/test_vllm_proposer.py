@@ -97,15 +97,35 @@ def test_a_batch_drafts_only_what_pays_for_every_row():
 # ---- a finished request's output -------------------------------------------------------------------
 
 
-def state(output, max_tokens=None, stops=()):
-    params = types.SimpleNamespace(max_tokens=max_tokens, all_stop_token_ids=set(stops))
+def state(output, max_tokens=None, stops=(), eos=None, ignore_eos=False, min_tokens=0):
+    """A finished request as vLLM's worker keeps it. As in vLLM's ``SamplingParams``, the model's
+    end-of-text id ``eos`` is in ``all_stop_token_ids`` whether or not it is ignored, and in
+    ``stop_token_ids`` only where it counts."""
+    stop_ids = set(stops) | ({eos} if eos is not None and not ignore_eos else set())
+    params = types.SimpleNamespace(
+        max_tokens=max_tokens,
+        stop_token_ids=sorted(stop_ids),
+        all_stop_token_ids=stop_ids | ({eos} if eos is not None else set()),
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+    )
     return types.SimpleNamespace(output_token_ids=list(output), sampling_params=params)
 
 
 def test_finished_output_cut_at_the_first_stop_and_max_tokens():
     assert finished_output(state([5, 6, 2, 7, 8], stops={2})) == [5, 6, 2]  # tokens accepted past EOS dropped
+    assert finished_output(state([5, 6, 2, 7, 8], eos=2)) == [5, 6, 2]
     assert finished_output(state([5, 6, 7, 8], max_tokens=3)) == [5, 6, 7]
     assert finished_output(state([5, 6, 7], max_tokens=10, stops={9})) == [5, 6, 7]
+
+
+def test_finished_output_keeps_what_the_user_got_past_an_ignored_eos_and_before_min_tokens():
+    # ignore_eos: vLLM returned all max_tokens, end-of-text ids included; a stop id still stops
+    assert finished_output(state([5, 2, 6, 2, 7], max_tokens=5, eos=2, ignore_eos=True)) == [5, 2, 6, 2, 7]
+    assert finished_output(state([5, 2, 9, 7], eos=2, ignore_eos=True, stops={9})) == [5, 2, 9]
+    # min_tokens: a stop token before the min_tokens-th token does not stop the request
+    assert finished_output(state([2, 5, 2, 6], eos=2, min_tokens=2)) == [2, 5, 2]
+    assert finished_output(state([5, 2, 6, 2], eos=2, min_tokens=2)) == [5, 2]
 
 
 # ---- the expand kernel ------------------------------------------------------------------------------

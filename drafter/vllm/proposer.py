@@ -12,7 +12,7 @@ vLLM runs it through its ``custom_class`` hook::
     )
 
 Options (``additional_config["rest"]``, each with an environment fallback, ``OPTIONS``): the
-``datastore``, an index directory (opened in the worker) or HOST:PORT (a ``rest-datastore serve``,
+``datastore``, an index directory (opened in the worker; "A,B": several as one) or HOST:PORT (a ``rest-datastore serve``,
 over TLS with ``tls_ca``, sending ``auth_token``), required; for an index directory, the store of
 outputs (``outputs_max_tokens``, ``outputs_dir``); ``overlap``; ``remeasure`` (ignore a cached
 cost and learn it afresh).
@@ -50,7 +50,7 @@ import socket
 import statistics
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,7 @@ def overlap_default(datastore: str) -> bool:
     overlap off, HumanEval at one request 44.5 tok/s against 39.8 with it on, 16 requests served
     continuously 167.7 against 142.6 (``benchmarks/results/overlap_default``), and a loopback server
     on 20 ShareGPT prompts 35.2 against 30.6."""
-    if Path(datastore).is_dir():
+    if Path(datastore).is_dir() or "," in datastore:  # index directories, opened in the worker
         return False
     host = datastore.rsplit(":", 1)[0].strip("[]")
     if host in ("localhost", socket.gethostname()):
@@ -188,23 +188,42 @@ def cached_sizes(k: int) -> tuple[int, ...]:
 
 
 def _stop_tokens(state) -> frozenset[int]:
+    """The token ids that end this request as vLLM's scheduler decides (``check_stop``): its
+    ``stop_token_ids``, and its end-of-text ids unless ``ignore_eos``. vLLM's ``all_stop_token_ids``
+    holds the model's end-of-text id even when it is ignored (for ``min_tokens``), so it is the set
+    only where end-of-text counts."""
     params = getattr(state, "sampling_params", None)
+    if params is None:
+        return frozenset()
+    if getattr(params, "ignore_eos", False):
+        return frozenset(getattr(params, "stop_token_ids", ()) or ())
     return frozenset(getattr(params, "all_stop_token_ids", ()) or ())
 
 
+def _min_tokens(state) -> int:
+    return int(getattr(getattr(state, "sampling_params", None), "min_tokens", 0) or 0)
+
+
+def _first_stop(tokens: Sequence[int], state) -> int | None:
+    """The index in ``tokens`` (a request's generated ids) of the token vLLM stopped the request at,
+    if any: the first stop token at or past ``min_tokens`` (before it, stop tokens do not stop)."""
+    stops = _stop_tokens(state)
+    for i in range(max(0, _min_tokens(state) - 1), len(tokens)):
+        if tokens[i] in stops:
+            return i
+    return None
+
+
 def finished_output(state) -> list[int]:
-    """A finished request's generated tokens (the worker's copy, ``CachedRequestState``), cut after
-    its first stop token and at ``max_tokens``: the worker keeps tokens accepted past a stop, which
-    the scheduler drops from what the user gets."""
+    """A finished request's generated tokens (the worker's copy, ``CachedRequestState``) as the
+    user got them: cut after the token vLLM stopped it at and at ``max_tokens``. The worker keeps
+    tokens accepted past a stop, which the scheduler drops; an ignored end-of-text is kept."""
     tokens = list(state.output_token_ids)
     params = state.sampling_params
     if params is not None and params.max_tokens is not None:
         tokens = tokens[: params.max_tokens]
-    stops = _stop_tokens(state)
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return tokens[: i + 1]
-    return tokens
+    stop = _first_stop(tokens, state)
+    return tokens if stop is None else tokens[: stop + 1]
 
 
 @dataclasses.dataclass
@@ -385,7 +404,7 @@ class RestProposer:
             generated = n - len(state.prompt_token_ids or ())
             if params is not None and params.max_tokens is not None and generated >= params.max_tokens:
                 return False
-            if int(token_ids[i, n - 1]) in _stop_tokens(state):
+            if generated >= max(1, _min_tokens(state)) and int(token_ids[i, n - 1]) in _stop_tokens(state):
                 return False
         return True
 
