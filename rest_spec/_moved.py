@@ -105,7 +105,9 @@ def moved_name(package: str, name: str):
     """``name`` of ``package`` (a module that became a package) from where it lives now; for a
     package's ``__getattr__``."""
     home = MOVED_NAMES[package]
-    if name.startswith("__"):
+    # ``from package import submodule`` asks for the attribute before it imports the submodule:
+    # a submodule's name is never an alias
+    if name.startswith("__") or importlib.util.find_spec(f"{package}.{name}") is not None:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(home), name, None)
     if value is None:

@@ -92,6 +92,15 @@ def test_a_moved_name_is_the_same_object_and_says_where_it_went():
 
 
 @pytest.mark.cli
+def test_a_fresh_process_imports_the_packages_own_submodules_first():
+    """``from rest_spec.drafter.hf import internals`` inside the package's own modules asks the
+    package for the attribute first: a submodule is never taken for an alias (that import cycled)."""
+    code = "import rest_spec.drafter.hf.generate, rest_spec.drafter.vllm.proposer, rest_spec.drafter.hf.plugin"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.cli
 def test_an_old_python_m_path_runs_the_moved_command():
     done = subprocess.run(
         [sys.executable, "-m", "rest_spec.drafter.vllm_model", "--help"], capture_output=True, text=True, timeout=120
