@@ -1,10 +1,15 @@
 """Prompts as token ids: the one place a chat is rendered, so ``rest-generate``, ``rest-chat`` and
-the benchmarks feed the model the same tokens for the same conversation."""
+the benchmarks feed the model the same tokens for the same conversation; and the one reader of the
+prompts files (JSON lines) ``rest-generate`` and ``rest-fill-outputs`` take."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from rest_spec.common.errors import CliError
 
 
 @dataclass(frozen=True)
@@ -34,3 +39,37 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     if prompt.messages is None:
         return tokenizer(prompt.text).input_ids
     return chat_ids(tokenizer, prompt.messages)
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    """Parse a prompts JSONL file (blank lines skipped); a bad line raises ``CliError`` naming it."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise CliError(f"cannot read prompts file {path}: {exc.strerror or exc}") from exc
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            prompts.append(_parse_prompt_line(line, f"{path}:{number}"))
+    if not prompts:
+        raise CliError(f"{path}: no prompts")
+    return prompts
+
+
+def _parse_prompt_line(line: str, where: str) -> Prompt:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{where}: invalid JSON ({exc.msg})") from exc
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return Prompt(text=record["prompt"])
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if isinstance(messages, list) and messages and all(map(_is_message, messages)):
+        return Prompt(messages=tuple(messages))
+    raise CliError(f'{where}: expected {{"prompt": "text"}} or {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
+
+
+def _is_message(message: object) -> bool:
+    return (
+        isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+    )

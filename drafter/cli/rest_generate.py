@@ -22,7 +22,7 @@ from rest_spec.common.cli import exit_statuses, run_command, setup_logging
 from rest_spec.common.errors import CliError, NoOutputStoreError
 from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree
 from rest_spec.datastore.client import add_connection_arguments
-from rest_spec.drafter.cli.prompts import Prompt, as_chat, encode_prompt
+from rest_spec.drafter.cli.prompts import Prompt, as_chat, encode_prompt, read_prompts
 from rest_spec.drafter.core.sources import open_datastore
 
 if TYPE_CHECKING:
@@ -155,40 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
         "anything is timed and take turns going first, so the machine's noise falls on both alike",
     )
     return parser
-
-
-def read_prompts(path: Path) -> list[Prompt]:
-    """Parse a prompts JSONL file (blank lines skipped); a bad line raises ``CliError`` naming it."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise CliError(f"cannot read prompts file {path}: {exc.strerror or exc}") from exc
-    prompts = []
-    for number, line in enumerate(lines, start=1):
-        if line.strip():
-            prompts.append(_parse_prompt_line(line, f"{path}:{number}"))
-    if not prompts:
-        raise CliError(f"{path}: no prompts")
-    return prompts
-
-
-def _parse_prompt_line(line: str, where: str) -> Prompt:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise CliError(f"{where}: invalid JSON ({exc.msg})") from exc
-    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-        return Prompt(text=record["prompt"])
-    messages = record.get("messages") if isinstance(record, dict) else None
-    if isinstance(messages, list) and messages and all(map(_is_message, messages)):
-        return Prompt(messages=tuple(messages))
-    raise CliError(f'{where}: expected {{"prompt": "text"}} or {{"messages": [{{"role": ..., "content": ...}}, ...]}}')
-
-
-def _is_message(message: object) -> bool:
-    return (
-        isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
-    )
 
 
 def open_drafter(spec: str, *, tls_ca: str | None = None, auth_token: str | None = None) -> Drafter:
