@@ -1,7 +1,8 @@
 """The durable store of recent outputs a service drafts from (``OutputStore``), and its log.
 
 It drafts like the index through ``datastore.bigram.BigramIndex``; the log (``_Log``) makes
-every acknowledged output survive a restart.
+every acknowledged output survive a restart. ``read_outputs`` reads a log without locking or
+writing it: ``build_index --corpus outputs:DIR`` indexes the model's own outputs from it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,23 @@ class _Record(NamedTuple):
     tokens: np.ndarray  # uint32; empty for a marker that only carries the newest sequence number
 
 
+class _Scan(NamedTuple):
+    """A log read through: its valid records, and its damage (``_Log.scan``)."""
+
+    records: list[_Record]
+    damage: list[tuple[int, int, int]]  # damaged spans before valid records: (start, stop, records before)
+    torn: int | None  # where a damaged tail (a torn last record) starts, if any
+    size: int  # bytes read
+
+    @property
+    def damaged_bytes(self) -> int:
+        return sum(stop - start for start, stop, _ in self.damage) + (0 if self.torn is None else self.size - self.torn)
+
+    @property
+    def places(self) -> int:
+        return len(self.damage) + (self.torn is not None)
+
+
 def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
@@ -84,7 +102,7 @@ class _Log:
     damage to acknowledged data: opening refuses it, naming the offset and the records after
     it, unless asked to salvage them. Rewrites (compaction, salvage) go to a temporary file that
     is renamed over the log; a failed rewrite leaves the old log in use. A ``LOCK`` file keeps a
-    second process out."""
+    second process out (a reader, ``read_outputs``, needs no lock: it only ``scan``s the bytes)."""
 
     MAGIC = b"RESTOUT1"
     NAME = "outputs.log"
@@ -168,18 +186,19 @@ class _Log:
                     return int(offset)
         return None
 
-    def _recover(self, salvage: bool) -> list[_Record]:
-        """Replay the log, deal with its damage (see ``open``) and set the committed length."""
-        data = self.path.read_bytes()
-        if data[: len(self.MAGIC)] != self.MAGIC:
-            raise OutputStoreError(f"{self.path} is not an output-store log (bad magic)")
+    @classmethod
+    def scan(cls, path: Path, data: bytes) -> _Scan:
+        """The records of the log bytes ``data`` (read from ``path``) and where it is damaged;
+        ``OutputStoreError`` for a foreign file or records out of order (no salvage mends those)."""
+        if data[: len(cls.MAGIC)] != cls.MAGIC:
+            raise OutputStoreError(f"{path} is not an output-store log (bad magic)")
         records: list[_Record] = []
         damage: list[tuple[int, int, int]] = []  # (start, stop, records before it)
-        offset = len(self.MAGIC)
+        offset = len(cls.MAGIC)
         while offset < len(data):
-            decoded = self._decode(data, offset)
+            decoded = cls._decode(data, offset)
             if decoded is None:
-                found = self._find_record(data, offset + 1, records[-1].seq if records else -1)
+                found = cls._find_record(data, offset + 1, records[-1].seq if records else -1)
                 damage.append((offset, len(data) if found is None else found, len(records)))
                 if found is None:
                     break
@@ -187,36 +206,52 @@ class _Log:
                 continue
             record, next_offset = decoded
             if records and record.seq <= records[-1].seq:
-                raise OutputStoreError(f"{self.path}: sequence number {record.seq} at byte {offset} is out of order")
+                raise OutputStoreError(f"{path}: sequence number {record.seq} at byte {offset} is out of order")
             records.append(record)
             offset = next_offset
-        torn = damage.pop() if damage and damage[-1][1] == len(data) else None
-        if damage and not salvage:
-            start, _, before = damage[0]
+        torn = damage.pop()[0] if damage and damage[-1][1] == len(data) else None
+        return _Scan(records, damage, torn, len(data))
+
+    @staticmethod
+    def refuse_damage(path: Path, scan: _Scan, salvage_hint: str) -> None:
+        """Raise ``OutputStoreError`` naming the first damage before valid records, if any."""
+        if scan.damage:
+            start, _, before = scan.damage[0]
+            records = scan.records
             raise OutputStoreError(
-                f"{self.path}: corrupt record at byte {start}, followed by {len(records) - before} valid "
-                f"records (seqs {records[before].seq}..{records[-1].seq}); open it with salvage "
-                "(rest-datastore serve --outputs-salvage) to keep every valid record and drop the damaged bytes"
+                f"{path}: corrupt record at byte {start}, followed by {len(records) - before} valid "
+                f"records (seqs {records[before].seq}..{records[-1].seq}); {salvage_hint}"
             )
-        if damage:
-            dropped = sum(stop - start for start, stop, _ in damage) + (len(data) - torn[0] if torn else 0)
+
+    def _recover(self, salvage: bool) -> list[_Record]:
+        """Replay the log, deal with its damage (see ``open``) and set the committed length."""
+        scan = self.scan(self.path, self.path.read_bytes())
+        records = scan.records
+        if not salvage:
+            self.refuse_damage(
+                self.path,
+                scan,
+                "open it with salvage (rest-datastore serve --outputs-salvage) to keep every valid record "
+                "and drop the damaged bytes",
+            )
+        if scan.damage:
             log.warning(
                 "%s: salvaged %d valid records; dropped %d damaged bytes in %d places (first at byte %d)",
                 self.path,
                 len(records),
-                dropped,
-                len(damage) + bool(torn),
-                damage[0][0],
+                scan.damaged_bytes,
+                scan.places,
+                scan.damage[0][0],
             )
             self.rewrite([self.encode(r.seq, r.tokens) for r in records])
             return records
-        self._committed = len(data) if torn is None else torn[0]
-        if torn:
+        self._committed = scan.size if scan.torn is None else scan.torn
+        if scan.torn is not None:
             log.warning(
                 "%s: dropping a torn last record (%d bytes at byte %d); it was never acknowledged",
                 self.path,
-                len(data) - torn[0],
-                torn[0],
+                scan.size - scan.torn,
+                scan.torn,
             )
             try:
                 self._cut_back()
@@ -500,3 +535,33 @@ def open_output_store(
     in ``directory`` if given (``salvage``: see ``OutputStore``); None for ``max_tokens`` 0."""
     check_outputs_options(max_tokens, directory)
     return OutputStore(max_tokens, directory, vocab_size=vocab_size, salvage=salvage) if max_tokens else None
+
+
+def read_outputs(directory: str | Path, *, salvage: bool = False) -> list[tuple[int, np.ndarray]]:
+    """The outputs the store in ``directory`` had acknowledged when its log was read, oldest
+    first, as (sequence number, uint32 tokens) pairs; every document the log holds, evicted
+    ones not yet compacted away included. Read-only: no lock is taken and nothing is written,
+    so a server may go on appending (``rest-datastore serve --outputs-dir``).
+
+    A torn last record (never acknowledged, or being written now) is left out with a warning;
+    damage before valid records raises ``OutputStoreError`` unless ``salvage``, which skips the
+    damaged bytes (the log stays as it is). ``OSError`` if the log cannot be read."""
+    path = Path(directory) / _Log.NAME
+    if not path.exists():
+        raise OutputStoreError(f"{directory} holds no output store ({_Log.NAME} not found)")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO or device must not hang
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OutputStoreError(f"{path} is not a regular file")
+        data = f.read()
+    scan = _Log.scan(path, data)
+    if not salvage:
+        _Log.refuse_damage(path, scan, "read it with salvage (build_index --outputs-salvage) to skip the damaged bytes")
+    if scan.damage:
+        damaged = sum(stop - start for start, stop, _ in scan.damage)
+        log.warning("%s: skipped %d damaged bytes in %d place(s) (first at byte %d); the log is unchanged",
+                    path, damaged, len(scan.damage), scan.damage[0][0])  # fmt: skip
+    if scan.torn is not None:
+        log.warning("%s: left out a torn last record (%d bytes at byte %d): never acknowledged, or being written now",
+                    path, scan.size - scan.torn, scan.torn)  # fmt: skip
+    return [(record.seq, record.tokens) for record in scan.records if record.tokens.size]  # markers hold no output
