@@ -7,7 +7,8 @@
   lossless sampling, the ``custom_generate`` plug-in and the measurement of its step cost.
 - ``vllm``: the REST proposer vLLM runs, and the one shim that touches vLLM's private parts.
 - ``llamacpp``: the draft model llama-cpp-python runs.
-- ``cli``: ``rest-generate``, ``rest-chat``, ``rest-measure-cost``.
+- ``outputs_corpus``: the model's own corpus, its plain replies to many prompts in a store of outputs.
+- ``cli``: ``rest-generate``, ``rest-chat``, ``rest-measure-cost``, ``rest-fill-outputs``.
 
 Engines depend on ``core``; ``core`` depends on no engine; the tools depend on both.
 """

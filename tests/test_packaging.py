@@ -96,7 +96,14 @@ def test_each_console_script_runs_outside_the_checkout(wheel, installed, tmp_pat
         entry_points = configparser.ConfigParser()
         entry_points.read_string(archive.read(name).decode())
     scripts = list(entry_points["console_scripts"])
-    assert sorted(scripts) == ["build_index", "rest-chat", "rest-datastore", "rest-generate", "rest-measure-cost"]
+    assert sorted(scripts) == [
+        "build_index",
+        "rest-chat",
+        "rest-datastore",
+        "rest-fill-outputs",
+        "rest-generate",
+        "rest-measure-cost",
+    ]
     for script in scripts:
         result = outside(installed, tmp_path, str(installed / "bin" / script), "--help")
         assert result.returncode == 0, f"{script}: {result.stderr}"

@@ -1,1 +1,1 @@
-"""The command-line tools: ``rest-generate``, ``rest-chat``, ``rest-measure-cost``."""
+"""The command-line tools: ``rest-generate``, ``rest-chat``, ``rest-measure-cost``, ``rest-fill-outputs``."""
