@@ -58,6 +58,14 @@ records and documents:
   Chat records (ShareGPT, UltraChat, any list-valued field) give one document per assistant turn by
   default, since drafts predict assistant replies; --turns all indexes every turn.
 
+the model's own outputs (outputs:DIR):
+  DIR is the store that `rest-datastore serve --outputs-dir DIR` (or a drafter's outputs_dir) keeps.
+  Its log is read, never written or locked, so a server may keep serving from it. Each output is one
+  record and one document of token ids, indexed as stored (no tokenization); --tokenizer names the
+  tokenizer they came from (the index's label), and an id outside its vocabulary is an error. A torn
+  last record is left out; damage before valid records is refused unless --outputs-salvage. Serve
+  it beside another index with `rest-datastore serve --index indexes/stdlib --index indexes/outputs`.
+
 directory corpora:
   Only regular files are read (symbolic links to them included). Named pipes, sockets, devices and
   files larger than --max-file-mib are skipped with a warning and counted as skipped; so are binary,
@@ -87,6 +95,7 @@ examples:
   build_index --corpus sharegpt --skip-last 200
   build_index --corpus ultrachat --data-files 'ultrachat/*.jsonl'
   build_index --corpus python-package:torch --skip-last 200
+  build_index --corpus outputs:/var/lib/rest/outputs --out indexes/outputs
   build_index --corpus docs/ --extensions .py,.md --tokenizer HuggingFaceTB/SmolLM2-135M-Instruct
 """.format(
     exit_statuses=textwrap.fill(
@@ -109,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         metavar="NAME|PATH|hf:NAME",
         help=f"{', '.join(NAMED_CORPORA)}; a directory, .txt, .jsonl, .json or .parquet file; "
-        "or hf:NAME (a Hub dataset)",
+        "or hf:NAME (a Hub dataset); outputs:DIR is a store of model outputs (see below)",
     )
     p.add_argument("--out", type=Path, help="index directory (default: indexes/<corpus>)")
     p.add_argument(
@@ -151,6 +160,12 @@ def _parser() -> argparse.ArgumentParser:
         help=f"directory corpora: skip files over N MiB, with a warning (default {DEFAULT_MAX_FILE_MIB}; "
         "0 = no limit); each file is read and tokenized whole",
     )
+    p.add_argument(
+        "--outputs-salvage",
+        action="store_true",
+        help="outputs:DIR: read a log with damaged records by skipping the damaged bytes (the log is not "
+        "changed); without it such a log is refused",
+    )
     p.add_argument("--max-docs", type=int, metavar="N", help="read only the first N records")
     p.add_argument(
         "--skip-last", type=int, default=0, metavar="N", help="hold out the last N records read (evaluation data)"
@@ -190,6 +205,7 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         max_file_mib=args.max_file_mib,
         max_docs=args.max_docs,
         skip_last=args.skip_last,
+        outputs_salvage=args.outputs_salvage,
     )
     tokenize = TokenizeConfig(workers=args.workers, batch_size=args.batch_size)
     return BuildConfig(

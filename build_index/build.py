@@ -1,5 +1,8 @@
 """The build pipeline: corpus records -> documents -> token arrays -> shards on disk.
 
+A pre-tokenized corpus (``Corpus.tokenized``: the store of the model's outputs) enters at the
+token arrays: its records' ids are checked against the tokenizer's vocabulary instead of encoded.
+
 ``build(config)`` is the library entry point; it raises on bad input and never exits
 (``build_index.__main__`` is the CLI over it).
 """
@@ -17,7 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rest_spec.build_index.corpora import Corpus, CorpusSpec, Record, open_corpus
+import numpy as np
+
+from rest_spec.build_index.corpora import Corpus, CorpusError, CorpusSpec, Record, open_corpus
 from rest_spec.build_index.signals import STOP_SIGNALS
 from rest_spec.build_index.tokenize import BatchTokenizer, TokenizeConfig
 from rest_spec.build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
@@ -184,7 +189,7 @@ def build(config: BuildConfig) -> BuildReport:
             raise BuildInputError(f"cannot use {out} as the index directory: {exc.strerror or exc}") from exc
         tokenizer = _load_tokenizer(config.tokenizer)
         with (
-            _engine(config, tokenizer) as engine,
+            _engine(config, tokenizer, corpus) as engine,
             engine.writer(
                 out,
                 tokenizer_name=tokenizer_name(config.tokenizer),
@@ -226,10 +231,15 @@ def build(config: BuildConfig) -> BuildReport:
     )
 
 
-def _engine(config: BuildConfig, tokenizer):
-    """The engine that tokenizes and writes: worker processes here, or a Ray cluster (``--ray``)."""
+def _engine(config: BuildConfig, tokenizer, corpus: Corpus):
+    """The engine that tokenizes and writes: worker processes here, or a Ray cluster (``--ray``);
+    for a pre-tokenized corpus, this process alone (nothing to encode)."""
+    if corpus.tokenized:
+        if config.ray is not None:
+            raise BuildInputError(f"--ray does not apply to corpus {config.corpus.corpus!r}: its records are token ids")
+        return _LocalEngine(tokenizer, TokenizeConfig(workers=1), tokenizer_name(config.tokenizer))
     if config.ray is None:
-        return _LocalEngine(tokenizer, config.tokenize)
+        return _LocalEngine(tokenizer, config.tokenize, tokenizer_name(config.tokenizer))
     from rest_spec.build_index.ray_build import RayEngine
 
     return RayEngine(config.ray, tokenizer, config.tokenize)
@@ -242,8 +252,9 @@ class _LocalEngine:
     ``IndexWriter`` to use, and ``index(corpus, writer, progress)``, which streams the corpus's
     documents, in order, as token arrays into ``writer.add_document`` and returns the tokens."""
 
-    def __init__(self, tokenizer, config: TokenizeConfig) -> None:
+    def __init__(self, tokenizer, config: TokenizeConfig, name: str) -> None:
         self._encoder = BatchTokenizer(tokenizer, config)
+        self._vocab_size, self._name = vocab_size(tokenizer), name
 
     def __enter__(self) -> _LocalEngine:
         self._encoder.__enter__()
@@ -256,12 +267,32 @@ class _LocalEngine:
 
     def index(self, corpus: Corpus, writer: IndexWriter, progress: bool) -> int:
         tokens = 0
-        turns = corpus.spec.turns
         with progress_bar(corpus, progress, corpus.records()) as records:
-            for ids in self._encoder.encode(text for record in records for text in record.documents(turns)):
+            for ids in self._documents(corpus, records):
                 writer.add_document(ids)
                 tokens += ids.size
         return tokens
+
+    def _documents(self, corpus: Corpus, records: Iterable[Record]) -> Iterator[np.ndarray]:
+        """The records' documents as token arrays: encoded, or a pre-tokenized record's own ids."""
+        if not corpus.tokenized:
+            turns = corpus.spec.turns
+            return self._encoder.encode(text for record in records for text in record.documents(turns))
+        return (token_document(corpus, record, self._vocab_size, self._name) for record in records)
+
+
+def token_document(corpus: Corpus, record: Record, vocab_size: int, tokenizer: str) -> np.ndarray:
+    """A pre-tokenized record's ids, refused (``CorpusError``) unless the tokenizer the index is
+    labelled with has every one of them: ids from another model's vocabulary would draft nonsense."""
+    ids = np.asarray(record.tokens)
+    outside = np.flatnonzero(ids >= vocab_size)
+    if outside.size:
+        raise CorpusError(
+            f"corpus {corpus.spec.corpus!r}: record {record.id} holds token id {int(ids[outside[0]])}, outside the "
+            f"vocabulary of tokenizer {tokenizer} ({vocab_size} ids); were these outputs of another model? "
+            "(name its tokenizer with --tokenizer)"
+        )
+    return ids
 
 
 @contextlib.contextmanager

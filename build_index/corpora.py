@@ -27,6 +27,11 @@ streamed, or a local copy through ``data_files``), ``sharegpt`` (the file packag
 installed package's Python sources, found without importing it: a codebase a user works in, such
 as ``python-package:torch``), ``hf:NAME`` (any Hub dataset), or a path: a directory, a ``.jsonl``/``.json``/``.parquet`` file, or any other file as one text.
 
+``outputs:DIR`` is the model's own corpus: the durable store of its outputs that ``rest-datastore
+serve --outputs-dir DIR`` keeps, read without writing (``datastore.outputs.read_outputs``). Its
+records are token ids already: each is one document, tokenized by no one (``Record.tokens``,
+``Corpus.tokenized``).
+
 Only regular files are read. In a directory, special files (named pipes, sockets, devices, links to
 them) are skipped with a warning and never opened (opening a FIFO blocks), and so are files over
 ``max_file_mib`` (each file is read and tokenized whole); a special file named as the corpus or a
@@ -47,7 +52,7 @@ import stat
 import sys
 import sysconfig
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import chain, islice
 from pathlib import Path
@@ -96,6 +101,7 @@ class CorpusSpec:
     max_docs: int | None = None  # records read from the start of the source
     skip_last: int = 0  # records held out from the end of those
     max_file_mib: int = DEFAULT_MAX_FILE_MIB  # directories: larger files are skipped; 0 = no limit
+    outputs_salvage: bool = False  # outputs:DIR: skip a damaged log's bad bytes instead of refusing it
 
     def __post_init__(self) -> None:
         if self.turns not in TURN_CHOICES:
@@ -130,10 +136,12 @@ class Turn:
 
 @dataclass(frozen=True)
 class Record:
-    """One source item; ``id`` is its path, conversation id or row number."""
+    """One source item; ``id`` is its path, conversation id or row number. A pre-tokenized
+    record (``outputs:DIR``) has no turns and is one document of ``tokens``."""
 
     id: str
     turns: tuple[Turn, ...]
+    tokens: Sequence[int] | None = None
 
     def documents(self, turns: str = "assistant") -> list[str]:
         """The non-empty texts to index under the turn policy ``turns`` ("assistant" or "all")."""
@@ -149,6 +157,7 @@ class ReadStats:
     skipped: int = 0  # files not indexed: binary, not UTF-8, special, too large, unreadable
     recovered: int | None = None  # tolerant JSON: complete elements read
     truncated: bool | None = None  # tolerant JSON: the file ends inside an element
+    tokens: int | None = None  # pre-tokenized records: the token ids handed out
 
 
 Reader = Callable[[ReadStats], Iterator[Record]]
@@ -157,8 +166,11 @@ Reader = Callable[[ReadStats], Iterator[Record]]
 class Corpus:
     """An opened source: fresh record iterators, its provenance and the counts of the last read."""
 
-    def __init__(self, spec: CorpusSpec, kind: str, location: dict, read: Reader, slug: str) -> None:
+    def __init__(
+        self, spec: CorpusSpec, kind: str, location: dict, read: Reader, slug: str, tokenized: bool = False
+    ) -> None:
         self.spec = spec
+        self.tokenized = tokenized  # records carry token ids (``Record.tokens``), not text
         self.kind = kind
         self.location = location
         self.slug = slug  # a short name for default output paths
@@ -180,7 +192,10 @@ class Corpus:
             held.append(record)
             if len(held) > self.spec.skip_last:
                 stats.records += 1
-                yield held.popleft()
+                record = held.popleft()
+                if record.tokens is not None:
+                    stats.tokens = (stats.tokens or 0) + len(record.tokens)
+                yield record
         stats.held_out = len(held)
 
     def held_out(self) -> list[Record]:
@@ -233,12 +248,18 @@ _HUB = {
     "ultrachat": _HubDataset("stingning/ultrachat", ("data", "messages")),
     "the-stack": _HubDataset("bigcode/the-stack-dedup", ("content",), data_dir="data/python"),
 }
-NAMED_CORPORA = (*_HUB, "sharegpt", "python-stdlib", "python-package:NAME")
+NAMED_CORPORA = (*_HUB, "sharegpt", "python-stdlib", "python-package:NAME", "outputs:DIR")
 PACKAGE_PREFIX = "python-package:"
+OUTPUTS_PREFIX = "outputs:"
 
 
 def _resolve(spec: CorpusSpec) -> Corpus:
     name = spec.corpus
+    if name.startswith(OUTPUTS_PREFIX):
+        _reject(spec, "data_files", "field", "extensions", "config")
+        return _outputs_corpus(spec, Path(name[len(OUTPUTS_PREFIX) :]).expanduser())
+    if spec.outputs_salvage:
+        raise CorpusError(f"--outputs-salvage applies to an outputs:DIR corpus, not {name!r}")
     if name in _HUB or name.startswith("hf:"):
         _reject(spec, "extensions")
         hub = _HUB.get(name) or _HubDataset(name[3:], ("text",))
@@ -280,6 +301,27 @@ def _package_corpus(spec: CorpusSpec, package: str) -> Corpus:
     return Corpus(
         spec, PACKAGE_PREFIX.rstrip(":"), {"path": str(root), "package": package, "version": version}, read, package
     )
+
+
+def _outputs_corpus(spec: CorpusSpec, directory: Path) -> Corpus:
+    """The outputs a durable output store holds, oldest first, one record (and document) each.
+    The log is read once (``open_corpus`` and the build see the same outputs while a server
+    may append more)."""
+    from rest_spec.datastore.outputs import OutputStoreError, read_outputs
+
+    snapshot: list[list[tuple[int, Sequence[int]]]] = []
+
+    def read(stats: ReadStats) -> Iterator[Record]:
+        if not snapshot:
+            try:
+                snapshot.append(read_outputs(directory, salvage=spec.outputs_salvage))
+            except (OutputStoreError, OSError) as exc:
+                raise CorpusError(f"corpus {spec.corpus!r}: {first_line(exc)}") from exc
+        for seq, tokens in snapshot[0]:
+            yield Record(f"seq {seq}", (), tokens)
+
+    location = {"path": str(directory.resolve())}
+    return Corpus(spec, "outputs", location, read, directory.resolve().name or "outputs", tokenized=True)
 
 
 def _path_hash(relative: str) -> bytes:
