@@ -1,6 +1,6 @@
 """``rest-datastore``: serve an index over gRPC, describe or verify it, draft from it by hand.
 
-    rest-datastore serve  --index DIR [--host 127.0.0.1] [--port 50051] [--workers 8]
+    rest-datastore serve  --index DIR [--index DIR ...] [--host 127.0.0.1] [--port 50051] [--workers 8]
                           [--outputs-max-tokens 1000000] [--outputs-dir DIR] [--outputs-salvage] [--check-index]
                           [--max-context-tokens N] [--max-batch-contexts N] [--max-request-bytes N]
                           [--max-reply-bytes N] [--max-concurrent-rpcs N]
@@ -10,9 +10,12 @@
     rest-datastore route  --manifest DIR/manifest.json --shard-servers H:P,H:P [--shard-timeout S]
                           [--allow-partial] [--shard-tls-ca PEM] [--shard-auth-token T] [serve's flags but
                           --index, --check-index, --shards]
-    rest-datastore info   --index DIR | --server HOST:PORT [--tls-ca PEM] [--auth-token T]
-    rest-datastore verify --index DIR
-    rest-datastore draft  --index DIR | --server HOST:PORT  --tokens 1,2,3 | --text "..." [--tokenizer SPEC]
+    rest-datastore info   --index DIR [...] | --server HOST:PORT [--tls-ca PEM] [--auth-token T]
+    rest-datastore verify --index DIR [...]
+    rest-datastore draft  --index DIR [...] | --server HOST:PORT  --tokens 1,2,3 | --text "..." [--tokenizer SPEC]
+
+Several --index flags (or one comma-separated list, also in $REST_INDEX) open their indexes as one
+datastore (``Datastore.open`` of the list): the same trees as one index of all their shards.
 
 Exit statuses, as every rest-spec command's: 2 for a usage error (argparse's own, a missing --index,
 a flag value the configs refuse: with the usage line), 1 for a failure (a missing or corrupt index,
@@ -39,7 +42,7 @@ from rest_spec.common.logs import LOG_FORMATS  # noqa: E402
 from rest_spec.common.tokenizer import SMOLLM2_GGUF, check_tokenizer, load_tokenizer, tokenizer_fingerprint  # noqa: E402
 from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree  # noqa: E402
 from rest_spec.datastore.client import DatastoreClient, add_connection_arguments  # noqa: E402
-from rest_spec.datastore.index import Datastore  # noqa: E402
+from rest_spec.datastore.index import Datastore, index_paths  # noqa: E402
 from rest_spec.datastore.router import RouterConfig, route  # noqa: E402
 from rest_spec.datastore.rpc import AUTH_SCOPES, ServerConfig  # noqa: E402
 from rest_spec.datastore.server import serve  # noqa: E402
@@ -77,9 +80,19 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
+INDEX_HELP = (
+    "index directory; several (the flag repeated, or comma-separated) answer as one index of all their "
+    "shards (default: $REST_INDEX)"
+)
+
+
+def _add_index(parser) -> None:
+    parser.add_argument("--index", action="append", metavar="DIR", help=INDEX_HELP)
+
+
 def _add_source(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--index", help="index directory (default: $REST_INDEX)")
+    _add_index(group)
     group.add_argument("--server", metavar="HOST:PORT", help="a running `rest-datastore serve`")
     parser.add_argument(
         "--timeout", type=float, default=5.0, help="seconds to wait for --server (default: %(default)s)"
@@ -230,14 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve an index (or, with --shards, some of its shards to a router) over gRPC until SIGTERM/SIGINT",
         epilog=EXIT_STATUSES,
     )
-    serve_cmd.add_argument("--index", default=env("REST_INDEX"), help="index directory (default: $REST_INDEX)")
+    _add_index(serve_cmd)
     serve_cmd.add_argument(
         "--shards",
         metavar="SPEC",
         default=env("REST_SHARDS"),
         help="serve only these shards of the index (manifest numbers, e.g. 0-3,7) over the internal shard "
-        "service, for `rest-datastore route`; the output store options do not apply, and with --auth-token "
-        "every call needs the token (default: $REST_SHARDS)",
+        "service, for `rest-datastore route`; one --index only; the output store options do not apply, and "
+        "with --auth-token every call needs the token (default: $REST_SHARDS)",
     )
     serve_cmd.add_argument(
         "--check-index",
@@ -314,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify_cmd = sub.add_parser(
         "verify", help="check every index file against its sha256 in the manifest", epilog=EXIT_STATUSES
     )
-    verify_cmd.add_argument("--index", default=env("REST_INDEX"), help="index directory (default: $REST_INDEX)")
+    _add_index(verify_cmd)
     verify_cmd.set_defaults(run=run_verify, parser=verify_cmd)
 
     draft_cmd = sub.add_parser("draft", help="print the draft tree for one context", epilog=EXIT_STATUSES)
@@ -331,10 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _need_index(args: argparse.Namespace) -> str:
-    if not args.index:
+def _need_index(args: argparse.Namespace) -> list[Path]:
+    """The index directories of the --index flags, else of $REST_INDEX (each may list several)."""
+    paths = index_paths(args.index or os.environ.get("REST_INDEX", ""))
+    if not paths:
         raise UsageError("no index given: pass --index DIR (or set REST_INDEX)")
-    return args.index
+    return paths
 
 
 def _open(args: argparse.Namespace):
@@ -389,12 +404,14 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.shards is None:
         serve(index, config, ready=_print_address)
         return
+    if len(index) > 1:
+        raise UsageError(f"--shards serves shards of one index, got {len(index)} (--index): serve several whole")
     if args.outputs_dir is not None or args.outputs_salvage:
         raise UsageError(
             "--outputs-dir and --outputs-salvage do not apply to --shards: the output store lives in the router"
         )
     shards = _flag_values(parse_shard_spec, spec=args.shards)
-    serve_shards(index, shards, config, ready=_print_address)
+    serve_shards(index[0], shards, config, ready=_print_address)
 
 
 def run_route(args: argparse.Namespace) -> None:
@@ -422,7 +439,8 @@ def run_info(args: argparse.Namespace) -> None:
 def run_verify(args: argparse.Namespace) -> None:
     with Datastore.open(_need_index(args), verify=True) as store:
         m = store.manifest
-        print(json.dumps({"index": str(store.path), "verified": True, "shards": len(m.shards), "bytes": m.num_bytes}))
+        index = ",".join(map(str, store.paths))
+        print(json.dumps({"index": index, "verified": True, "shards": len(m.shards), "bytes": m.num_bytes}))
 
 
 def run_draft(args: argparse.Namespace) -> None:

@@ -19,6 +19,13 @@ longest match over all shards, the hit shards in manifest order, the seeded samp
 and the tree of the counted rows (``tree_from_rows``). ``Datastore`` and the router are both an
 ``Engine``: what the datastore service (``datastore.server``) drafts from.
 
+Several indexes open as one ``Datastore`` (``Datastore.open([a, b])``: the stdlib's and the
+model's own outputs', say) when they share tokenizer, vocabulary, token dtype and separator: their
+shards are numbered on from one index to the next, and the three steps run over all of them
+unchanged, so the union answers tree for tree what one index holding those shards in that order
+answers -- and, whenever a match's positions are all counted (at most ``max_candidates``), what
+any one index of all their documents answers, since the trie counts the multiset of rows.
+
 The binary searches, the continuation gather and the trie (``datastore.trie``) are numba-compiled
 kernels that release the GIL: a draft costs a few Python-level calls, and a server's threads
 draft in parallel on every core. They bounds-check every value read from disk, so a damaged index
@@ -311,6 +318,57 @@ def index_info(manifest: fmt.Manifest) -> IndexInfo:
     )
 
 
+class IncompatibleIndexesError(ValueError):
+    """Indexes asked to answer as one that cannot: another tokenizer, vocabulary or token dtype."""
+
+
+def index_paths(specs: str | Path | Iterable[str | Path]) -> list[Path]:
+    """The index directories named by ``specs`` (one value or several, as ``--index`` flags): each
+    an existing directory, taken whole, or a comma-separated list of them (empty items dropped)."""
+    values = [specs] if isinstance(specs, (str, Path)) else list(specs)
+    paths = []
+    for value in values:
+        if "," in str(value) and not Path(value).is_dir():
+            paths.extend(Path(part.strip()) for part in str(value).split(",") if part.strip())
+        elif str(value).strip():
+            paths.append(Path(value))
+    return paths
+
+
+def union_manifest(paths: Sequence[Path], manifests: Sequence[fmt.Manifest]) -> fmt.Manifest:
+    """The manifest of ``paths`` opened as one datastore: one index of every shard, in order, with
+    each shard named by its directory (what ``info`` reports; no file holds it). Raises
+    ``IncompatibleIndexesError`` naming two directories that differ, ``ValueError`` for one given twice."""
+    first, base = paths[0], manifests[0]
+    seen = {first.resolve(): first}
+    for path, manifest in zip(paths[1:], manifests[1:]):
+        if path.resolve() in seen:
+            raise ValueError(f"index {path} is given twice (as {seen[path.resolve()]} and {path})")
+        seen[path.resolve()] = path
+        for what, ours, theirs in (
+            ("tokenizer fingerprint", base.tokenizer.fingerprint, manifest.tokenizer.fingerprint),
+            ("vocabulary size", base.tokenizer.vocab_size, manifest.tokenizer.vocab_size),
+            ("token dtype", base.token_dtype, manifest.token_dtype),
+            ("separator", base.separator, manifest.separator),
+        ):
+            if ours != theirs:
+                raise IncompatibleIndexesError(
+                    f"cannot open {first} and {path} as one datastore: their {what}s differ "
+                    f"({str(ours)[:23]} vs {str(theirs)[:23]}; tokenizers {base.tokenizer.name!r} and "
+                    f"{manifest.tokenizer.name!r})"
+                )
+    return dataclasses.replace(
+        base,
+        shards=tuple(
+            dataclasses.replace(shard, name=f"{path}/{shard.name}")
+            for path, manifest in zip(paths, manifests)
+            for shard in manifest.shards
+        ),
+        corpus={"indexes": [{"path": str(path), "corpus": m.corpus} for path, m in zip(paths, manifests)]},
+        build={},
+    )
+
+
 class EngineUnavailable(ConnectionError):
     """The engine cannot answer now: a shard server behind a router is down, late or answered
     nonsense (UNAVAILABLE on the wire; retrying later may succeed)."""
@@ -341,11 +399,21 @@ class Engine(Protocol):
 
 
 class Datastore:
-    """An opened index, or some of its shards: answers draft trees for token contexts (over the
-    shards it opened; an ``Engine``), their shards' matches and rows. Thread-safe and read-only."""
+    """An opened index, or some of its shards, or several indexes as one: answers draft trees for
+    token contexts (over the shards it opened; an ``Engine``), their shards' matches and rows.
+    Thread-safe and read-only. ``paths``: its index directories (``path``, the first); ``manifest``:
+    the index's, or for several their ``union_manifest``."""
 
-    def __init__(self, path: Path, manifest: fmt.Manifest, shards: dict[int, _Shard], max_candidates: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        manifest: fmt.Manifest,
+        shards: dict[int, _Shard],
+        max_candidates: int,
+        paths: tuple[Path, ...] | None = None,
+    ) -> None:
         self.path = path
+        self.paths = paths or (path,)
         self.manifest = manifest
         self._shards = shards  # manifest shard number -> shard, ascending
         self.max_candidates = max_candidates
@@ -356,42 +424,49 @@ class Datastore:
     @classmethod
     def open(
         cls,
-        path: str | Path,
+        path: str | Path | Sequence[str | Path],
         *,
         verify: bool = False,
         check: bool = False,
         max_candidates: int = DEFAULT_MAX_CANDIDATES,
         shards: Iterable[int] | None = None,
     ) -> Datastore:
-        """Memory-map the index at ``path`` -- only the manifest's shards numbered ``shards`` if
-        given (a shard server's part) -- checking its manifest, file sizes, headers and spot
-        digests. ``check`` adds the structural check of every array (``fmt.check_shard``, O(n));
-        ``verify`` hashes every file in full as well (slow on big indexes). Raises
+        """Memory-map the index at ``path`` -- or the indexes at several paths as one (see the
+        module docstring), their shards numbered on in order -- only the shards numbered
+        ``shards`` if given (a shard server's part), checking manifests, file sizes, headers and
+        spot digests. ``check`` adds the structural check of every array (``fmt.check_shard``,
+        O(n)); ``verify`` hashes every file in full as well (slow on big indexes). Raises
         ``IndexFormatError`` (``IndexCorruptError`` for damaged content), ``ValueError`` for
-        shard numbers the index does not have."""
+        shard numbers the index does not have, ``IncompatibleIndexesError`` for indexes that
+        cannot answer as one."""
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be positive, got {max_candidates}")
-        path = Path(path)
-        manifest = fmt.read_manifest(path)
-        numbers = range(len(manifest.shards)) if shards is None else check_shard_numbers(shards, len(manifest.shards))
+        paths = [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+        if not paths:
+            raise ValueError("no index directory given")
+        manifests = [fmt.read_manifest(p) for p in paths]
+        manifest = manifests[0] if len(paths) == 1 else union_manifest(paths, manifests)
+        # global shard number -> (directory, its own manifest, its own entry)
+        located = [(p, m, entry) for p, m in zip(paths, manifests) for entry in m.shards]
+        numbers = range(len(located)) if shards is None else check_shard_numbers(shards, len(located))
         opened = {}
         for number in numbers:
-            entry = manifest.shards[number]
+            directory, own, entry = located[number]
             opened[number] = _Shard(
-                *fmt.open_shard(path, entry, manifest, full_check=verify, check=verify or check),
+                *fmt.open_shard(directory, entry, own, full_check=verify, check=verify or check),
                 # zeroed pages cost no memory until a first token's range is stored in them
                 single_token_ranges=np.zeros(manifest.tokenizer.vocab_size, dtype=np.int64),
-                tokens_path=path / entry.files["tokens"].name,
-                sa_path=path / entry.files["sa"].name,
+                tokens_path=directory / entry.files["tokens"].name,
+                sa_path=directory / entry.files["sa"].name,
             )
         log.info(
             "opened %s: %d of %d shards, %d tokens",
-            path,
+            ", ".join(map(str, paths)),
             len(opened),
             len(manifest.shards),
             sum(manifest.shards[n].num_tokens for n in opened),
         )
-        return cls(path, manifest, opened, max_candidates)
+        return cls(paths[0], manifest, opened, max_candidates, tuple(paths))
 
     def warm_up(self) -> float:
         """Compile (or load from numba's on-disk cache) every kernel a draft from this index uses,

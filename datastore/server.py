@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -151,11 +151,14 @@ def start_datastore(
 
 
 def serve(
-    index_path: str | Path, config: ServerConfig = ServerConfig(), *, ready: Callable[[str], None] | None = None
+    index_path: str | Path | Sequence[str | Path],
+    config: ServerConfig = ServerConfig(),
+    *,
+    ready: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve the index at ``index_path`` (and the output store ``config`` asks for) until SIGTERM
-    or SIGINT, then stop gracefully and return; a persistent output store has then written every
-    acknowledged output.
+    """Serve the index at ``index_path`` (or several as one: ``Datastore.open``) and the output
+    store ``config`` asks for until SIGTERM or SIGINT, then stop gracefully and return; a
+    persistent output store has then written every acknowledged output.
 
     ``ready`` is called with the bound ``host:port`` once the server accepts calls at full speed
     (kernels compiled). Must run in the main thread (signal handlers). Raises

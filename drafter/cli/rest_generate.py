@@ -61,7 +61,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument(
         "--datastore",
         metavar="DIR|HOST:PORT",
-        help="an index directory (opened in-process) or the address of a rest-datastore server",
+        help="an index directory (opened in-process; several, comma-separated, answer as one index) or the "
+        "address of a rest-datastore server",
     )
     source.add_argument(
         "--no-draft",

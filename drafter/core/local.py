@@ -32,14 +32,15 @@ class LocalDrafter(DraftSource):
     @classmethod
     def open(
         cls,
-        path: str | Path,
+        path: str | Path | Sequence[str | Path],
         *,
         expected_fingerprint: str | None = None,
         outputs_max_tokens: int = DEFAULT_OUTPUTS_MAX_TOKENS,
         outputs_dir: str | Path | None = None,
         **kwargs,
     ) -> LocalDrafter:
-        """Open the index at ``path`` (``kwargs`` go to ``Datastore.open``) with an output store of
+        """Open the index at ``path``, or the indexes at several paths as one (``kwargs`` and
+        ``path`` go to ``Datastore.open``), with an output store of
         ``outputs_max_tokens`` tokens (0: none), persistent in ``outputs_dir`` if given; with
         ``expected_fingerprint`` (the model's ``tokenizer_fingerprint``), an index built with another
         tokenizer is refused with ``TokenizerMismatchError``."""

@@ -1,5 +1,5 @@
-"""Opening a datastore from what a user names: an index directory (in process) or HOST:PORT (a
-``rest-datastore serve``). One opener for every engine and tool, so each refuses the same
+"""Opening a datastore from what a user names: an index directory (in process), several as one
+("A,B": comma-separated directories) or HOST:PORT (a ``rest-datastore serve``). One opener for every engine and tool, so each refuses the same
 mistakes with the same words, naming the setting they came from."""
 
 from __future__ import annotations
@@ -22,16 +22,21 @@ def open_datastore(
     outputs_max_tokens: int | None = None,
     outputs_dir: str | None = None,
 ) -> DraftSource:
-    """A ``LocalDrafter`` for an index directory (with its store of outputs: ``outputs_max_tokens``,
-    ``outputs_dir``), a ``RemoteDrafter`` for HOST:PORT (over TLS with ``tls_ca``, sending
-    ``auth_token``). It is asked for its ``info()`` here, so a broken index or a dead server fails
+    """A ``LocalDrafter`` for an index directory, or comma-separated directories answering as one
+    (with its store of outputs: ``outputs_max_tokens``, ``outputs_dir``), a ``RemoteDrafter`` for
+    HOST:PORT (over TLS with ``tls_ca``, sending ``auth_token``). It is asked for its ``info()`` here, so a broken index or a dead server fails
     now, not at the first draft: ``ValueError`` naming ``where`` (the setting ``spec`` came from)."""
-    if Path(spec).is_dir():
+    if Path(spec).is_dir() or "," in spec:
+        from rest_spec.datastore.index import index_paths
         from rest_spec.datastore.outputs import DEFAULT_OUTPUTS_MAX_TOKENS
         from rest_spec.drafter.core.local import LocalDrafter
 
         outputs = DEFAULT_OUTPUTS_MAX_TOKENS if outputs_max_tokens is None else outputs_max_tokens
-        opener, kind = lambda: LocalDrafter.open(spec, outputs_max_tokens=outputs, outputs_dir=outputs_dir), "index"
+        paths = index_paths(spec)
+        opener, kind = (
+            lambda: LocalDrafter.open(paths, outputs_max_tokens=outputs, outputs_dir=outputs_dir),
+            "index" if len(paths) == 1 else f"{len(paths)} indexes",
+        )
     elif ADDRESS.match(spec):
         if outputs_max_tokens is not None or outputs_dir is not None:
             raise ValueError(
