@@ -71,8 +71,9 @@ the store's size:
   A store drops its oldest outputs beyond its --outputs-max-tokens. --outputs-dir is opened with no
   limit unless you give one (an existing store holding more is refused, a limit the run may exceed
   is warned about); a server keeps its own limit (rest-datastore serve --outputs-max-tokens, default
-  1,000,000), and keeps them across its restarts only if started with --outputs-dir. Serve or read
-  the filled store with a limit at least its size, or opening it evicts the oldest.
+  1,000,000), and keeps them across its restarts only if started with --outputs-dir. build_index
+  --corpus outputs:DIR reads every output of a store; to serve the filled store itself, give the
+  server --outputs-max-tokens at least its size, or opening it evicts the oldest.
 """
 
 
@@ -87,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Fill a store of outputs with the model's own replies to a file of prompts (plain decoding,\n"
-        "greedy by default): the corpus `build_index --outputs-dir` indexes. Resumable: a rerun skips\n"
-        "the prompts already stored.",
+        "greedy by default): the corpus `build_index --corpus outputs:DIR` indexes. Resumable: a\n"
+        "rerun skips the prompts already stored.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=_EPILOG + "\n" + EXIT_STATUSES,
     )
