@@ -246,11 +246,12 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def group_rates(run: dict) -> list[float]:
-    """Tokens/s of each group of a run: its new tokens over its seconds (one group: a continuous run)."""
+    """Tokens/s of each group of a run: its new tokens over its seconds (one group: a continuous run;
+    ``groups``, where the run names them, the outputs in each, in order)."""
     concurrency = run["concurrency"] if len(run["seconds"]) > 1 else len(run["outputs"])
-    tokens = [
-        sum(len(o) for o in run["outputs"][i * concurrency : (i + 1) * concurrency]) for i in range(len(run["seconds"]))
-    ]
+    sizes = run.get("groups") or [concurrency] * len(run["seconds"])
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    tokens = [sum(len(o) for o in run["outputs"][start : start + size]) for start, size in zip(starts, sizes)]
     return [t / s for t, s in zip(tokens, run["seconds"])]
 
 

@@ -9,16 +9,21 @@ A job::
      "k": 8, "rest": {...additional_config.rest...}, "ngram": [min, max], "max_model_len": 2048,
      "max_num_seqs": 256, "oracle": [[token ids of each prompt's reference output], ...],
      "runs": [{"prompts": [[token ids], ...], "sampling": {SamplingParams fields}, "concurrency": 1,
-               "seeds": false}]}
+               "seeds": false, "history": [[prompt ids, output ids], ...]}]}
 
 Each run (announced by a ``RUN i`` line) submits its prompts ``concurrency`` at a time
 (``"schedule": "groups"``, the default: one ``LLM.generate`` per group, which ends with its slowest
 request) or all at once to an engine that runs at most ``concurrency`` of them (``"continuous"``:
 the job's ``max_num_seqs``; a request starts as soon as another ends, as in a server) and reports
-each output's token ids, the seconds of each group (one for the whole run when continuous), vLLM's
-spec-decode counters over the run and the REST proposer's own (``proposer``: calls, rows drafted, its seconds, ``ms_per_call``);
+each output's token ids, the seconds of each group (one for the whole run when continuous) and its
+outputs (``groups``), vLLM's
+spec-decode counters over the run and the REST proposer's own (``proposer``: calls, rows drafted, its seconds, ``ms_per_call``;
+``attribution``, and its raw ``attribution_counts``, which add up across runs);
 with ``"logprobs": n`` among its sampling fields, also each output position's n most likely tokens
 (``logprobs``: [[token, logprob], ...] per position, best first).
+A suffix engine's run with ``history`` starts from a fresh suffix cache holding those (prompt,
+output) pairs, as if the engine had served them (``suffix_history``; the run reports the cache's
+size then and at its end, ``history``): a replica that has served traffic, without serving it.
 ``engine_env`` is the environment every engine runs with here (``VLLM_ENV``).
 """
 
@@ -142,15 +147,49 @@ def drafter_attribution(worker) -> dict | None:
     return None if adaptive is None else adaptive.attribution.counts()
 
 
-def attribution_difference(after: dict | None, before: dict | None) -> dict | None:
-    """Where a run's accepted tokens came from, over the run: ``cells`` (``Attribution.report``)
-    and the merged trees in ``hindsight`` (``Attribution.hindsight``)."""
+def suffix_history(worker, pairs: list[list[list[int]]]) -> dict:
+    """In the engine's worker: vLLM's suffix proposer given a fresh cache (Arctic Inference's
+    ``SuffixDecodingCache``, its settings kept) that holds ``pairs`` ([prompt ids, output ids]) as
+    the proposer would have stored them serving those requests: each prompt in a request's own tree
+    while it is active, its output in the global tree of responses once it has ended. Its size then:
+    ``cached_requests`` (responses in the global tree) and ``active_requests``."""
+    drafter = getattr(worker.model_runner, "drafter", None)
+    cache = getattr(drafter, "suffix_cache", None)
+    if cache is None:
+        raise TypeError(f"a run's history needs vLLM's suffix proposer, this engine has {type(drafter).__name__}")
+    fresh = type(cache)(max_tree_depth=cache.max_tree_depth, max_cached_requests=cache.max_cached_requests)
+    for i, (prompt, output) in enumerate(pairs):
+        request = f"history-{i}"  # vLLM's own request ids are numbers
+        fresh.start_request(request, list(prompt))
+        fresh.add_active_response(request, list(output))
+        fresh.stop_request(request)
+    drafter.suffix_cache = fresh
+    return suffix_cache_size(worker)
+
+
+def suffix_cache_size(worker) -> dict | None:
+    """In the engine's worker: the suffix proposer's cache size (``suffix_history``), None for any
+    other drafter."""
+    cache = getattr(getattr(worker.model_runner, "drafter", None), "suffix_cache", None)
+    if cache is None:
+        return None
+    return {"cached_requests": len(cache.cached_requests), "active_requests": len(cache.active_requests)}
+
+
+def attribution_since(after: dict | None, before: dict | None):
+    """The ``Attribution`` counted between two ``drafter_attribution`` reads, None where there are
+    none: where a run's accepted tokens came from (``attribution_report``)."""
     if after is None or before is None:
         return None
     from rest_spec.drafter.core.merge import Attribution
 
-    since = Attribution.from_counts(after) - Attribution.from_counts(before)
-    return {"cells": since.report(), "hindsight": since.hindsight()}
+    return Attribution.from_counts(after) - Attribution.from_counts(before)
+
+
+def attribution_report(attribution) -> dict:
+    """An ``Attribution`` as a run reports it: ``cells`` (``Attribution.report``) and the merged
+    trees in ``hindsight`` (``Attribution.hindsight``)."""
+    return {"cells": attribution.report(), "hindsight": attribution.hindsight()}
 
 
 def proposer_difference(after: dict | None, before: dict | None) -> dict | None:
@@ -203,6 +242,9 @@ def run(job: dict) -> dict:
             for i in range(len(prompts))
         ]
         group = spec.get("concurrency", 1) if spec.get("schedule", "groups") == "groups" else len(prompts)
+        history = None
+        if "history" in spec:
+            history = {"warmed": llm.collective_rpc(suffix_history, args=(spec["history"],))[0]}
         before, outputs, seconds, top = counters(llm), [], [], []
         drafter_before = llm.collective_rpc(drafter_stats)[0]
         attribution_before = llm.collective_rpc(drafter_attribution)[0]
@@ -212,9 +254,14 @@ def run(job: dict) -> dict:
             seconds.append(time.perf_counter() - t)
             outputs += [list(o.outputs[0].token_ids) for o in done]
             top += [top_logprobs(o.outputs[0].logprobs) for o in done]
-        run = {"outputs": outputs, "seconds": seconds, "spec": difference(counters(llm), before)}
+        groups = [min(group, len(prompts) - i) for i in range(0, len(prompts), group)]
+        run = {"outputs": outputs, "seconds": seconds, "groups": groups, "spec": difference(counters(llm), before)}
         run["proposer"] = proposer_difference(llm.collective_rpc(drafter_stats)[0], drafter_before)
-        run["attribution"] = attribution_difference(llm.collective_rpc(drafter_attribution)[0], attribution_before)
+        since = attribution_since(llm.collective_rpc(drafter_attribution)[0], attribution_before)
+        run["attribution"] = None if since is None else attribution_report(since)
+        run["attribution_counts"] = None if since is None else since.counts()
+        if history is not None:
+            run["history"] = {**history, "at_end": llm.collective_rpc(suffix_cache_size)[0]}
         if fields.get("logprobs"):
             run["logprobs"] = top
         result["runs"].append(run)
