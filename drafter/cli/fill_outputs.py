@@ -25,6 +25,7 @@ from rest_spec.drafter.outputs_corpus import (
     FillStats,
     Journal,
     Sampling,
+    check_store_directory,
     eviction_warning,
     fill_outputs,
     model_identity,
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace) -> int | None:
     if args.chat:
         prompts = [as_chat(prompt) for prompt in prompts]
 
-    from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
+    from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint, vocab_size
 
     tokenizer = load_tokenizer(args.model)
     encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
@@ -218,17 +219,12 @@ def run(args: argparse.Namespace) -> int | None:
     )
     closing = []
     try:
-        store, add, journal = open_target(args, tokenizer, settings, closing)
-        where = str(args.outputs_dir) if store is not None else args.datastore
+        client, journal = open_target(args, settings, closing)
+        where = args.datastore if client is not None else str(args.outputs_dir)
         todo = [encoded[i] for i in pending_prompts(encoded, settings, journal)]
-        if store is not None:
-            planned = sum(args.max_new_tokens + (len(p) if args.with_prompt else 0) for p in todo)
-            warning = eviction_warning(store, planned)
-            if warning is not None:
-                log.warning("%s", warning)
-        stats = FillStats(prompts=len(encoded), skipped=len(encoded) - len(todo))
+        stats, store = FillStats(prompts=len(encoded), skipped=len(encoded) - len(todo)), None
         try:
-            if todo:
+            if todo:  # the engine before the store: see open_engine
                 engine = open_engine(
                     args.engine,
                     args.model,
@@ -240,6 +236,17 @@ def run(args: argparse.Namespace) -> int | None:
                     threads=args.threads,
                 )
                 closing.append(engine)
+            if client is None:
+                store = open_store(
+                    args.outputs_dir, vocab_size=vocab_size(tokenizer), max_tokens=args.outputs_max_tokens
+                )
+                closing.append(store)
+                planned = sum(args.max_new_tokens + (len(p) if args.with_prompt else 0) for p in todo)
+                warning = eviction_warning(store, planned)
+                if warning is not None:
+                    log.warning("%s", warning)
+            if todo:
+                add = client.add_output if client is not None else store.add
                 stats = fill(args, encoded, stats.skipped, engine, add, journal, settings)
         except KeyboardInterrupt as exc:  # while loading (nothing stored yet) or filling
             done = exc.stats if isinstance(exc, FillInterrupted) else stats
@@ -256,16 +263,14 @@ def run(args: argparse.Namespace) -> int | None:
     return None
 
 
-def open_target(args: argparse.Namespace, tokenizer, settings: FillSettings, closing: list):
-    """(the ``OutputStore`` of --outputs-dir or None, the call that stores an output, the journal)
-    for ``args``; each thing opened is appended to ``closing``."""
-    from rest_spec.common.tokenizer import vocab_size
-
+def open_target(args: argparse.Namespace, settings: FillSettings, closing: list):
+    """(the ``DatastoreClient`` of --datastore or None, the journal) for ``args``, each appended
+    to ``closing``. --outputs-dir is checked and created, its store opened later (``open_store``)."""
     if args.outputs_dir is not None:
-        store = open_store(args.outputs_dir, vocab_size=vocab_size(tokenizer), max_tokens=args.outputs_max_tokens)
-        closing.append(store)
+        check_store_directory(args.outputs_dir)
+        args.outputs_dir.mkdir(parents=True, exist_ok=True)
         closing.append(Journal(args.outputs_dir / JOURNAL_NAME))
-        return store, store.add, closing[-1]
+        return None, closing[-1]
     from rest_spec.datastore.client import DatastoreClient
 
     client = DatastoreClient(
@@ -276,7 +281,7 @@ def open_target(args: argparse.Namespace, tokenizer, settings: FillSettings, clo
     )
     closing.append(client)
     closing.append(Journal(args.journal or Path(f"{args.prompts}.done")))
-    return None, client.add_output, closing[-1]
+    return client, closing[-1]
 
 
 def fill(args, encoded, skipped, engine, add, journal, settings) -> FillStats:
