@@ -270,6 +270,17 @@ def test_batched_left_padded_greedy_is_each_prompts_own(smollm2, expected, tmp_p
 
 
 @pytest.mark.model
+def test_seeded_sampling_draws_the_same_replies_again(smollm2):
+    from rest_spec.drafter.outputs_corpus import TransformersEngine
+
+    prompts = [[504, 3575, 282], [472, 585, 304, 1758]]
+    sampling = Sampling(temperature=1.5, top_p=0.95, seed=7)
+    first = TransformersEngine(smollm2[0], 6, sampling).generate(prompts)
+    assert TransformersEngine(smollm2[0], 6, sampling).generate(prompts) == first
+    assert all(1 <= len(reply) <= 6 for reply in first)
+
+
+@pytest.mark.model
 @pytest.mark.core
 def test_fills_the_store_with_greedy_replies_and_a_rerun_adds_nothing(expected, tmp_path, capsys):
     prompts, outs = write_prompts(tmp_path / "p.jsonl"), tmp_path / "outs"
