@@ -203,7 +203,7 @@ def encoded(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:
 
 @pytest.mark.build
 @pytest.mark.cli
-def test_build_from_local_archives_then_again_from_the_cache(world, tiny_tokenizer, tmp_path):
+def test_build_from_local_archives_then_from_the_cache_up_to_max_tokens(world, tiny_tokenizer, tmp_path):
     common = ("--packages", world["list"], "--cache-dir", world["cache"], "--tokenizer", tiny_tokenizer)
     first = build(*common, "--pip-args", world["pip_args"], "--workers", 1, "--out", tmp_path / "one", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -235,34 +235,22 @@ def test_build_from_local_archives_then_again_from_the_cache(world, tiny_tokeniz
     assert cached == ["alpha.json", "beta.json", "delta.json", "epsilon.json", "gamma.json", "missing.json"]
     assert not list((world["cache"] / "partial").iterdir())
 
-    # Again, with nothing to download from: every archive comes from the cache, and the index is
-    # the same bytes (two tokenizer workers, the same order).
+    # Again, with nothing to download from, so every archive comes from the cache; stopped by
+    # --max-tokens inside gamma's first file: the same documents in the same order, up to there.
     empty = tmp_path / "no-archives"
     empty.mkdir()
-    second = build(*common, "--pip-args", f"--no-index --find-links {empty}", "--workers", 2, "--out", tmp_path / "two", cwd=tmp_path)  # fmt: skip
+    limit = sum(map(len, docs[:6])) - 1
+    second = build(*common, "--pip-args", f"--no-index --find-links {empty}", "--workers", 1, "--batch-size", 1,
+                   "--max-tokens", limit, "--out", tmp_path / "two", cwd=tmp_path)  # fmt: skip
     assert second.returncode == 0, second.stderr
-    again = fmt.read_manifest(tmp_path / "two")
-    assert again.shards == manifest.shards
-    assert again.corpus["packages"] == corpus["packages"]
-
-
-@pytest.mark.build
-@pytest.mark.cli
-def test_max_tokens_stops_at_a_record_end(world, tiny_tokenizer, tmp_path):
-    expected = encoded(tiny_tokenizer, KEPT)
-    limit = len(expected[0]) + len(expected[1]) - 1  # reached inside the second document
-    out = tmp_path / "idx"
-    done = build("--packages", world["list"], "--cache-dir", world["cache"], "--pip-args", world["pip_args"],
-                 "--tokenizer", tiny_tokenizer, "--workers", 1, "--batch-size", 1, "--max-tokens", limit,
-                 "--out", out, cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    manifest, docs = documents(out)
-    assert docs == expected[:2]
-    assert manifest.corpus["max_tokens_reached"] is True
-    assert manifest.corpus["spec"]["max_tokens"] == limit
-    # Only what was read up to the stop is reported: alpha went in, nothing after it.
-    assert [p["name"] for p in manifest.corpus["packages"]] == ["alpha"]
-    assert manifest.corpus["packages"][0]["files"] == 2
+    again, docs_again = documents(tmp_path / "two")
+    assert docs_again == docs[:6]
+    assert again.corpus["max_tokens_reached"] is True and again.corpus["spec"]["max_tokens"] == limit
+    # Only what was read up to the stop is reported.
+    assert again.corpus["packages"][:2] == corpus["packages"][:2]
+    assert [(p["name"], p["files"]) for p in again.corpus["packages"]] == [("alpha", 3), ("beta", 2), ("gamma", 1)]
+    assert list(again.corpus["packages_skipped"]) == ["not found", "excluded"]
+    assert sorted(p.name for p in (world["cache"] / "fetched").iterdir()) == cached
 
 
 # --------------------------------------------------------------------------- the library
