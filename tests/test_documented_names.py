@@ -37,6 +37,7 @@ DOCUMENTED_BEFORE = (
     "rest_spec.datastore.tokenizer.load_tokenizer",
     "rest_spec.common.tokenizer",
     "rest_spec.proto.v1",
+    "rest_spec.drafter.hf.plugin",
 )
 RUN_BEFORE = ("rest_spec.drafter.vllm_model", "rest_spec.drafter.chat", "rest_spec.proto.generate")
 
