@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rest_spec.build_index.corpora import Corpus, CorpusError, CorpusSpec, Record, open_corpus
-from rest_spec.build_index.signals import STOP_SIGNALS
 from rest_spec.build_index.tokenize import BatchTokenizer, TokenizeConfig
 from rest_spec.build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
 from rest_spec.common.cli import first_line
+from rest_spec.common.signals import STOP_SIGNALS
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
 
 if TYPE_CHECKING:

@@ -44,10 +44,10 @@ from rest_spec.build_index.build import (
     progress_bar,
 )
 from rest_spec.build_index.corpora import Corpus, CorpusError, CorpusSpec, ReadStats, open_corpus
-from rest_spec.build_index.signals import STOP_SIGNALS, stop_signals_deferred
 from rest_spec.build_index.tokenize import TokenizeConfig, backend_json, encode_texts, rebuild_tokenizer
 from rest_spec.build_index.writer import IndexWriteError, IndexWriter, build_shard
 from rest_spec.common.cli import first_line
+from rest_spec.common.signals import STOP_SIGNALS, stop_signals_deferred
 
 log = logging.getLogger(__name__)
 

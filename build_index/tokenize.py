@@ -20,7 +20,7 @@ from itertools import chain, islice
 import numpy as np
 from tokenizers import Tokenizer
 
-from rest_spec.build_index.signals import stop_signals_deferred
+from rest_spec.common.signals import stop_signals_deferred
 
 DEFAULT_BATCH_SIZE = 64
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rest_spec.build_index.signals import stop_signals_deferred
+from rest_spec.common.signals import stop_signals_deferred
 from rest_spec.common.types import token_ids
 from rest_spec.datastore import format as fmt
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from rest_spec.build_index.signals import stop_signals_deferred
+from rest_spec.common.signals import stop_signals_deferred
 from rest_spec.common.tokenizer import SMOLLM2_GGUF, packaged_smollm2
 
 log = logging.getLogger(__name__)

@@ -52,6 +52,7 @@ MOVED_MODULES = {
         )
     },
     # earlier moves
+    "rest_spec.build_index.signals": "rest_spec.common.signals",
     "rest_spec.drafter.vllm_plugin": "rest_spec.drafter.vllm.shim",
     "rest_spec.drafter.vllm_sampling_fix": "rest_spec.drafter.vllm.shim",
     "rest_spec.datastore.tokenizer": "rest_spec.common.tokenizer",

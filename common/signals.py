@@ -1,4 +1,4 @@
-"""The signals that stop a build, and a way to hold them off for a short critical section."""
+"""The signals that stop a long job (a build, a fill of outputs), and a way to hold them off for a short critical section."""
 
 from __future__ import annotations
 
