@@ -170,3 +170,61 @@ def test_the_shim_refuses_a_vllm_it_does_not_know():
     check_version("0.32.0")
     with pytest.raises(RuntimeError, match=r"this is vLLM 0\.40\.1: it cannot tell this vLLM's requests apart"):
         check_version("0.40.1")
+
+
+# ---- a step: the proposer tells the scheduler what vLLM knows, and hands vLLM its chains ---------
+
+
+class Rows:
+    """A ``shim.RunnerLink`` for a batch of named requests without states."""
+
+    def __init__(self, *ids: str) -> None:
+        self.ids = list(ids)
+
+    def rows(self, count: int) -> list[tuple[str, None]]:
+        return [(rid, None) for rid in self.ids[:count]]
+
+
+def proposer_over(base, *ids: str, k: int = 4):
+    """A ``RestProposer`` drafting from ``base`` (no vLLM: its hooks' parts set by hand)."""
+    from collections import deque
+
+    from rest_spec.common.types import DraftConfig
+    from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+    from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftScheduler
+    from rest_spec.drafter.vllm.proposer import ProposerStats, RestProposer
+
+    proposer = RestProposer.__new__(RestProposer)
+    proposer.k, proposer.drafting, proposer.source, proposer.stats = k, True, None, ProposerStats()
+    proposer.cost = BatchCost()
+    proposer.adaptive = AdaptiveDrafter(base, cost=proposer.cost, config=DraftConfig(max_depth=k), chains=True)
+    proposer.scheduler = DraftScheduler(proposer.adaptive, DraftConfig(max_depth=k), NO_OVERLAP, 0.05)
+    proposer._link, proposer._last, proposer._steps, proposer._cached = Rows(*ids), None, deque(maxlen=32), False
+    return proposer
+
+
+def test_a_step_drafts_through_the_scheduler_and_a_skipped_one_keeps_its_credit(tmp_path):
+    import numpy as np
+
+    from rest_spec.drafter.core.local import LocalDrafter
+    from tests.helpers import MODEL_VOCAB, write_index
+    from tests.test_scheduler import Scripted
+
+    docs = [[1, 2, 3, 4, 5, 6, 7, 8], [40, 41, 42, 43, 44, 45]]
+    with LocalDrafter.open(write_index(tmp_path / "idx", docs, MODEL_VOCAB)) as base:
+        proposer = proposer_over(base, "a", "b")
+        proposer.scheduler.worth = Scripted(True, False, True)
+        buffer = np.zeros((2, 12), np.int64)  # vLLM's token ids: row b has room for 2 draft tokens
+        buffer[0, :3], buffer[1, :9] = [30, 1, 2], [9, 9, 9, 9, 9, 9, 9, 40, 41]
+        drafts = proposer.propose([[2], [41]], np.array([3, 9]), buffer)
+        assert drafts == [[3, 4, 5, 6], [42, 43]]  # k 4; row b cut to its room
+        assert (proposer.stats.calls, proposer.stats.drafted, proposer.stats.skipped) == (1, 6, 0)
+        assert proposer.stats.expected > 0 and proposer.stats.first_draft_call == 1
+
+        # vLLM accepted 3 4 on row a (and sampled 9), none of row b's chain (it sampled 50); the
+        # scheduler skips this step: nothing drafted, the chains just verified credited all the same
+        buffer[0, 3:6], buffer[1, 9] = [3, 4, 9], 50
+        assert proposer.propose([[3, 4, 9], [50]], np.array([6, 10]), buffer) == [[], []]
+        assert (proposer.stats.calls, proposer.stats.skipped, proposer.stats.observed) == (2, 1, 1)
+        cells = proposer.adaptive.attribution.report()
+        assert sum(cell["steps"] for cell in cells) == 2 and sum(cell["accepted"] for cell in cells) == 2

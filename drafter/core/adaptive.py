@@ -228,12 +228,6 @@ class AdaptiveDrafter:
         for session, tree, whole in zip(self._rows, trees, merged):
             session.tree, session.merged = tree, whole
 
-    def forget(self) -> None:
-        """The trees last recorded were not verified (the loop decoded without drafts since): the
-        next ``advance`` credits nothing to the sources for them."""
-        for session in self._rows:
-            session.tree, session.merged = DraftTree.empty(), DraftTree.empty()
-
     def candidates(self, config: DraftConfig) -> DraftConfig:
         """How each source drafts under the loop's ``config``: this drafter's config, capped."""
         return dataclasses.replace(

@@ -30,6 +30,15 @@ steps after it do not ask the datastore at all, and once in a while one of them 
 no step waits for; the first probe answered in time closes the breaker. Verification is lossless
 whatever tree it gets, so output never changes.
 
+Whether a step drafts at all is decided here too, by the one rule every engine follows
+(``cost.DraftingWorth``, where the drafter has a cost to price a step by): a step that drafted is
+weighed by its trees' expected gain against their verification and the drafting's own time, and
+where drafting does not pay at a batch size the next steps at that size skip it. A skipped step
+means one thing for every engine: its rows decode on without drafts; the trees recorded for them
+were verified by the step that just ran and are credited to the sources (``StepDrafter.advance``)
+before they are dropped, and nothing is credited for the skipped step itself. When every request of
+the last step has ended, the rule starts over (a new request, where an engine runs one at a time).
+
 Speculation needs a source that reads only a context's suffix (``DraftSource.reads_suffixes``):
 it sends contexts cut short. The background thread touches no drafter state (request matchers,
 calibration): only the decoding thread does, and speculative contexts are never committed.
@@ -50,7 +59,7 @@ import numpy as np
 
 from rest_spec.common.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.core.breaker import Admission, CircuitBreaker
-from rest_spec.drafter.core.cost import CorrectedCost
+from rest_spec.drafter.core.cost import BatchCost, CorrectedCost, DraftingWorth
 from rest_spec.drafter.core.protocol import SUFFIX_CUTS, BatchRule, Drafter, Mark, Pending, finish_step, steps_for
 
 log = logging.getLogger(__name__)
@@ -97,7 +106,10 @@ class DraftingStats:
     waits         per step, seconds the loop waited for that step's drafts after the forward
     launches      per step, seconds the loop spent starting the next step's speculation
     predicted     row-steps drafted ahead (a foreseen outcome)
-    fresh         row-steps drafted after the forward (an outcome not foreseen, or no overlap)
+    fresh         row-steps answered after the forward (an outcome not foreseen, no overlap, or a
+                  step that skipped drafting)
+    skipped       steps that drafted nothing without asking: drafting did not pay at that batch
+                  size (``cost.DraftingWorth``)
     fallbacks     row-steps drafted without the datastore's sources: its reply late or failed, or
                   its circuit breaker open
     cancelled     datastore calls given up (stale speculation, or past the deadline)
@@ -111,6 +123,7 @@ class DraftingStats:
     launches: list[float] = field(default_factory=list)
     predicted: int = 0
     fresh: int = 0
+    skipped: int = 0
     fallbacks: int = 0
     cancelled: int = 0
     breaker_open_steps: int = 0
@@ -127,6 +140,7 @@ class DraftingStats:
             "wait_ms_median": round(float(np.median(waits)), 4) if waits.size else 0.0,
             "wait_ms_p99": round(float(np.percentile(waits, 99)), 4) if waits.size else 0.0,
             "launch_ms_median": round(float(np.median(launches)), 4) if launches.size else 0.0,
+            "skipped": self.skipped,
             "fallbacks": self.fallbacks,
             "cancelled": self.cancelled,
             "breaker_open_steps": self.breaker_open_steps,
@@ -171,6 +185,20 @@ def ahead_config(config: DraftConfig) -> DraftConfig:
     )
 
 
+def step_price(cost: CorrectedCost | BatchCost, rows: int, trees: Sequence[DraftTree]) -> tuple[float, float]:
+    """Seconds of a plain step of ``rows`` rows, and of the step verifying ``trees`` (one per row
+    that drafts) beside them: by the engine's step cost (``BatchCost``: rows and draft tokens), or
+    by a one-row table, where one row prices its tree (a chain by the chain times) and a batch its
+    block padded to the widest row (the transformers loop)."""
+    if isinstance(cost, BatchCost):
+        return cost.base(rows), float(cost.seconds(rows, sum(len(tree) for tree in trees)))
+    if rows == 1 and len(trees) == 1:
+        (tree,) = trees
+        return float(cost.chain(1)), float((cost.chain if tree.is_chain() else cost)(1 + len(tree)))
+    widest = max((len(tree) for tree in trees), default=0)
+    return float(cost(rows)), float(cost(rows * (1 + widest)))
+
+
 def likely_outcomes(tree: DraftTree, count: int) -> list[_Hypothesis]:
     """The ``count`` most likely accepted paths of ``tree`` (row 0), the empty path included:
     the path ends at node v with probability score(v) - the sum of its children's scores."""
@@ -184,8 +212,10 @@ def likely_outcomes(tree: DraftTree, count: int) -> list[_Hypothesis]:
 
 
 class DraftScheduler:
-    """The decoding loop's drafts, step by step: ``trees`` before each forward, ``speculate``
-    right before it, ``verified`` after it; ``close`` at the end. One per generation.
+    """The decoding loop's drafts, step by step: ``step`` before each forward (or, by parts,
+    ``trees`` and ``speculate`` right before it, ``verified`` after it); ``finish`` for requests
+    that ended; ``close`` at the end. One per generation (or per engine, for one that names its
+    requests and says which ended).
 
     drafter   a ``StepDrafter`` (``AdaptiveDrafter``: its request source is what a step falls
               back on), any other ``Drafter`` (driven as ``PlainSteps``), or None (no drafts)
@@ -218,6 +248,8 @@ class DraftScheduler:
         self._rows: list[tuple[Hashable, Mark]] = []  # the last ``trees`` call's rows: request, context mark
         self._warned = False
         self._late = 0  # speculative calls the background job gave up on
+        self.worth = DraftingWorth()  # whether drafting pays at a batch size (weighed with a cost)
+        self._live: set[Hashable] = set()  # the last step's requests, less those that ended since
 
     @property
     def cost(self) -> CorrectedCost | None:
@@ -236,6 +268,62 @@ class DraftScheduler:
     def verified(self, seconds: float) -> None:
         """A forward (verification) took ``seconds``: the deadlines follow it."""
         self._forwards.append(seconds)
+
+    def step(
+        self,
+        rows: Sequence[Sequence[int]],
+        request_ids: Sequence[Hashable] | None = None,
+        *,
+        batch: int | None = None,
+        step_seconds: float | None = None,
+        ended: Sequence[Hashable] = (),
+        admit: BatchRule | None = None,
+    ) -> list[DraftTree]:
+        """One tree per row to verify at the engine's next step (empty trees where the step does
+        not draft), given what the engine knows: ``rows``, the live contexts of the rows that may
+        draft (read now, not kept; what each gained since the last step is what the verifier
+        accepted), named by ``request_ids`` (default: their positions); ``batch``, the rows the
+        step runs (default: ``len(rows)``; rows that cannot draft still cost); ``step_seconds``,
+        what the step just verified took (None: not timed); ``ended``, requests that ended since
+        the last step; ``admit``, the engine's batch rule (``finish_step``).
+
+        Whether to draft at all is decided here (the module docstring); trees that are drafted are
+        then prepared ahead for the next step where overlap is on (``speculate``)."""
+        if step_seconds is not None:
+            self.verified(step_seconds)
+        if ended:
+            self.finish(ended)
+        if self.sources is None:
+            return [DraftTree.empty()] * len(rows)
+        if not rows:
+            return []
+        start = time.perf_counter()
+        requests = range(len(rows)) if request_ids is None else request_ids
+        self._live = set(requests)
+        size = len(rows) if batch is None else batch
+        cost = self.cost
+        if cost is not None and not self.worth.drafts(size):
+            self._skip(rows, requests, start)
+            return [DraftTree.empty()] * len(rows)
+        trees = self.trees(rows, requests, admit)
+        self.speculate(trees)
+        if cost is not None:
+            plain, drafted = step_price(cost, size, trees)
+            expected = sum(float(tree.scores.sum()) for tree in trees)
+            self.worth.weigh(size, expected, drafted - plain + time.perf_counter() - start, plain)
+        return trees
+
+    def _skip(self, rows: Sequence[Sequence[int]], requests: Sequence[Hashable], start: float) -> None:
+        """A step that does not draft: the rows decode on without drafts. The trees recorded for
+        them were verified by the step that just ran: ``advance`` credits them, and leaves nothing
+        recorded to credit for this step."""
+        self.sources.advance(rows, requests)
+        self.stats.steps += 1
+        self.stats.skipped += 1
+        self.stats.fresh += len(rows)
+        self.stats.waits.append(time.perf_counter() - start)
+        if self._worker is not None:
+            self.stats.launches.append(0.0)  # nothing started for the next step
 
     def trees(
         self,
@@ -276,9 +364,14 @@ class DraftScheduler:
         return trees
 
     def finish(self, requests: Sequence[Hashable]) -> None:
-        """These requests ended (the drafter lets their sessions go)."""
+        """These requests ended (the drafter lets their sessions go); once every request of the
+        last step has, whether drafting pays is weighed afresh (``DraftingWorth.reset``)."""
         if self.sources is not None:
             self.sources.finish(requests)
+        if self._live:
+            self._live.difference_update(requests)
+            if not self._live:
+                self.worth.reset()
 
     def speculate(self, trees: Sequence[DraftTree]) -> None:
         """Start preparing the next step's drafts for the likely outcomes of verifying ``trees``,

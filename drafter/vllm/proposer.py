@@ -27,9 +27,9 @@ step where nothing pays drafts nothing. Prices are vLLM's own, by rows and draft
 (``cost.BatchCost``): the time between two calls is one engine step without the drafting,
 observed for every step of decode rows, from the first step on (a cached table from an earlier
 engine, per model, vLLM version, dtype and threads, is only the prior). Where the drafting itself
-(the proposer's own time) costs more than its expected gain at a batch size, the proposer skips
-drafting at that size for a while, twice as long each time it still does not pay
-(``cost.DraftingWorth``, the rule llama.cpp's draft model follows too).
+(the drafter's own time) costs more than its expected gain at a batch size, drafting is skipped at
+that size for a while, twice as long each time it still does not pay: the scheduler decides that,
+by the rule every engine follows (``DraftScheduler.step``, ``cost.DraftingWorth``).
 
 vLLM hands the proposer batch rows, not requests. The runner that built it has each row's request
 id, and its hook for removed requests tells which ended: a finished request's output goes to the
@@ -54,9 +54,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from rest_spec.common.types import MAX_DEPTH, DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
-from rest_spec.drafter.core.cost import BatchCost, CostKey, DraftingWorth, select_batch_chains
+from rest_spec.drafter.core.cost import BatchCost, CostKey, select_batch_chains
 from rest_spec.drafter.core.protocol import DraftSource
 from rest_spec.drafter.core.scheduler import DraftScheduler, OverlapConfig
 from rest_spec.drafter.core.sources import open_datastore
@@ -230,7 +232,7 @@ def finished_output(state) -> list[int]:
 class ProposerStats(UploadStats):
     """What the proposer did: ``calls`` to ``propose``, ``drafted`` tokens returned, ``rows`` asked for,
     ``rows_drafted`` with a non-empty chain, ``skipped`` calls that did not draft at all (drafting
-    did not pay at that batch size, ``DraftingWorth``), ``expected`` draft tokens accepted by the
+    did not pay at that batch size: ``DraftingStats.skipped``), ``expected`` draft tokens accepted by the
     drafts' scores (against vLLM's count of those accepted: how well the scores are calibrated),
     ``observed`` steps timed, seconds spent,
     ``first_draft_call`` (the number of the first call that drafted; 0: none yet), the step cost
@@ -294,7 +296,6 @@ class RestProposer:
         self._link = None  # drafter.vllm.shim.RunnerLink, once load_model has run
         # the last call: its end, its rows, the draft tokens it handed vLLM (None: not a clean step)
         self._last: tuple[float, frozenset[str], int | None] | None = None
-        self.worth = DraftingWorth()  # whether drafting pays for itself at a batch size
         self._steps: deque[float] = deque(maxlen=32)
         self.uploads = OutputUploader(self.source, self.stats)  # never on the engine's step
         log.info(
@@ -326,28 +327,25 @@ class RestProposer:
         start = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in range(rows)]
         batch = self._batch(rows)
-        self._observe(start, batch, sampled_token_ids)
+        seconds = self._observe(start, batch, sampled_token_ids)
         eligible = [
             i for i in range(rows) if self._eligible(i, batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         ]
-        if eligible and self.worth.drafts(rows):
-            contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in eligible]  # views: read, not kept
-            requests = [batch[i][0] for i in eligible]
-            chains = self.scheduler.trees(
-                contexts, requests, lambda chains: select_batch_chains(chains, self.cost, rows)
-            )
-            self.scheduler.speculate(chains)
-            room = token_ids_cpu.shape[1]
-            for i, chain, context in zip(eligible, chains, contexts):
-                drafts[i] = chain.tokens.tolist()[: max(0, min(self.k, room - len(context) - 1))]
-            base = self.cost.base(rows)
-            extra = float(self.cost.seconds(rows, sum(len(d) for d in drafts))) - base + time.perf_counter() - start
-            expected = sum(float(chain.scores[: len(draft)].sum()) for chain, draft in zip(chains, drafts))
-            self.worth.weigh(rows, expected, extra, base)
-            self.stats.expected += expected
-        elif eligible:
-            self.adaptive.forget()  # the rows decode on without its trees
-            self.stats.skipped += 1
+        contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in eligible]  # views: read, not kept
+        room = [max(0, min(self.k, token_ids_cpu.shape[1] - len(context) - 1)) for context in contexts]
+
+        def admit(chains):
+            """The batch's chains that pay (``select_batch_chains``), cut to each row's room."""
+            kept = select_batch_chains(chains, self.cost, rows)
+            return [chain if len(chain) <= n else chain.subset(np.arange(n)) for chain, n in zip(kept, room)]
+
+        chains = self.scheduler.step(
+            contexts, [batch[i][0] for i in eligible], batch=rows, step_seconds=seconds, admit=admit
+        )
+        for i, chain in zip(eligible, chains):
+            drafts[i] = chain.tokens.tolist()
+        self.stats.expected += sum(float(chain.scores.sum()) for chain in chains)
+        self.stats.skipped = self.scheduler.stats.skipped
         clean = all(len(s) > 0 for s in sampled_token_ids)
         end = time.perf_counter()
         self._last = (end, frozenset(rid for rid, _ in batch), sum(len(d) for d in drafts) if clean else None)
@@ -408,26 +406,27 @@ class RestProposer:
                 return False
         return True
 
-    def _observe(self, now: float, batch, sampled) -> None:
-        """Time the step that just ran: it verified what the last call returned if the same requests
-        ran again, all of them decoding (no prefill), and it did not span idle time."""
+    def _observe(self, now: float, batch, sampled) -> float | None:
+        """Time the step that just ran (its seconds; None when not timed): it verified what the last
+        call returned if the same requests ran again, all of them decoding (no prefill), and it did
+        not span idle time."""
         if self._last is None:
-            return
+            return None
         end, rows, drafted = self._last
         seconds = now - end
         if drafted is None or rows != frozenset(rid for rid, _ in batch) or not all(len(s) for s in sampled):
-            return
+            return None
         median = statistics.median(self._steps) if self._steps else None
         if median is not None and seconds > GAP_FACTOR * median:
-            return
+            return None
         self._steps.append(seconds)
-        self.scheduler.verified(seconds)
         self.cost.observe(len(rows), drafted, seconds)
         self.stats.observed += 1
         self.stats.per_token_ms = 1e3 * self.cost.per_token
         self.stats.largest_base_ms = 1e3 * self.cost.base(self.cost.largest_rows)
         if self.cost.steps >= CACHE_AFTER and not self._cached:
             self._cache_cost()
+        return seconds
 
     def _cache_cost(self) -> None:
         """Write the learned cost, as one-row chain times, for the next engine's prior."""

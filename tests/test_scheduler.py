@@ -1,0 +1,96 @@
+"""``DraftScheduler.step``: the one place that decides whether a step drafts at all, and what a
+skipped step means -- on a real ``AdaptiveDrafter`` over a real tiny index."""
+
+from __future__ import annotations
+
+import pytest
+
+from rest_spec.common.types import DraftConfig, DraftTree
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import BatchCost, CostKey, DraftingWorth, VerifyCost, select_batch_chains
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.protocol import draft_step
+from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftScheduler
+from tests.helpers import MODEL_VOCAB, write_index
+
+# a CPU-like cost: 1.9x t(1) at 8 tokens, 4x at 64
+CPU_COST = VerifyCost(
+    CostKey("synthetic", "", 0, "test", "float32"), 512, (1, 2, 4, 8, 16, 32, 64), (1.0, 1.15, 1.4, 1.9, 2.0, 2.5, 4.0)
+)
+CONFIG = DraftConfig(budget=64, max_depth=10)
+DOCS = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 1, 2, 7, 8], list(range(20, 60))]
+CONTEXT = [30, 1, 2]  # the index continues 1 2 with 3 4 5 / 3 4 6 / 7 8
+VERIFIED = [*CONTEXT, 3, 4, 6, 11]  # the verifier accepted 3 4 6 and added its own token 11
+
+
+class Scripted(DraftingWorth):
+    """A ``DraftingWorth`` whose ``drafts`` answers are given, in turn (``weigh`` as usual)."""
+
+    def __init__(self, *answers: bool) -> None:
+        super().__init__()
+        self.answers = list(answers)
+
+    def drafts(self, rows: int = 1) -> bool:
+        return self.answers.pop(0)
+
+
+@pytest.fixture
+def base(tmp_path):
+    with LocalDrafter.open(write_index(tmp_path / "idx", DOCS, MODEL_VOCAB)) as base:
+        yield base
+
+
+def test_a_skipped_step_credits_the_tree_verified_before_it(base):
+    drafter = AdaptiveDrafter(base, cost=CPU_COST, config=CONFIG, sources=("index",))
+    scheduler = DraftScheduler(drafter, CONFIG, NO_OVERLAP)
+    scheduler.worth = Scripted(True, False, True)
+    (tree,) = scheduler.step([CONTEXT])
+    accepted = tree.accepted_nodes(VERIFIED[len(CONTEXT) :])
+    assert accepted.size > 0 and not drafter.calibration.observed.any()
+
+    # the next step does not draft: the tree verified by the step before it is credited all the same
+    assert scheduler.step([VERIFIED]) == [DraftTree.empty()]
+    assert (scheduler.stats.steps, scheduler.stats.skipped) == (2, 1)
+    assert drafter.calibration.observed.sum() == accepted.size
+    (cell,) = drafter.attribution.report()
+    assert (cell["steps"], cell["accepted"]) == (1, accepted.size)
+    # and nothing is credited for the skipped step: the one after finds no tree recorded for it
+    predicted = drafter.calibration.predicted.copy()
+    scheduler.step([[*VERIFIED, 40]])
+    assert drafter.calibration.observed.sum() == accepted.size
+    assert (drafter.calibration.predicted == predicted).all()
+
+    # the old order -- the recorded trees dropped (vLLM's ``forget()``) before the next ``advance``
+    # took their credit -- lost the verified tree's acceptance
+    old = AdaptiveDrafter(base, cost=CPU_COST, config=CONFIG, sources=("index",))
+    assert draft_step(old, [CONTEXT], CONFIG) == [tree]
+    old.record([DraftTree.empty()], [DraftTree.empty()])  # what ``forget()`` did
+    old.advance([VERIFIED], [0])
+    assert not old.calibration.observed.any() and not old.attribution.report()
+
+
+def test_drafting_that_does_not_pay_is_skipped_until_every_request_has_ended(base):
+    drafter = AdaptiveDrafter(base, cost=CPU_COST, config=CONFIG, sources=("index",))
+    scheduler = DraftScheduler(drafter, CONFIG, NO_OVERLAP)
+    assert len(scheduler.step([CONTEXT], ["a"])[0]) > 0
+    scheduler.worth.weigh(1, 0.0, 1.0, 0.01)  # nothing expected for a second: the next step skips
+    assert scheduler.step([VERIFIED], ["a"]) == [DraftTree.empty()] and scheduler.stats.skipped == 1
+    scheduler.worth.weigh(1, 0.0, 1.0, 0.01)
+    # a new request where the last one ended (llama.cpp's next prompt): weighed afresh, it drafts
+    assert len(scheduler.step([[31, 1, 2]], ["b"], ended=["a"])[0]) > 0 and scheduler.stats.skipped == 1
+
+
+def test_without_a_cost_every_step_drafts_and_a_batch_weighs_at_its_own_size(base):
+    plain = DraftScheduler(AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("index",)), CONFIG, NO_OVERLAP)
+    plain.worth.weigh(1, 0.0, 1.0, 0.01)
+    assert len(plain.step([CONTEXT])[0]) == 6 and plain.stats.skipped == 0
+    assert DraftScheduler(None, CONFIG, NO_OVERLAP).step([CONTEXT]) == [DraftTree.empty()]
+
+    # vLLM's case: a step of 4 rows of which one may draft, by an engine's batch cost
+    cost = BatchCost()
+    drafter = AdaptiveDrafter(base, cost=cost, config=CONFIG, sources=("index",), chains=True)
+    scheduler = DraftScheduler(drafter, CONFIG, NO_OVERLAP)
+    scheduler.worth.weigh(1, 0.0, 1.0, 0.01)  # one-row steps do not pay: four-row steps are weighed apart
+    (chain,) = scheduler.step([CONTEXT], ["r"], batch=4, admit=lambda chains: select_batch_chains(chains, cost, 4))
+    assert len(chain) > 0 and chain.is_chain() and scheduler.stats.skipped == 0
+    assert scheduler.step([], [], batch=4) == [] and scheduler.stats.steps == 1  # no row may draft: no step
