@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/set
 
 import torch  # noqa: E402
 
-from benchmarks.common import humaneval_inputs  # noqa: E402
+from benchmarks.common import chat_prompt, humaneval_inputs  # noqa: E402
 from benchmarks.vllm_run import EngineFailed, engine_env, job_result, run_job, start_job  # noqa: E402
 from rest_spec.common.tokenizer import load_tokenizer  # noqa: E402
 from rest_spec.drafter.vllm.checkpoint import hf_checkpoint  # noqa: E402
@@ -244,10 +245,10 @@ def test_greedy_over_grpc_and_one_store_of_outputs_for_a_fleet(checkpoint, promp
     # B's second run: a short chat answer generated past its end-of-text (ignore_eos); the third, a
     # step after it, so that the runner lets go of it and the proposer stores it
     tokenizer = load_tokenizer(None)
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Say yes."}], add_generation_prompt=True)
+    chat = chat_prompt(tokenizer, "Reply with the single word: hello")  # "Hello." and end-of-text
     runs = [
         {"prompts": prompts[-1:], "sampling": GREEDY},
-        {"prompts": [list(chat)], "sampling": {**GREEDY, "ignore_eos": True}},
+        {"prompts": [chat], "sampling": {**GREEDY, "ignore_eos": True}},
         {"prompts": prompts[:1], "sampling": {**GREEDY, "max_tokens": 2}},
     ]
     b = run_job(job(checkpoint, runs=runs, rest={"datastore": second.address}))
@@ -298,8 +299,35 @@ def test_tensor_parallel_ranks_start_on_one_store_and_store_each_output_once(
     assert sum(stored.values()) <= len(prompts) + 1
 
 
-@pytest.mark.parametrize("problem", ["unknown option", "unreachable", "another tokenizer"])
-def test_bad_configuration_fails_at_start_naming_it(checkpoint, tmp_path, problem):
+CHAINED = "The above exception was the direct cause of the following exception"
+OURS = re.compile(r'File "[^"]*/(drafter|datastore|common|build_index|rest_spec)/[^"]*\.py"')
+
+
+def causes_of_ours(output: str) -> list[str]:
+    """The chained tracebacks in ``output`` where an exception of this project's code was raised
+    from another of its own (vLLM's own chaining of the error it reports is not the project's)."""
+    header = "Traceback (most recent call last)"
+    parts, found = output.split(CHAINED), []
+    for before, after in zip(parts, parts[1:]):
+        cause, effect = before.rsplit(header, 1)[-1], after.split(header, 2)[1 if header in after else 0]
+        if OURS.search(cause) and OURS.search(effect):
+            found.append(cause[-1500:])
+    return found
+
+
+@pytest.mark.parametrize(
+    "problem, layout",
+    [
+        ("unknown option", "in process"),
+        ("unreachable", "in process"),
+        ("another tokenizer", "in process"),
+        ("unreachable", "vLLM's processes"),
+        ("another tokenizer", "vLLM's processes"),
+    ],
+)
+def test_bad_configuration_fails_at_start_naming_it(checkpoint, tmp_path, problem, layout):
+    """One line naming the option, in the harness's layout (engine core in process) and in vLLM's
+    default one (engine core in a process of its own): no chained traceback of the project's."""
     if problem == "unknown option":
         rest, expected = {"datastore": "127.0.0.1:1", "budgets": 3}, "unknown option additional_config.rest.budgets"
     elif problem == "unreachable":
@@ -311,9 +339,11 @@ def test_bad_configuration_fails_at_start_naming_it(checkpoint, tmp_path, proble
     else:
         index = write_index(tmp_path / "other", synthetic_corpus(), 500)
         rest, expected = {"datastore": str(index)}, "rebuild the index"
+    env = None if layout == "in process" else {k: v for k, v in os.environ.items() if k != IN_PROCESS}
     with pytest.raises(EngineFailed) as failure:
-        run_job(job(checkpoint, runs=[], rest=rest), timeout=300)
+        run_job(job(checkpoint, runs=[], rest=rest), env=env, timeout=300)
     assert expected in failure.value.output
+    assert causes_of_ours(failure.value.output) == []
 
 
 def test_openai_server_with_the_proposer(checkpoint, prompts, plain, server, tmp_path):
