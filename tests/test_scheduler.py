@@ -94,3 +94,29 @@ def test_without_a_cost_every_step_drafts_and_a_batch_weighs_at_its_own_size(bas
     (chain,) = scheduler.step([CONTEXT], ["r"], batch=4, admit=lambda chains: select_batch_chains(chains, cost, 4))
     assert len(chain) > 0 and chain.is_chain() and scheduler.stats.skipped == 0
     assert scheduler.step([], [], batch=4) == [] and scheduler.stats.steps == 1  # no row may draft: no step
+
+
+def test_llama_cpps_draft_model_follows_the_schedulers_rule(base):
+    """``RestDraftModel`` (no llama.cpp needed to call it: its parts set as ``use_cost`` sets them)
+    tells the scheduler its one request and when a new one starts; the scheduler skips."""
+    from rest_spec.drafter.llamacpp.draft_model import DraftStats, RestDraftModel
+
+    model = RestDraftModel.__new__(RestDraftModel)
+    model.drafter, model.config, model.stats = base, CONFIG, DraftStats()
+    model._options = {"config": CONFIG, "sources": ("index",), "suffixes": ()}
+    model.adaptive = model.scheduler = None
+    model._context_length, model._request, model._step_seconds = 0, 0, None
+    model.use_cost(CPU_COST)  # t(1) 1 s: the first estimate of a step
+    model.scheduler.worth = Scripted(True, False)
+    chain = model(CONTEXT)
+    assert len(chain) > 0 and model.stats.drafted == len(chain)
+    model.observe(1 + len(chain), 0.002)  # llama.cpp evaluated the chain: told at the next call
+    assert len(model(VERIFIED)) == 0 and (model.stats.calls, model.stats.skipped) == (2, 1)
+    assert model.scheduler.step_seconds() == pytest.approx((1.0 + 0.002) / 2)
+    # the chain verified before the skip: its tokens up to the first the verifier did not take
+    accepted = next(i for i, (ours, taken) in enumerate(zip([*chain, -1], VERIFIED[len(CONTEXT) :])) if ours != taken)
+    assert accepted > 0 and sum(cell["accepted"] for cell in model.adaptive.attribution.report()) == accepted
+    # a new request (a context no longer than the last): the rule starts over, the first step drafts
+    model.scheduler.worth = DraftingWorth()
+    model.scheduler.worth.weigh(1, 0.0, 1.0, 0.01)
+    assert len(model(CONTEXT)) > 0 and model.stats.skipped == 1 and model._request == 1

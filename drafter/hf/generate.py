@@ -240,7 +240,8 @@ def decode(
     prompt too. ``on_step`` receives, after every step, the tokens each row committed in it
     (empty for rows that had finished). Drafts come through ``drafter.core.scheduler.DraftScheduler``
     (deadlines, local fallback; with ``overlap`` enabled, the next step's drafts fetched during
-    each forward); with a ``cost`` (default: the drafter's, ``StepDrafter.cost``), each step runs
+    each forward; where the drafter has a cost, no drafts at a step where drafting does not pay,
+    ``DraftScheduler.step``); with a ``cost`` (default: the drafter's, ``StepDrafter.cost``), each step runs
     at the block shape it says is fastest, and a ``CorrectedCost`` is told how long each one-row
     step took."""
     start = time.perf_counter()
@@ -259,18 +260,20 @@ def decode(
         cost = drafting.cost
     # rows verified together pay for the widest row's block: the batch's width by its cost
     admit = None if cost is None else lambda trees: select_batch_trees(trees, cost)
+    forward: float | None = None  # the last step's forward, in seconds
+    ended: list[int] = []  # rows that finished at the last step
     try:
         while active:
             t0 = time.perf_counter()
             live = [contexts[row] for row in active]  # read by the drafter now, not kept
-            trees = drafting.trees(live, active, admit)  # each row's request: its prompt's number
-            drafting.speculate(trees)  # the next step's drafts, during this forward
+            # each row's request: its prompt's number; the next step's drafts start during this forward
+            trees = drafting.step(live, active, step_seconds=forward, ended=ended, admit=admit)
             t1 = time.perf_counter()
             shape = None if cost is None else cost.block_shape(trees)
             verdicts = verify_trees(model, cache, rows, live, trees, chooser, shape)
             rows = compact_cache(cache, rows, [verdict.keep for verdict in verdicts])
             t2 = time.perf_counter()
-            drafting.verified(t2 - t1)
+            forward = t2 - t1
             if isinstance(cost, CorrectedCost) and len(trees) == 1:
                 cost.observe(shape, trees[0].is_chain(), t2 - t1)
             verify_seconds += t2 - t1
@@ -288,12 +291,13 @@ def decode(
                     unfinished.append(index)
             if on_step is not None:
                 on_step(committed)
-            if len(unfinished) < len(active):
-                drafting.finish(sorted(set(active) - {active[index] for index in unfinished}))
+            ended = sorted(set(active) - {active[index] for index in unfinished})
+            if ended:
                 if unfinished:
                     rows = select_rows(cache, rows, np.array(unfinished))
                     chooser = chooser.select_rows(unfinished)
                 active = [active[index] for index in unfinished]
+        drafting.finish(ended)  # the last rows (no step follows to tell)
     finally:
         drafting.close()
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import SOURCES, AdaptiveDrafter
-from rest_spec.drafter.core.cost import BlockShape, CorrectedCost, CostKey, DraftingWorth, VerifyCost, check_sizes
+from rest_spec.drafter.core.cost import BlockShape, CorrectedCost, CostKey, VerifyCost, check_sizes
 from rest_spec.drafter.core.cost_cache import cached_cost, check_timing
 from rest_spec.drafter.core.protocol import Drafter
 from rest_spec.drafter.core.scheduler import DraftScheduler, OverlapConfig
@@ -218,7 +218,8 @@ class RestDraftModel(LlamaDraftModel):
         self.adaptive: AdaptiveDrafter | None = None
         self.scheduler: DraftScheduler | None = None
         self._context_length = 0  # see __call__
-        self.worth = DraftingWorth()  # whether drafting pays for itself (see __call__)
+        self._request = 0  # the number of the request being decoded (llama.cpp runs one at a time)
+        self._step_seconds: float | None = None  # the last evaluation's time, told at the next call
         self.last_chain = np.zeros(0, np.intc)
         if cost is not None:
             self.use_cost(cost)
@@ -240,7 +241,7 @@ class RestDraftModel(LlamaDraftModel):
         contexts, between other work (``drafter.core.cost.CorrectedCost``)."""
         if self.adaptive is not None:
             self.adaptive.cost.observe(BlockShape(tokens), True, seconds)
-            self.scheduler.verified(seconds)  # the datastore's deadlines follow the step time
+            self._step_seconds = seconds  # the datastore's deadlines follow the step time
 
     def attach(self, llm: Llama, *, check: bool = True, remeasure: bool = False) -> VerifyCost:
         """Ready this model to draft for ``llm`` (built with ``draft_model=self``): check that its
@@ -260,29 +261,26 @@ class RestDraftModel(LlamaDraftModel):
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
         """The chain to verify after ``input_ids`` (the committed tokens and the pending one).
 
-        Whether to draft at all is the rule every engine follows (``cost.DraftingWorth``): a step
-        that drafted is weighed by its chain's expected gain against its verification (the
+        Whether to draft at all is the scheduler's rule, every engine's (``DraftScheduler.step``):
+        a step that drafted is weighed by its chain's expected gain against its verification (the
         corrected cost) and the drafting's own time (a millisecond or so, a tenth of a one-token
         step of a small model), so where drafts keep coming back empty or do not pay, the next 1,
-        then 2, 4 ... steps draft nothing. A new request starts over."""
+        then 2, 4 ... steps draft nothing. A new request starts over: the last one has ended."""
         if self.adaptive is None:
             raise RuntimeError("RestDraftModel has no verify cost: call attach(llm) first")
         self.stats.calls += 1
+        ended = ()
         if len(input_ids) <= self._context_length:  # not a continuation: a new request
-            self.worth.reset()
+            ended, self._request = (self._request,), self._request + 1
         self._context_length = len(input_ids)
-        if not self.worth.drafts():
+        start, skipped = time.perf_counter(), self.scheduler.stats.skipped
+        (tree,) = self.scheduler.step([input_ids], [self._request], step_seconds=self._step_seconds, ended=ended)
+        self._step_seconds = None
+        if self.scheduler.stats.skipped > skipped:
             self.stats.skipped += 1
-            self.last_chain = np.zeros(0, np.intc)
-            return self.last_chain
-        start = time.perf_counter()
-        (tree,) = self.scheduler.trees([input_ids])
-        seconds = time.perf_counter() - start
-        self.stats.drafted += len(tree)
-        self.stats.seconds += seconds
-        cost = self.adaptive.cost
-        plain = float(cost.chain(1))
-        self.worth.weigh(1, float(tree.scores.sum()), float(cost.chain(1 + len(tree))) - plain + seconds, plain)
+        else:
+            self.stats.drafted += len(tree)
+            self.stats.seconds += time.perf_counter() - start
         self.last_chain = tree.tokens.astype(np.intc)
         return self.last_chain
 
