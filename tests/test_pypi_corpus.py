@@ -58,7 +58,7 @@ ALPHA = {
     "alpha/table.py": TABLE,
     "alpha/notes.txt": "not python",
 }
-PROJECT_FILE = (ROOT / "build_index" / "signals.py").read_bytes()
+PROJECT_FILE = (ROOT / "build_index" / "writer.py").read_bytes()
 BETA = {
     "beta/__init__.py": "VERSION = '2.0'\n",
     "beta/shared.py": SHARED,
