@@ -224,3 +224,34 @@ def test_cost_refuses_bad_measurements(sizes, seconds, message):
             VerifyCost(KEY, 0, sizes, (1.0,) * len(sizes), seconds)
         with pytest.raises(ValueError, match="transposed must be one bool per size"):
             VerifyCost(KEY, 0, sizes, (1.0,) * len(sizes), (), (True,) * (len(sizes) + 1))
+
+
+def test_every_cost_answers_the_step_cost_interface():
+    """``StepCost``: a one-row table prices one row's tree (a chain by the chain times) and a batch
+    by its block padded to the widest row; ``BatchCost`` by rows and draft tokens; a corrected table
+    learns from one-row steps only, at the shape it runs them; a table learns nothing."""
+    from rest_spec.drafter.core.cost import BatchCost, CorrectedCost, StepCost
+    from tests.helpers import scored_chain, tree_from_paths
+
+    table = cost_curve([1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2], chain_seconds=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6])
+    batch = BatchCost()
+    corrected = CorrectedCost(table)
+    for cost in (table, corrected, batch):
+        assert isinstance(cost, StepCost)
+    chain, tree = scored_chain([0.9, 0.5]), tree_from_paths([(3, 4), (5,)])
+    assert table.step_seconds([]) == table.step_seconds([], rows=1) == table.step_seconds([DraftTree.empty()]) == 1.0
+    assert table.step_seconds([chain]) == 1.2 and table.step_seconds([tree]) == 1.6  # 3 and 4 tokens
+    assert table.step_seconds([chain, tree]) == table.step_seconds([tree, DraftTree.empty()]) == float(table(8))
+    assert table.step_seconds([], rows=3) == 1.4
+    assert corrected.step_seconds([tree]) == 1.6
+    assert batch.step_seconds([chain, tree], rows=4) == float(batch.seconds(4, 5))
+    assert batch.step_seconds([], rows=2) == batch.base(2)
+
+    table.observe_step([tree], 9.0)  # nothing to learn
+    corrected.observe_step([chain, tree], 9.0)  # a batch: nothing of one row's prices
+    assert corrected.seen(corrected.block_shape([tree]), chain=False) == 0
+    for _ in range(4):
+        corrected.observe_step([tree], 3.2)
+    assert corrected.seen(corrected.block_shape([tree]), chain=False) == 4 and corrected.step_seconds([tree]) == 3.2
+    batch.observe_step([chain], 0.5, rows=3)
+    assert batch.steps == 1 and batch.base(3) == pytest.approx(0.5 - 2 * batch.per_token)

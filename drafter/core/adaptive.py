@@ -28,7 +28,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from rest_spec.drafter.core.cost import BatchCost, CorrectedCost, VerifyCost, select_chain, select_tree
+from rest_spec.drafter.core.cost import CorrectedCost, StepCost, VerifyCost, select_chain, select_tree
 from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, merge_trees
 from rest_spec.drafter.core.protocol import (
     Deferred,
@@ -130,7 +130,7 @@ class AdaptiveDrafter:
         self,
         base: Drafter,
         *,
-        cost: VerifyCost | CorrectedCost | BatchCost | None,
+        cost: VerifyCost | StepCost | None,
         config: DraftConfig = DraftConfig(),
         sources: Sequence[str] = SOURCES,
         suffixes: Sequence[int] = (),

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -100,6 +100,24 @@ def _cheapest(sizes: Sequence[int], seconds: Sequence[float], n: np.ndarray) -> 
     return np.where(pad, padded, as_is), np.where(pad, sizes[padded_index], np.asarray(n, np.int64))
 
 
+@runtime_checkable
+class StepCost(Protocol):
+    """What a scheduler and a decoding loop ask of an engine's verification cost, whatever it is
+    (a measured one-row table, ``VerifyCost``; one corrected by the steps a loop times,
+    ``CorrectedCost``; vLLM's step by rows and draft tokens, ``BatchCost``): the price of a step,
+    and what a step took. A step is described by what it verified -- ``trees``, one per row that
+    drafts (empty: no draft), in a step of ``rows`` rows (default: one per tree) -- since a
+    one-row table prices a chain and a tree apart, and a batch by its widest row."""
+
+    def step_seconds(self, trees: Sequence[DraftTree], rows: int | None = None) -> float:
+        """Seconds of one step verifying ``trees`` (``[]``: a plain step of ``rows`` rows)."""
+        ...
+
+    def observe_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
+        """The step that verified ``trees`` took ``seconds`` (a cost that does not learn ignores it)."""
+        ...
+
+
 @dataclass(frozen=True)
 class BlockShape:
     """How the verifier runs one step: ``size`` positions per row (the pending token, the tree,
@@ -153,6 +171,19 @@ class VerifyCost:
     def chain(self, n: int | np.ndarray) -> np.ndarray:
         """float64 seconds for a chain of ``n`` (>= 1) verified tokens; same shape as ``n``."""
         return _cheapest(self.sizes, self.chain_seconds or self.seconds, np.asarray(n, dtype=np.float64))[0]
+
+    def step_seconds(self, trees: Sequence[DraftTree], rows: int | None = None) -> float:
+        """``StepCost.step_seconds``: one row prices its tree (a chain by the chain times); a batch
+        its block padded to the widest row, one row's time for all its tokens (the transformers
+        loop, ``select_batch_trees``)."""
+        rows = len(trees) if rows is None else rows
+        if rows == 1 and len(trees) <= 1:
+            tree = trees[0] if trees else DraftTree.empty()
+            return float((self.chain if tree.is_chain() else self)(1 + len(tree)))
+        return float(self(rows * (1 + max((len(tree) for tree in trees), default=0))))
+
+    def observe_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
+        """A measured table learns nothing from the steps it prices (``CorrectedCost`` does)."""
 
     def block_shape(self, trees: Sequence[DraftTree]) -> BlockShape:
         """How to verify one step of ``trees`` (one per row). One row runs at the cheapest block
@@ -373,6 +404,16 @@ class CorrectedCost:
 
     def chain(self, n: int | np.ndarray) -> np.ndarray:
         return self.current.chain(n)
+
+    def step_seconds(self, trees: Sequence[DraftTree], rows: int | None = None) -> float:
+        """``VerifyCost.step_seconds`` by the corrected prices."""
+        return self.current.step_seconds(trees, rows)
+
+    def observe_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
+        """A step of one row, run at ``block_shape(trees)``, took ``seconds`` (``observe``); a batch's
+        steps tell nothing of one row's prices."""
+        if len(trees) == 1 and rows in (None, 1):
+            self.observe(self.block_shape(trees), trees[0].is_chain(), seconds)
 
     def block_shape(self, trees: Sequence[DraftTree]) -> BlockShape:
         """``VerifyCost.block_shape`` by the corrected prices, or, for one row, the alternative to a
@@ -611,6 +652,14 @@ class BatchCost:
     def chain(self, n: int | np.ndarray) -> np.ndarray:
         """One row verifying n tokens (its pending one and a chain of n - 1), as ``VerifyCost.chain``."""
         return self.seconds(1, np.asarray(n) - 1)
+
+    def step_seconds(self, trees: Sequence[DraftTree], rows: int | None = None) -> float:
+        """``StepCost.step_seconds``: ``seconds`` of the rows and the trees' draft tokens."""
+        return float(self.seconds(len(trees) if rows is None else rows, sum(len(tree) for tree in trees)))
+
+    def observe_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
+        """``observe`` for the rows and the trees' draft tokens."""
+        self.observe(len(trees) if rows is None else rows, sum(len(tree) for tree in trees), seconds)
 
     __call__ = chain
 

@@ -47,7 +47,7 @@ from rest_spec.common.types import MAX_SUFFIX, DraftConfig, DraftTree, IndexInfo
 
 if TYPE_CHECKING:
     from rest_spec.drafter.core.breaker import CircuitBreaker
-    from rest_spec.drafter.core.cost import CorrectedCost
+    from rest_spec.drafter.core.cost import StepCost
 
 __all__ = [
     "SUFFIX_CUTS",
@@ -211,7 +211,7 @@ class StepDrafter(Protocol):
     by a measured verification cost, is corrected by the loop from the steps it times."""
 
     source: DraftSource
-    cost: CorrectedCost | None
+    cost: StepCost | None
 
     def advance(self, rows: Sequence[Sequence[int]], requests: Sequence[Hashable]) -> list[Any]:
         """Each row's request session, given its live context (read now, not kept: the engine

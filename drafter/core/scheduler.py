@@ -59,7 +59,7 @@ import numpy as np
 
 from rest_spec.common.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.core.breaker import Admission, CircuitBreaker
-from rest_spec.drafter.core.cost import BatchCost, CorrectedCost, DraftingWorth
+from rest_spec.drafter.core.cost import DraftingWorth, StepCost
 from rest_spec.drafter.core.protocol import SUFFIX_CUTS, BatchRule, Drafter, Mark, Pending, finish_step, steps_for
 
 log = logging.getLogger(__name__)
@@ -185,20 +185,6 @@ def ahead_config(config: DraftConfig) -> DraftConfig:
     )
 
 
-def step_price(cost: CorrectedCost | BatchCost, rows: int, trees: Sequence[DraftTree]) -> tuple[float, float]:
-    """Seconds of a plain step of ``rows`` rows, and of the step verifying ``trees`` (one per row
-    that drafts) beside them: by the engine's step cost (``BatchCost``: rows and draft tokens), or
-    by a one-row table, where one row prices its tree (a chain by the chain times) and a batch its
-    block padded to the widest row (the transformers loop)."""
-    if isinstance(cost, BatchCost):
-        return cost.base(rows), float(cost.seconds(rows, sum(len(tree) for tree in trees)))
-    if rows == 1 and len(trees) == 1:
-        (tree,) = trees
-        return float(cost.chain(1)), float((cost.chain if tree.is_chain() else cost)(1 + len(tree)))
-    widest = max((len(tree) for tree in trees), default=0)
-    return float(cost(rows)), float(cost(rows * (1 + widest)))
-
-
 def likely_outcomes(tree: DraftTree, count: int) -> list[_Hypothesis]:
     """The ``count`` most likely accepted paths of ``tree`` (row 0), the empty path included:
     the path ends at node v with probability score(v) - the sum of its children's scores."""
@@ -252,7 +238,7 @@ class DraftScheduler:
         self._live: set[Hashable] = set()  # the last step's requests, less those that ended since
 
     @property
-    def cost(self) -> CorrectedCost | None:
+    def cost(self) -> StepCost | None:
         """The drafter's verification cost, which the loop corrects from the steps it times."""
         return None if self.sources is None else self.sources.cost
 
@@ -308,7 +294,7 @@ class DraftScheduler:
         trees = self.trees(rows, requests, admit)
         self.speculate(trees)
         if cost is not None:
-            plain, drafted = step_price(cost, size, trees)
+            plain, drafted = cost.step_seconds([], size), cost.step_seconds(trees, size)
             expected = sum(float(tree.scores.sum()) for tree in trees)
             self.worth.weigh(size, expected, drafted - plain + time.perf_counter() - start, plain)
         return trees

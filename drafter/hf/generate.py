@@ -274,8 +274,8 @@ def decode(
             rows = compact_cache(cache, rows, [verdict.keep for verdict in verdicts])
             t2 = time.perf_counter()
             forward = t2 - t1
-            if isinstance(cost, CorrectedCost) and len(trees) == 1:
-                cost.observe(shape, trees[0].is_chain(), t2 - t1)
+            if cost is not None:
+                cost.observe_step(trees, forward)  # a CorrectedCost learns from one-row steps
             verify_seconds += t2 - t1
             draft_seconds += t1 - t0
             steps += 1
