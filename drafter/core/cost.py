@@ -675,9 +675,10 @@ MAX_SKIP = 16  # the most steps drafting is skipped at a batch size before it is
 
 class DraftingWorth:
     """Whether drafting pays for itself at a batch size: every engine's one rule for when not to
-    draft at all (the sizing rules above decide how much, once it does).
+    draft at all (the sizing rules above decide how much, once it does), applied by the scheduler
+    for every engine (``drafter.core.scheduler.DraftScheduler.step``).
 
-    After each step that drafted, the engine says what it expected to gain (the kept scores:
+    After each step that drafted, the scheduler says what it expected to gain (the kept scores:
     tokens beyond the one a plain step makes, over all rows) and what the step cost beyond a plain
     one (the draft tokens' verification by the engine's cost, and the drafting's own time). Over
     the recent such steps at that batch size, drafting pays where the extra tokens per row
