@@ -1,0 +1,320 @@
+"""What a deployment's past outputs are worth to each drafter, replayed without the engine.
+
+    .venv-vllm/bin/python -m benchmarks.history --sets code,chat --warmup 0,100 --prompts 40
+
+A replica that has served N earlier requests drafts the held-out requests that follow. Greedy
+outputs do not depend on the drafter, so the model runs once (plain vLLM, many requests at a time;
+cached under ``$REST_CACHE_DIR/greedy-vllm``) and every drafter is replayed on the same outputs:
+at each step it drafts a chain of at most ``--k`` tokens from the context so far, the longest prefix
+the greedy output follows is accepted plus one token, as vLLM's verifier does. No timing: tokens
+per step only, so the comparison is exact and free of this machine's noise.
+
+Drafters, each starting from the same history (the warm-up requests' prompts and outputs, served in
+order, then each held-out request's output once it finished):
+
+- ``suffix``: Arctic Inference's ``SuffixDecodingCache`` with vLLM's ``suffix`` settings (tree depth
+  24, at most k tokens, spec factor 1, min token probability 0.1), fed as vLLM's proposer feeds it;
+- ``rest``: the adaptive drafter vLLM's proposer runs (index, the request's own text and the store
+  of outputs, merged and scored), its chain the root path of most expected tokens (verification
+  priced flat: what its sources hold, not what this CPU can afford);
+- ``rest-no-index``: the same without the index (the request and the store only: suffix's sources);
+- ``rest-outputs``: the store of outputs alone;
+- ``rest-own``: ``rest`` with the model's own corpus (``--own-index``, built by
+  ``benchmarks.own_corpus``) opened with the set's index as one.
+
+Sets: ``code`` holds out HumanEval 101-164, its warm-up being HumanEval 1-100 (the same kind of
+problem, never the same one); ``chat`` holds out ShareGPT 41-80 (first user turns of the sharegpt
+index's held-out conversations), its warm-up the held-out conversations from the 81st on.
+Reports, per set and warm-up size, tokens per step and accepted tokens per step of each drafter,
+their lift over no history, and for the REST drafters their attribution in hindsight per source
+(``drafter.core.merge.Attribution``: tokens each source held of what followed, tokens accepted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import ensure_index, report_header, save_report
+from benchmarks.e2e import INDEXES, set_prompts
+from rest_spec.common.tokenizer import load_tokenizer
+from rest_spec.common.types import DraftConfig
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.cost import CostKey, VerifyCost
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.merge import Attribution
+
+log = logging.getLogger("benchmarks.history")
+RESULTS = Path(__file__).resolve().parent / "results"
+DRAFTERS = ("suffix", "rest", "rest-no-index", "rest-outputs", "rest-own")
+REST_SOURCES = {
+    "rest": ("index", "request", "outputs"),
+    "rest-own": ("index", "request", "outputs"),
+    "rest-no-index": ("request", "outputs"),
+    "rest-outputs": ("outputs",),
+}
+Example = tuple[list[int], list[int]]  # prompt, greedy output
+
+
+# ---- prompts and the model's outputs ----------------------------------------------------------------
+
+
+def set_streams(name: str, tokenizer, warmup: int, prompts: int) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """(index, warm-up prompts, held-out prompts) of set ``name``, as ``benchmarks.fleet`` draws
+    them: never the same prompt in both."""
+    from benchmarks.fleet import CHAT_WARMUP_AFTER, STREAMS, chat_warmup_prompts, code_warmup_prompts
+
+    stream = STREAMS[name]
+    index = ensure_index(*INDEXES[stream.set])
+    held = set_prompts(stream.set, tokenizer, index, prompts, 1024, stream.skip)
+    if name == "code":
+        warm, _ = code_warmup_prompts(tokenizer, warmup, held)
+    else:
+        warm, _ = chat_warmup_prompts(
+            tokenizer, index, warmup, max(CHAT_WARMUP_AFTER, stream.skip + prompts), 1024, held
+        )
+    return index, warm, held
+
+
+def greedy_outputs(prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
+    """Plain vLLM's greedy outputs of ``prompts``, decoded once and cached per prompt with
+    ``benchmarks.fleet``'s warm-up outputs (the fleet benchmark reuses them)."""
+    from benchmarks.fleet import warmup_outputs
+
+    return warmup_outputs(prompts, args)[0] if prompts else []
+
+
+# ---- the drafters, replayed ---------------------------------------------------------------------------
+
+
+class SuffixReplay:
+    """A replica's vLLM ``suffix`` proposer around Arctic Inference's cache, fed the same way."""
+
+    def __init__(self, k: int) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.k, self.cache, self.depth = k, SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000), 24
+
+    def serve(self, rid: str, prompt: list[int], output: list[int]) -> None:
+        self.cache.start_request(rid, np.asarray(prompt, dtype=np.int32))
+        self.cache.add_active_response(rid, output)
+        self.cache.stop_request(rid)
+
+    def start(self, rid: str, prompt: list[int]) -> None:
+        self.cache.start_request(rid, np.asarray(prompt, dtype=np.int32))
+
+    def draft(self, rid: str, context: list[int], sampled: list[int]) -> list[int]:
+        self.cache.add_active_response(rid, sampled)
+        pattern = np.asarray(context[-self.depth :], dtype=np.int32)
+        draft = self.cache.speculate(rid, pattern, max_spec_tokens=self.k, max_spec_factor=1.0, min_token_prob=0.1)
+        return list(draft.token_ids)
+
+    def finish(self, rid: str, output: list[int]) -> None:
+        self.cache.stop_request(rid)
+
+
+class RestReplay:
+    """A replica's REST proposer: the adaptive drafter vLLM's proposer runs (``sources``) over
+    ``base`` (the index and the fleet's one store of outputs), choosing the chain of most expected
+    tokens, at most k long."""
+
+    def __init__(self, k: int, base: LocalDrafter, sources: Sequence[str]) -> None:
+        flat = VerifyCost(CostKey("flat", "", 1, "cpu", "float32"), 256, tuple(range(1, k + 2)), (1.0,) * (k + 1))
+        self.k, self.base = k, base
+        self.adaptive = AdaptiveDrafter(base, cost=flat, sources=sources, chains=True)
+
+    def serve(self, rid: str, prompt: list[int], output: list[int]) -> None:
+        self.base.add_output(output)
+
+    def start(self, rid: str, prompt: list[int]) -> None:
+        pass
+
+    def draft(self, rid: str, context: list[int], sampled: list[int]) -> list[int]:
+        [chain] = self.adaptive.draft_batch([context], DraftConfig(max_depth=self.k), requests=[rid])
+        return [int(t) for t in chain.tokens]  # a chain's nodes are in depth order
+
+    def finish(self, rid: str, output: list[int]) -> None:
+        self.adaptive.finish([rid])
+        self.base.add_output(output)
+
+
+@dataclasses.dataclass
+class Tally:
+    """Steps, tokens and draft tokens over every replica's held-out requests."""
+
+    steps: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_prompt: list[float] = dataclasses.field(default_factory=list)
+
+    def figures(self) -> dict:
+        return {
+            "steps": self.steps,
+            "tokens_per_step": round(self.tokens / self.steps, 4),
+            "tokens_per_step_median": round(statistics.median(self.per_prompt), 4),
+            "accepted_per_step": round(self.accepted / self.steps, 4),
+            "drafted_per_step": round(self.drafted / self.steps, 4),
+        }
+
+
+def accepted_length(chain: Sequence[int], following: Sequence[int]) -> int:
+    n = 0
+    for drafted, actual in zip(chain, following):
+        if drafted != actual:
+            break
+        n += 1
+    return n
+
+
+def replay(drafter, held_out: list[tuple[int, Example]], tally: Tally) -> None:
+    """Each of ``held_out`` (number, (prompt, greedy output)) served one at a time by ``drafter``:
+    at each step its chain's longest prefix the output follows is accepted, plus one token."""
+    for number, (prompt, output) in held_out:
+        rid, context, position, steps = f"held-{number}", list(prompt), 0, 0
+        drafter.start(rid, prompt)
+        sampled: list[int] = []
+        while position < len(output):
+            chain = drafter.draft(rid, context, sampled) if position else []  # the first token is the prefill's
+            n = accepted_length(chain, output[position:])
+            take = min(n + 1, len(output) - position)
+            sampled = output[position : position + take]
+            context += sampled
+            position += take
+            steps += 1
+            tally.drafted, tally.accepted = tally.drafted + len(chain), tally.accepted + n
+        tally.steps, tally.tokens = tally.steps + steps, tally.tokens + len(output)
+        tally.per_prompt.append(len(output) / steps)
+        drafter.finish(rid, output)
+
+
+def run_fleet(
+    name: str, k: int, index: Path | list[Path], warm: list[Example], held_out: list[Example], replicas: int
+) -> dict:
+    """Drafter ``name`` in a fleet of ``replicas``, each having served its share (round-robin) of
+    ``warm``, then its share of ``held_out``, one replica after another: suffix's replicas keep a
+    cache each; REST's share the index and one store of outputs (every warm-up output, and each
+    held-out output once served), each with a proposer (calibration, sessions) of its own. ``index``:
+    one index directory or several opened as one."""
+    tally = Tally()
+    numbered = list(enumerate(held_out))
+    if name == "suffix":
+        for r in range(replicas):
+            suffix = SuffixReplay(k)
+            for i, (prompt, output) in enumerate(warm[r::replicas]):
+                suffix.serve(f"warm-{i}", prompt, output)
+            replay(suffix, numbered[r::replicas], tally)
+        return tally.figures()
+    base = LocalDrafter.open(index, outputs_max_tokens=50_000_000)
+    try:
+        for _, output in warm:
+            base.add_output(output)
+        attribution = Attribution(REST_SOURCES[name])
+        for r in range(replicas):
+            rest = RestReplay(k, base, REST_SOURCES[name])
+            replay(rest, numbered[r::replicas], tally)
+            for count in Attribution.COUNTS:
+                getattr(attribution, count)[...] += getattr(rest.adaptive.attribution, count)
+    finally:
+        base.close()
+    cells = attribution.report()
+    return {
+        **tally.figures(),
+        "hindsight": attribution.hindsight(),
+        "by_source": by_source(cells),
+        "attribution": cells,
+    }
+
+
+def by_source(cells: list[dict]) -> dict:
+    """Per source over all match lengths: steps it offered a first token of the merged tree, tokens
+    it held of what followed, steps it proposed a first token of the verified chain, tokens of its
+    accepted."""
+    total: dict[str, dict] = {}
+    for cell in cells:
+        row = total.setdefault(cell["source"], {"offered": 0, "held": 0, "steps": 0, "accepted": 0})
+        for name in row:
+            row[name] += cell[name]
+    return total
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sets", default="code,chat", help="comma-separated, of code,chat (default: %(default)s)")
+    p.add_argument("--warmup", default="0,500,2000", help="warm-up sizes N, comma-separated (default: %(default)s)")
+    p.add_argument("--replicas", default="1,4", help="fleet sizes F, comma-separated (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=40, help="held-out prompts per set (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--k", type=int, default=8, help="draft tokens per step at most (default: %(default)s)")
+    p.add_argument("--warmup-concurrency", type=int, default=32, help="requests at once decoding outputs")
+    p.add_argument("--drafters", default=",".join(DRAFTERS[:-1]), help="comma-separated (default: %(default)s)")
+    p.add_argument(
+        "--own-index",
+        action="append",
+        default=[],
+        metavar="SET=DIR",
+        help="the model's own corpus of a set (benchmarks.own_corpus), for the rest-own drafter",
+    )
+    p.add_argument("--out", type=Path, default=RESULTS / "history.json")
+    args = p.parse_args(argv)
+    args.own_index = dict(item.split("=", 1) for item in args.own_index)
+    args.sets, args.drafters = args.sets.split(","), args.drafters.split(",")
+    args.warmup = sorted(int(n) for n in args.warmup.split(","))
+    args.replicas = sorted(int(n) for n in args.replicas.split(","))
+    if set(args.sets) - {"code", "chat"} or set(args.drafters) - set(DRAFTERS):
+        p.error(f"--sets: code,chat; --drafters: {','.join(DRAFTERS)}")
+    if "rest-own" in args.drafters and set(args.sets) - set(args.own_index):
+        p.error("the rest-own drafter needs --own-index SET=DIR for every set")
+    if min(args.warmup) < 0 or min(args.replicas) < 1 or args.prompts < max(args.replicas):
+        p.error("--warmup >= 0, --replicas >= 1, --prompts at least the largest --replicas")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    from benchmarks.vllm import ENGINE_MODEL
+    from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
+
+    ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")  # as benchmarks.fleet
+    tokenizer = load_tokenizer(None)
+    report = report_header("history", argv)
+    report["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report["sets"] = {}
+    for name in args.sets:
+        index, warm_prompts, held_prompts = set_streams(name, tokenizer, max(args.warmup), args.prompts)
+        held_out = list(zip(held_prompts, greedy_outputs(held_prompts, args)))
+        result = report["sets"][name] = {"index": str(index), "held_out": len(held_out), "fleets": {}}
+        if name in args.own_index:
+            result["own_index"] = args.own_index[name]
+        for n in args.warmup:  # the warm-up decoded as far as each N needs, so the small N report first
+            warm = list(zip(warm_prompts[:n], greedy_outputs(warm_prompts[:n], args)))
+            for f in args.replicas:
+                row = {
+                    d: run_fleet(
+                        d, args.k, [index, Path(args.own_index[name])] if d == "rest-own" else index, warm, held_out, f
+                    )
+                    for d in args.drafters
+                }
+                cold = result["fleets"].get(f"F={f} N={args.warmup[0]}", row)
+                for d, figures in row.items():
+                    figures["lift_over_cold"] = round(figures["tokens_per_step"] / cold[d]["tokens_per_step"], 4)
+                result["fleets"][f"F={f} N={n}"] = row
+                line = ", ".join(f"{d} {r['tokens_per_step']:.3f}" for d, r in row.items())
+                print(f"{name} F={f} N={n}: tokens/step {line}", file=sys.stderr)
+                save_report(report, args.out, echo=False)  # what is measured so far, should a later N fail
+    save_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
