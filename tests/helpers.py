@@ -57,6 +57,24 @@ UNSEEN = CORPUS_VOCAB - 1  # a valid token id the corpus never uses: a context e
 MAX_CONTEXT = 64
 
 
+def tiny_bpe_tokenizer(path: Path, texts: Sequence[str]) -> Path:
+    """A byte-level BPE (any text encodes) trained on ``texts``, saved at ``path`` the way models
+    ship tokenizers; returns ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"], show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(texts, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+    return path
+
+
 def synthetic_corpus() -> list[list[int]]:
     """200 documents of recurring phrases and noise (deep, branching matches); deterministic."""
     rng = np.random.default_rng(7)

@@ -17,6 +17,7 @@ import pytest
 
 from rest_spec.common.tokenizer import tokenizer_fingerprint
 from rest_spec.datastore import format as fmt
+from tests.helpers import tiny_bpe_tokenizer
 
 pytestmark = [pytest.mark.build, pytest.mark.cli]
 
@@ -33,21 +34,10 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory) -> Path:
     """A byte-level BPE (any text encodes) saved the way models ship tokenizers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"], show_progress=False,
-    )  # fmt: skip
-    texts = ["def sort(xs):\n    return sorted(xs)\n", "How do I sort a list in Python? Use sorted."] * 20
-    tok.train_from_iterator(texts, trainer)
-    path = tmp_path_factory.mktemp("tok") / "tiny"
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
-    return path
+    return tiny_bpe_tokenizer(
+        tmp_path_factory.mktemp("tok") / "tiny",
+        ["def sort(xs):\n    return sorted(xs)\n", "How do I sort a list in Python? Use sorted."] * 20,
+    )
 
 
 @pytest.fixture(scope="module")

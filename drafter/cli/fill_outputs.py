@@ -15,7 +15,7 @@ from pathlib import Path
 from rest_spec.common.cli import EXIT_INTERRUPTED, exit_statuses, run_command, setup_logging
 from rest_spec.common.errors import UsageError
 from rest_spec.datastore.client import add_connection_arguments
-from rest_spec.drafter.cli.prompts import as_chat, encode_prompt, read_prompts
+from rest_spec.drafter.cli.prompts import CHAT_HELP, PROMPTS_FILE_HELP, as_chat, encode_prompt, read_prompts
 from rest_spec.drafter.outputs_corpus import (
     DEFAULT_BATCH_SIZE,
     ENGINES,
@@ -99,13 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE.jsonl",
         type=Path,
         required=True,
-        help='one prompt per line: {"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} '
-        "(rendered with the tokenizer's chat template and a generation prompt)",
+        help=PROMPTS_FILE_HELP,
     )
     parser.add_argument(
         "--chat",
         action="store_true",
-        help="render raw-text prompts as one user message with the tokenizer's chat template",
+        help=CHAT_HELP,
     )
     store = parser.add_mutually_exclusive_group(required=True)
     store.add_argument(

@@ -11,6 +11,12 @@ from pathlib import Path
 
 from rest_spec.common.errors import CliError
 
+PROMPTS_FILE_HELP = (
+    'one prompt per line: {"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} '
+    "(rendered with the tokenizer's chat template and a generation prompt)"
+)
+CHAT_HELP = "render raw-text prompts as one user message with the tokenizer's chat template"
+
 
 @dataclass(frozen=True)
 class Prompt:

@@ -22,7 +22,7 @@ from rest_spec.common.cli import exit_statuses, run_command, setup_logging
 from rest_spec.common.errors import CliError, NoOutputStoreError
 from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree
 from rest_spec.datastore.client import add_connection_arguments
-from rest_spec.drafter.cli.prompts import Prompt, as_chat, encode_prompt, read_prompts
+from rest_spec.drafter.cli.prompts import CHAT_HELP, PROMPTS_FILE_HELP, Prompt, as_chat, encode_prompt, read_prompts
 from rest_spec.drafter.core.sources import open_datastore
 
 if TYPE_CHECKING:
@@ -122,13 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompts",
         metavar="FILE.jsonl",
         type=Path,
-        help='one prompt per line: {"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} '
-        "(rendered with the tokenizer's chat template and a generation prompt)",
+        help=PROMPTS_FILE_HELP,
     )
     parser.add_argument(
         "--chat",
         action="store_true",
-        help="render raw-text prompts as one user message with the tokenizer's chat template",
+        help=CHAT_HELP,
     )
     add_model_arguments(parser)
     parser.add_argument(
