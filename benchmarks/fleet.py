@@ -82,7 +82,7 @@ from benchmarks.e2e import add_set_arguments, set_index, set_prompts, sharegpt_p
 from benchmarks.load import start_datastore
 from benchmarks.overlap import stop
 from benchmarks.vllm import ENGINE_MODEL, ENGINE_TIMEOUT, job, measure_t, rest_options, spec_metrics, summarize
-from benchmarks.vllm_run import VLLM_ENV, attribution_report, run_job
+from benchmarks.vllm_run import PROPOSER_STATES, VLLM_ENV, attribution_report, run_job
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records, open_corpus
 from rest_spec.common.cache import cache_dir
 from rest_spec.common.tokenizer import load_tokenizer
@@ -390,9 +390,8 @@ def merged(result: dict, concurrency: int) -> dict:
         "attribution": None,
     }
     if all(r["proposer"] for r in runs):
-        as_is = ("first_draft_call", "per_token_ms", "largest_base_ms")  # the engine's at the end, not counts
         stats = {
-            key: runs[-1]["proposer"][key] if key in as_is else sum(r["proposer"][key] for r in runs)
+            key: runs[-1]["proposer"][key] if key in PROPOSER_STATES else sum(r["proposer"][key] for r in runs)
             for key in runs[0]["proposer"]
             if key != "ms_per_call"
         }

@@ -192,13 +192,16 @@ def attribution_report(attribution) -> dict:
     return {"cells": attribution.report(), "hindsight": attribution.hindsight()}
 
 
+# the proposer's figures that are the engine's state at the end of a run, not counts over it
+PROPOSER_STATES = ("first_draft_call", "per_token_ms", "largest_base_ms")
+
+
 def proposer_difference(after: dict | None, before: dict | None) -> dict | None:
     """The proposer's counters over a run (``first_draft_call`` and the learned cost as they are at
     its end: the engine's), and its seconds per call in ms."""
     if after is None or before is None:
         return None
-    as_is = ("first_draft_call", "per_token_ms", "largest_base_ms")  # the engine's, not counts
-    out = {key: after[key] if key in as_is else after[key] - before[key] for key in after}
+    out = {key: after[key] if key in PROPOSER_STATES else after[key] - before[key] for key in after}
     out["ms_per_call"] = 1e3 * out["seconds"] / out["calls"] if out["calls"] else None
     return out
 

@@ -18,6 +18,33 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/set
 pytestmark = [pytest.mark.vllm, pytest.mark.bench]
 
 
+def test_a_suffix_history_is_what_the_proposer_drafts_from(monkeypatch):
+    """A run whose suffix cache holds the very requests it serves (their prompts and outputs, from a
+    cold run before) drafts them almost whole: the history is in the cache vLLM's proposer reads,
+    and a run without one starts from an empty cache (``benchmarks.vllm_run.suffix_history``)."""
+    from benchmarks.common import humaneval_inputs
+    from benchmarks.vllm_run import run_job
+    from rest_spec.common.tokenizer import load_tokenizer
+    from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    prompts = humaneval_inputs(load_tokenizer(None), 2)
+    greedy = {"temperature": 0.0, "max_tokens": 24}
+    job = {"model": str(hf_checkpoint()), "method": "suffix", "k": 4}
+    (cold,) = run_job({**job, "runs": [{"prompts": prompts, "sampling": greedy}]})["runs"]
+    history = [[p, o] for p, o in zip(prompts, cold["outputs"])]
+    runs = [{"prompts": prompts, "sampling": greedy, "history": history}, {"prompts": prompts, "sampling": greedy}]
+    runs[1]["history"] = []  # a fresh, empty cache: the first run's requests gone with it
+    warm, fresh = run_job({**job, "runs": runs})["runs"]
+    assert warm["outputs"] == fresh["outputs"] == cold["outputs"]
+    assert warm["history"]["warmed"] == {"cached_requests": 2, "active_requests": 0}
+    assert fresh["history"]["warmed"] == {"cached_requests": 0, "active_requests": 0}
+    tokens = sum(map(len, cold["outputs"]))
+    accepted = {name: run["spec"]["spec_decode_num_accepted_tokens"] for name, run in [("cold", cold), ("warm", warm)]}
+    assert accepted["warm"] >= 0.6 * tokens and accepted["warm"] > accepted["cold"], accepted
+    assert fresh["spec"]["spec_decode_num_accepted_tokens"] == accepted["cold"], (fresh["spec"], cold["spec"])
+
+
 def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_path, monkeypatch):
     from benchmarks import fleet
 
@@ -57,7 +84,7 @@ def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_
     assert store["warmup_outputs"] == 2 and store["warmup_tokens"] == tokens
     assert store["after_warmup"] == {"tokens": tokens, "add_output_calls": 2}, store
     # the first replica's output is stored once the second replica's run steps the engine on (the
-    # last request of an engine's last run is never let go of)
+    # last request of an engine's last run may end with the engine, not stored)
     assert store["at_end"]["add_output_calls"] >= 3 and store["at_end"]["tokens"] > tokens, store
     assert block["rest"]["replicas"][0]["outputs_added"] + block["rest"]["replicas"][1]["outputs_added"] >= 1
     assert block["rest"]["attribution"]["hindsight"]["steps"] >= 0
