@@ -57,5 +57,7 @@ def open_datastore(
     except (OSError, ValueError, RuntimeError) as exc:
         if source is not None:
             source.close()
-        raise ValueError(f"cannot use {where} {spec!r} ({kind}): {first_line(exc)}") from None  # one line naming the setting: the cause is in it
+        raise ValueError(
+            f"cannot use {where} {spec!r} ({kind}): {first_line(exc)}"
+        ) from None  # one line naming the setting: the cause is in it
     return source

@@ -381,7 +381,9 @@ class RestProposer:
         try:
             check_tokenizer(self.source, tokenizer_fingerprint(tokenizer))
         except ValueError as exc:
-            raise ValueError(f"additional_config.rest.datastore {self.options.datastore!r}: {exc}") from None  # one line naming the option
+            raise ValueError(
+                f"additional_config.rest.datastore {self.options.datastore!r}: {exc}"
+            ) from None  # one line naming the option
 
     def _batch(self, rows: int) -> list[tuple[str, Any]]:
         """(request id, request state) of each row, from the runner."""
