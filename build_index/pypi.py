@@ -71,6 +71,7 @@ from pathlib import Path, PurePosixPath
 
 from rest_spec.build_index.corpora import TEXT, Corpus, CorpusError, CorpusSpec, ReadStats, Record, Turn
 from rest_spec.common.cache import cache_dir
+from rest_spec.datastore import format as fmt
 
 log = logging.getLogger(__name__)
 
@@ -189,14 +190,6 @@ def _archive_version(filename: str) -> tuple[str | None, str]:
     return (stem.rsplit("-", 1)[1] if "-" in stem else None), "sdist"
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class PackageCache:
     """Archives that pip downloaded, under ``root``: ``archives/<file>`` and, written after it,
     ``fetched/<key>.json`` (the marker that makes a requirement done); pip writes into
@@ -273,7 +266,7 @@ class PackageCache:
             archive = self.root / "archives" / files[0].name
             os.replace(files[0], archive)
             version, kind = _archive_version(archive.name)
-            return Fetched(requirement, name, archive.name, version, kind, _file_sha256(archive))
+            return Fetched(requirement, name, archive.name, version, kind, fmt.file_digest(archive))
         finally:
             shutil.rmtree(dest, ignore_errors=True)
 
