@@ -1,6 +1,6 @@
 """What a deployment's past outputs are worth to each drafter, replayed without the engine.
 
-    .venv-vllm/bin/python -m benchmarks.history --sets code,chat --warmup 0,100 --prompts 40
+    .venv-vllm/bin/python -m benchmarks.history --sets code --prompts 64 --warmup 0,500,2000 --replicas 1,4
 
 A replica that has served N earlier requests drafts the held-out requests that follow. Greedy
 outputs do not depend on the drafter, so the model runs once (plain vLLM, many requests at a time;
@@ -22,10 +22,12 @@ order, then each held-out request's output once it finished):
 - ``rest-own``: ``rest`` with the model's own corpus (``--own-index``, built by
   ``benchmarks.own_corpus``) opened with the set's index as one.
 
-Sets: ``code`` holds out HumanEval 101-164, its warm-up being HumanEval 1-100 (the same kind of
-problem, never the same one); ``chat`` holds out ShareGPT 41-80 (first user turns of the sharegpt
-index's held-out conversations), its warm-up the held-out conversations from the 81st on.
-Reports, per set and warm-up size, tokens per step and accepted tokens per step of each drafter,
+Sets and warm-up streams are ``benchmarks.fleet``'s: ``code`` holds out HumanEval from the 101st
+problem, its warm-up function-completion prompts mined from packages no index holds; ``chat`` holds
+out ShareGPT 41-80 (first user turns of the sharegpt index's held-out conversations), its warm-up
+the held-out conversations from the 81st on, then conversations inside the index. F replicas
+(``--replicas``) each serve their round-robin share. Reports, per set, F and warm-up size N, tokens
+per step and accepted tokens per step of each drafter,
 their lift over no history, and for the REST drafters their attribution in hindsight per source
 (``drafter.core.merge.Attribution``: tokens each source held of what followed, tokens accepted).
 """
@@ -224,25 +226,15 @@ def run_fleet(
                 getattr(attribution, count)[...] += getattr(rest.adaptive.attribution, count)
     finally:
         base.close()
+    from benchmarks.fleet import hindsight_per_source
+
     cells = attribution.report()
     return {
         **tally.figures(),
         "hindsight": attribution.hindsight(),
-        "by_source": by_source(cells),
+        "by_source": hindsight_per_source(cells),
         "attribution": cells,
     }
-
-
-def by_source(cells: list[dict]) -> dict:
-    """Per source over all match lengths: steps it offered a first token of the merged tree, tokens
-    it held of what followed, steps it proposed a first token of the verified chain, tokens of its
-    accepted."""
-    total: dict[str, dict] = {}
-    for cell in cells:
-        row = total.setdefault(cell["source"], {"offered": 0, "held": 0, "steps": 0, "accepted": 0})
-        for name in row:
-            row[name] += cell[name]
-    return total
 
 
 # ---- the run -----------------------------------------------------------------------------------------
