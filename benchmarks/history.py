@@ -30,12 +30,18 @@ the held-out conversations from the 81st on, then conversations inside the index
 per step and accepted tokens per step of each drafter,
 their lift over no history, and for the REST drafters their attribution in hindsight per source
 (``drafter.core.merge.Attribution``: tokens each source held of what followed, tokens accepted).
+
+``--tune M`` replays a tuning split instead, so the drafting core's choices are made without the
+held-out sets: the held-out requests are the last M of the warm-up stream (drawn max(N) + M long,
+their outputs cached with the warm-up's) and the warm-up the requests before them. It never decodes:
+an output not cached already is an error (``max(N) + M`` within the 2,000 cached per set).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import statistics
 import sys
@@ -87,10 +93,24 @@ def set_streams(name: str, tokenizer, warmup: int, prompts: int) -> tuple[Path, 
 
 def greedy_outputs(prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
     """Plain vLLM's greedy outputs of ``prompts``, decoded once and cached per prompt with
-    ``benchmarks.fleet``'s warm-up outputs (the fleet benchmark reuses them)."""
-    from benchmarks.fleet import warmup_outputs
+    ``benchmarks.fleet``'s warm-up outputs (the fleet benchmark reuses them); cached ones only
+    under ``--tune``."""
+    from benchmarks.fleet import prompt_key, warmup_cache, warmup_outputs
 
+    if args.tune and prompts:
+        path = warmup_cache(args.max_new_tokens)
+        cached = json.loads(path.read_text())["outputs"] if path.is_file() else {}
+        missing = sum(prompt_key(p) not in cached for p in prompts)
+        if missing:
+            raise SystemExit(f"--tune decodes nothing: {missing} of {len(prompts)} outputs are not in {path}")
     return warmup_outputs(prompts, args)[0] if prompts else []
+
+
+def tuning_split(warm: list[list[int]], tune: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(warm-up, held-out) of ``--tune``: the last ``tune`` requests of the warm-up stream held out."""
+    if not 0 < tune < len(warm):
+        raise ValueError(f"--tune {tune} needs a longer warm-up stream than {len(warm)} requests")
+    return warm[:-tune], warm[-tune:]
 
 
 # ---- the drafters, replayed ---------------------------------------------------------------------------
@@ -257,6 +277,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="SET=DIR",
         help="the model's own corpus of a set (benchmarks.own_corpus), for the rest-own drafter",
     )
+    p.add_argument(
+        "--tune",
+        type=int,
+        default=0,
+        metavar="M",
+        help="hold out the last M warm-up requests instead of the set's held-out prompts (a tuning split)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "history.json")
     args = p.parse_args(argv)
     args.own_index = dict(item.split("=", 1) for item in args.own_index)
@@ -269,6 +296,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("the rest-own drafter needs --own-index SET=DIR for every set")
     if min(args.warmup) < 0 or min(args.replicas) < 1 or args.prompts < max(args.replicas):
         p.error("--warmup >= 0, --replicas >= 1, --prompts at least the largest --replicas")
+    if args.tune < 0 or 0 < args.tune < max(args.replicas):
+        p.error("--tune M: M at least the largest --replicas")
     return args
 
 
@@ -284,9 +313,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     report["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report["sets"] = {}
     for name in args.sets:
-        index, warm_prompts, held_prompts = set_streams(name, tokenizer, max(args.warmup), args.prompts)
+        index, warm_prompts, held_prompts = set_streams(name, tokenizer, max(args.warmup) + args.tune, args.prompts)
+        if args.tune:
+            warm_prompts, held_prompts = tuning_split(warm_prompts, args.tune)
         held_out = list(zip(held_prompts, greedy_outputs(held_prompts, args)))
         result = report["sets"][name] = {"index": str(index), "held_out": len(held_out), "fleets": {}}
+        if args.tune:
+            result["tuning_split"] = f"warm-up requests {max(args.warmup) + 1}-{max(args.warmup) + args.tune} held out"
         if name in args.own_index:
             result["own_index"] = args.own_index[name]
         for n in args.warmup:  # the warm-up decoded as far as each N needs, so the small N report first
