@@ -18,6 +18,7 @@ from concurrent.futures import CancelledError
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.tokenizer import require_tokenizer
@@ -201,6 +202,21 @@ class DatastoreClient:
         the client's). ``NoOutputStoreError`` (a ``RuntimeError``) when the server keeps no outputs:
         AddOutput's FAILED_PRECONDITION."""
         return self._call(self._stub.AddOutput, wire.add_output_request(tokens), timeout, NoOutputStoreError).seq
+
+    def read_outputs(
+        self, from_seq: int, vocab_size: int, timeout: float | None = None
+    ) -> tuple[list[tuple[int, np.ndarray]], int, int]:
+        """The server's stored outputs from ``from_seq`` on, as many as one reply holds:
+        (documents as (seq, tokens), next_seq, end_seq), checked against ``vocab_size``
+        (``wire.outputs_from_reply``; a malformed reply raises ``RuntimeError`` naming the server).
+        ``NoOutputStoreError`` when the server keeps no outputs."""
+        reply = self._call(
+            self._stub.ReadOutputs, pb.ReadOutputsRequest(from_seq=from_seq), timeout, NoOutputStoreError
+        )
+        try:
+            return wire.outputs_from_reply(reply, from_seq, vocab_size)
+        except ValueError as exc:
+            raise RuntimeError(f"datastore at {self.address} answered a malformed ReadOutputs reply: {exc}") from None
 
     def info(self) -> IndexInfo:
         return wire.info_from_message(self._call(self._stub.Info, pb.InfoRequest()))

@@ -7,9 +7,11 @@ writing it: ``build_index --corpus outputs:DIR`` indexes the model's own outputs
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import stat
@@ -435,6 +437,38 @@ class OutputStore:
             self._insert(seq, array)
             self._compact_if_mostly_evicted()
         return seq
+
+    @property
+    def end_seq(self) -> int:
+        """The sequence number the next ``add`` will give."""
+        with self._lock:
+            return self._next_seq
+
+    def read(self, from_seq: int, max_tokens: int) -> tuple[list[tuple[int, np.ndarray]], int, int]:
+        """What a copy of this store reads (``datastore.mirror``): (the live documents numbered
+        ``from_seq`` or later, oldest first, as (seq, tokens copy), at most ``max_tokens`` tokens in
+        all; where to read from next, past them and past any document of more than ``max_tokens``
+        tokens, which no read returns; ``end_seq``)."""
+        if from_seq < 0 or max_tokens < 1:
+            raise ValueError(f"from_seq must be >= 0 and max_tokens >= 1, got {from_seq} and {max_tokens}")
+        documents, next_seq, budget = [], from_seq, max_tokens
+        with self._lock:
+            self._check_open()
+            start = bisect.bisect_left(self._documents, from_seq, key=lambda document: document.seq)
+            for document in itertools.islice(self._documents, start, None):
+                if document.length > max_tokens:  # can never be read whole: passed over
+                    next_seq = document.seq + 1
+                    continue
+                if document.length > budget:
+                    break
+                tokens = self._index.tokens[document.start : document.start + document.length].copy()
+                documents.append((document.seq, tokens))
+                budget -= document.length
+                next_seq = document.seq + 1
+            else:  # read to the end
+                if from_seq <= self._next_seq:
+                    next_seq = self._next_seq
+            return documents, next_seq, self._next_seq
 
     def documents(self) -> list[np.ndarray]:
         """The live documents' tokens, oldest first (copies): what a reopened store must hold again."""

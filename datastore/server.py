@@ -56,7 +56,8 @@ class DatastoreServicer(BoundedServicer):
         self._info = wire.info_to_message(store.info())
 
     def needs_token(self, method: str) -> bool:
-        return self._config.auth_scope == "all" or method == "AddOutput"
+        # reading the store whole is reading other clients' generations: as guarded as adding
+        return self._config.auth_scope == "all" or method in ("AddOutput", "ReadOutputs")
 
     def _output_tree(self, include: bool, context, config: DraftConfig) -> pb.DraftTree | None:
         """The output store's tree for ``context`` when asked for and kept; else None (read as empty)."""
@@ -100,6 +101,17 @@ class DatastoreServicer(BoundedServicer):
         if self._outputs is None:
             raise NoOutputStoreError("this server keeps no outputs (it was started with --outputs-max-tokens 0)")
         return pb.AddOutputReply(seq=self._outputs.add(wire.output_from_message(request)))
+
+    def ReadOutputs(self, request: pb.ReadOutputsRequest, context: grpc.ServicerContext) -> pb.ReadOutputsReply:
+        if self._outputs is None:
+            raise NoOutputStoreError("this server keeps no outputs (it was started with --outputs-max-tokens 0)")
+        fits = (self._config.max_reply_bytes - wire.READ_REPLY_SLACK) // wire.READ_BYTES_PER_TOKEN
+        documents, next_seq, end_seq = self._outputs.read(request.from_seq, fits)
+        reply = wire.read_outputs_reply(documents, next_seq, end_seq)
+        while len(reply.outputs) > 1 and reply.ByteSize() > self._config.max_reply_bytes:  # short outputs' overhead
+            del reply.outputs[len(reply.outputs) // 2 :]
+            reply.next_seq = reply.outputs[-1].seq + 1
+        return reply
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoReply:
         return self._info

@@ -100,6 +100,41 @@ def output_from_message(request: pb.AddOutputRequest) -> np.ndarray:
     return np.array(request.tokens, dtype=np.int64)
 
 
+# bytes a ReadOutputs reply spends per token at most (a uint32 varint), and beside its outputs
+READ_BYTES_PER_TOKEN, READ_REPLY_SLACK = 5, 64
+
+
+def read_outputs_reply(documents: Sequence[tuple[int, np.ndarray]], next_seq: int, end_seq: int) -> pb.ReadOutputsReply:
+    return pb.ReadOutputsReply(
+        outputs=[pb.StoredOutput(seq=seq, tokens=tokens.tolist()) for seq, tokens in documents],
+        next_seq=next_seq,
+        end_seq=end_seq,
+    )
+
+
+def outputs_from_reply(
+    reply: pb.ReadOutputsReply, from_seq: int, vocab_size: int
+) -> tuple[list[tuple[int, np.ndarray]], int, int]:
+    """(documents, next_seq, end_seq) of a ReadOutputs reply to a read from ``from_seq``, checked as
+    a hostile server's: numbers ascending from ``from_seq`` and below ``next_seq``, every document
+    non-empty within the vocabulary, ``next_seq`` not behind ``from_seq`` (``ValueError`` naming
+    what is wrong)."""
+    documents, last = [], from_seq - 1
+    for i, output in enumerate(reply.outputs):
+        if output.seq <= last or output.seq >= reply.next_seq:
+            raise ValueError(
+                f"outputs[{i}].seq {output.seq} is out of order (after {last}, before next_seq {reply.next_seq})"
+            )
+        tokens = np.array(output.tokens, dtype=np.int64)
+        if tokens.size == 0 or tokens.max() >= vocab_size:
+            raise ValueError(f"outputs[{i}] (seq {output.seq}) is empty or holds ids outside [0, {vocab_size})")
+        documents.append((output.seq, tokens))
+        last = output.seq
+    if reply.next_seq < from_seq and reply.end_seq >= from_seq:
+        raise ValueError(f"next_seq {reply.next_seq} is behind the read's from_seq {from_seq}")
+    return documents, reply.next_seq, reply.end_seq
+
+
 def parse_draft_request(request: pb.DraftRequest, vocab_size: int, max_tokens: int) -> tuple[np.ndarray, DraftConfig]:
     """(context, config) of a request, validated (``ValueError`` naming the field)."""
     config = config_from_message(request.params)

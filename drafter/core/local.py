@@ -1,4 +1,5 @@
-"""The in-process draft source: an opened index and a store of recent outputs, no network."""
+"""The in-process draft source: an opened index and a store of recent outputs (or a copy of a
+fleet's), no call on the decoding step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.tokenizer import require_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.mirror import OutputsMirror
 from rest_spec.datastore.outputs import (
     DEFAULT_OUTPUTS_MAX_TOKENS,
     OutputStore,
@@ -19,13 +21,14 @@ from rest_spec.drafter.core.protocol import DraftSource
 
 
 class LocalDrafter(DraftSource):
-    """``SourceDrafter`` over a ``Datastore`` and an optional ``OutputStore`` in this process;
-    returns the same trees as the gRPC service. Owns both (``close`` closes them). Its batches
-    are drafted when collected, in the thread that collects them."""
+    """``SourceDrafter`` over a ``Datastore`` and an optional store of outputs in this process
+    (an ``OutputStore``, or an ``OutputsMirror``: a copy of a fleet's server's); returns the same
+    trees as the gRPC service. Owns both (``close`` closes them). Its batches are drafted when
+    collected, in the thread that collects them."""
 
     reads_suffixes = True
 
-    def __init__(self, datastore: Datastore, outputs: OutputStore | None = None) -> None:
+    def __init__(self, datastore: Datastore, outputs: OutputStore | OutputsMirror | None = None) -> None:
         self.datastore = datastore
         self.outputs = outputs
 
@@ -37,18 +40,38 @@ class LocalDrafter(DraftSource):
         expected_fingerprint: str | None = None,
         outputs_max_tokens: int = DEFAULT_OUTPUTS_MAX_TOKENS,
         outputs_dir: str | Path | None = None,
+        outputs_from: str | None = None,
+        tls_ca: str | None = None,
+        auth_token: str | None = None,
         **kwargs,
     ) -> LocalDrafter:
         """Open the index at ``path``, or the indexes at several paths as one (``kwargs`` and
         ``path`` go to ``Datastore.open``), with an output store of
-        ``outputs_max_tokens`` tokens (0: none), persistent in ``outputs_dir`` if given; with
-        ``expected_fingerprint`` (the model's ``tokenizer_fingerprint``), an index built with another
-        tokenizer is refused with ``TokenizerMismatchError``."""
+        ``outputs_max_tokens`` tokens (0: none), persistent in ``outputs_dir`` if given, or a copy
+        of that size of the store of the server at ``outputs_from`` (HOST:PORT; ``OutputsMirror``,
+        reached with ``tls_ca`` and ``auth_token``); with ``expected_fingerprint`` (the model's
+        ``tokenizer_fingerprint``), an index built with another tokenizer is refused with
+        ``TokenizerMismatchError``."""
         check_outputs_options(outputs_max_tokens, outputs_dir)
+        if outputs_from is not None and (outputs_dir is not None or outputs_max_tokens == 0):
+            raise ValueError(
+                "outputs_from copies a server's store of outputs: it takes no outputs_dir (the server keeps "
+                "the store) and needs outputs_max_tokens > 0"
+            )
         datastore = Datastore.open(path, **kwargs)
         try:
             require_tokenizer(datastore, expected_fingerprint)
-            outputs = open_output_store(outputs_max_tokens, outputs_dir, vocab_size=datastore.vocab_size)
+            if outputs_from is not None:
+                outputs = OutputsMirror(
+                    outputs_from,
+                    vocab_size=datastore.vocab_size,
+                    max_tokens=outputs_max_tokens,
+                    expected_fingerprint=datastore.info().tokenizer_fingerprint,
+                    tls_ca=tls_ca,
+                    auth_token=auth_token,
+                )
+            else:
+                outputs = open_output_store(outputs_max_tokens, outputs_dir, vocab_size=datastore.vocab_size)
         except BaseException:
             datastore.close()
             raise

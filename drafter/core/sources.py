@@ -21,10 +21,12 @@ def open_datastore(
     auth_token: str | None = None,
     outputs_max_tokens: int | None = None,
     outputs_dir: str | None = None,
+    outputs_from: str | None = None,
 ) -> DraftSource:
     """A ``LocalDrafter`` for an index directory, or comma-separated directories answering as one
-    (with its store of outputs: ``outputs_max_tokens``, ``outputs_dir``), a ``RemoteDrafter`` for
-    HOST:PORT (over TLS with ``tls_ca``, sending ``auth_token``). It is asked for its ``info()`` here, so a broken index or a dead server fails
+    (with its store of outputs: ``outputs_max_tokens``, ``outputs_dir``; or a copy of the store of
+    the server at ``outputs_from``, HOST:PORT), a ``RemoteDrafter`` for HOST:PORT (over TLS with
+    ``tls_ca``, sending ``auth_token``; the same for ``outputs_from``). It is asked for its ``info()`` here, so a broken index or a dead server fails
     now, not at the first draft: ``ValueError`` naming ``where`` (the setting ``spec`` came from)."""
     if Path(spec).is_dir() or "," in spec:
         from rest_spec.datastore.index import index_paths
@@ -33,15 +35,27 @@ def open_datastore(
 
         outputs = DEFAULT_OUTPUTS_MAX_TOKENS if outputs_max_tokens is None else outputs_max_tokens
         paths = index_paths(spec)
+        if outputs_from is not None and not ADDRESS.match(outputs_from):
+            raise ValueError(
+                f"outputs_from {outputs_from!r} (a server whose store of outputs to copy) is not a HOST:PORT address"
+            )
         opener, kind = (
-            lambda: LocalDrafter.open(paths, outputs_max_tokens=outputs, outputs_dir=outputs_dir),
-            "index" if len(paths) == 1 else f"{len(paths)} indexes",
+            lambda: LocalDrafter.open(
+                paths,
+                outputs_max_tokens=outputs,
+                outputs_dir=outputs_dir,
+                outputs_from=outputs_from,
+                tls_ca=tls_ca,
+                auth_token=auth_token,
+            ),
+            ("index" if len(paths) == 1 else f"{len(paths)} indexes")
+            + ("" if outputs_from is None else f", outputs copied from {outputs_from}"),
         )
     elif ADDRESS.match(spec):
-        if outputs_max_tokens is not None or outputs_dir is not None:
+        if outputs_max_tokens is not None or outputs_dir is not None or outputs_from is not None:
             raise ValueError(
                 f"{where} {spec!r} is a server, which keeps its own outputs (rest-datastore serve --outputs-dir); "
-                "an outputs size or directory is for an index directory"
+                "an outputs size, directory or server to copy is for an index directory"
             )
         from rest_spec.drafter.core.remote import RemoteDrafter
 

@@ -90,6 +90,30 @@ class AddOutputReply(_message.Message):
     seq: int
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
 
+class ReadOutputsRequest(_message.Message):
+    __slots__ = ("from_seq",)
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    from_seq: int
+    def __init__(self, from_seq: _Optional[int] = ...) -> None: ...
+
+class StoredOutput(_message.Message):
+    __slots__ = ("seq", "tokens")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReadOutputsReply(_message.Message):
+    __slots__ = ("outputs", "next_seq", "end_seq")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    END_SEQ_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[StoredOutput]
+    next_seq: int
+    end_seq: int
+    def __init__(self, outputs: _Optional[_Iterable[_Union[StoredOutput, _Mapping]]] = ..., next_seq: _Optional[int] = ..., end_seq: _Optional[int] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

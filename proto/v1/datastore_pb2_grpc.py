@@ -54,6 +54,11 @@ class DatastoreStub:
                 request_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputRequest.SerializeToString,
                 response_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputReply.FromString,
                 _registered_method=True)
+        self.ReadOutputs = channel.unary_unary(
+                '/rest.datastore.v1.Datastore/ReadOutputs',
+                request_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.ReadOutputsRequest.SerializeToString,
+                response_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.ReadOutputsReply.FromString,
+                _registered_method=True)
 
 
 class DatastoreServicer:
@@ -91,6 +96,16 @@ class DatastoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadOutputs(self, request, context):
+        """Reads the output store's live generations from a sequence number on, oldest first, as many
+        as fit one reply: what a replica copies to draft from the fleet's store in its own process,
+        polling with the reply's next_seq. It needs the bearer token as AddOutput does (the store
+        holds other clients' generations). FAILED_PRECONDITION on a server that keeps no outputs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DatastoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +128,11 @@ def add_DatastoreServicer_to_server(servicer, server):
                     servicer.AddOutput,
                     request_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputRequest.FromString,
                     response_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputReply.SerializeToString,
+            ),
+            'ReadOutputs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadOutputs,
+                    request_deserializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.ReadOutputsRequest.FromString,
+                    response_serializer=rest__spec_dot_proto_dot_v1_dot_datastore__pb2.ReadOutputsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +243,33 @@ class Datastore:
             '/rest.datastore.v1.Datastore/AddOutput',
             rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputRequest.SerializeToString,
             rest__spec_dot_proto_dot_v1_dot_datastore__pb2.AddOutputReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadOutputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rest.datastore.v1.Datastore/ReadOutputs',
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.ReadOutputsRequest.SerializeToString,
+            rest__spec_dot_proto_dot_v1_dot_datastore__pb2.ReadOutputsReply.FromString,
             options,
             channel_credentials,
             insecure,
