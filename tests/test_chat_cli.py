@@ -17,9 +17,10 @@ import torch
 from transformers.generation import BaseStreamer
 
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.cli.chat import ChatSession, chat
+from rest_spec.drafter.cli.chat import chat
 from rest_spec.drafter.cli.prompts import chat_ids
 from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.hf.session import ChatSession
 from tests.helpers import ONE_THREAD
 
 pytestmark = [pytest.mark.model, pytest.mark.cli]

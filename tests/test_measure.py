@@ -209,7 +209,7 @@ def test_a_planted_noisy_table_is_used_with_a_note_not_measured_again(tiny_model
 def test_decoding_without_drafts_reads_the_cached_table_and_measures_none(tiny_model, tmp_path, monkeypatch):
     """``rest-generate --no-draft`` (and ``--compare``'s runs without drafts) at the cached table's
     fastest layout when there is one; nothing is measured for them."""
-    from rest_spec.drafter.cli.rest_generate import no_draft_cost
+    from rest_spec.drafter.hf.session import no_draft_cost
 
     monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
     assert no_draft_cost(tiny_model) is None and not (tmp_path / "verify-cost").exists()

@@ -388,7 +388,8 @@ def test_a_token_without_tls_is_warned_about_once(store, caplog):
 def test_generation_clis_reach_a_tls_server_with_a_token(store, pem, monkeypatch):
     """rest-generate and rest-chat: --tls-ca and --auth-token (or $REST_TLS_CA, $REST_AUTH_TOKEN)
     for a --datastore HOST:PORT."""
-    from rest_spec.drafter.cli.rest_generate import build_parser, open_drafter
+    from rest_spec.drafter.cli.rest_generate import build_parser
+    from rest_spec.drafter.hf.session import open_drafter
 
     config = ServerConfig(port=0, tls_cert=pem["server"], tls_key=pem["server_key"], auth_token=TOKEN, auth_scope="all")
     with DatastoreServer(store, config) as server:

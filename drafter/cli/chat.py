@@ -4,7 +4,7 @@ Reads one user turn per line from stdin, renders the whole conversation with the
 template, streams the assistant's reply to stdout and ends each turn with a status line on stderr
 (new tokens, tokens/s, verifier steps, mean accepted length, context length). ``/reset`` forgets the
 conversation, ``/exit`` (or end of input) quits; Ctrl-C during a reply drops that turn, at the
-prompt it quits.
+prompt it quits. The conversation itself is ``drafter.hf.session.ChatSession``.
 """
 
 from __future__ import annotations
@@ -12,87 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from rest_spec.drafter.cli.prompts import Prompt, encode_prompt
-from rest_spec.drafter.cli.rest_generate import (
-    EXIT_STATUSES,
-    add_model_arguments,
-    load_parts,
-    parse_args,
-    remember_output,
-    run_cli,
-)
-
-if TYPE_CHECKING:
-    from transformers.generation import BaseStreamer
-
-    from rest_spec.common.types import DraftConfig
-    from rest_spec.drafter.core.protocol import Drafter
-    from rest_spec.drafter.hf.generate import GenerationResult
+from rest_spec.drafter.cli.generation import EXIT_STATUSES, add_model_arguments, load_parts, parse_args, run_cli
+from rest_spec.drafter.hf.session import ChatSession, Reply
 
 COMMANDS = {"/reset": "forget the conversation", "/exit": "quit (so does end of input)"}
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One assistant turn: its text, the decoding loop's result, and the length in tokens of the
-    prompt (conversation so far) it continued."""
-
-    text: str
-    result: GenerationResult
-    context_tokens: int
-
-
-class ChatSession:
-    """A conversation with the model: the message history and one ``reply`` per user turn."""
-
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        drafter: Drafter | None,
-        *,
-        config: DraftConfig,
-        max_new_tokens: int,
-        system: str | None = None,
-        overlap: bool = False,
-    ) -> None:
-        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
-        self.config, self.max_new_tokens, self.overlap = config, max_new_tokens, overlap
-        self.system = system
-        self.messages: list[dict] = []
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget every turn (the system message stays)."""
-        self.messages = [{"role": "system", "content": self.system}] if self.system is not None else []
-
-    def prompt_ids(self, user_text: str) -> list[int]:
-        """The conversation so far plus ``user_text``, rendered with the chat template."""
-        turn = {"role": "user", "content": user_text}
-        return encode_prompt(self.tokenizer, Prompt(messages=(*self.messages, turn)))
-
-    def reply(self, user_text: str, streamer: BaseStreamer | None = None) -> Reply:
-        """Generate the assistant's reply to ``user_text`` (streamed to ``streamer``) and add the
-        exchange to the history; if generation is interrupted, the history is left as it was."""
-        from rest_spec.drafter.hf.generate import generate
-
-        ids = self.prompt_ids(user_text)
-        result = generate(
-            self.model,
-            ids,
-            self.drafter,
-            max_new_tokens=self.max_new_tokens,
-            config=self.config,
-            streamer=streamer,
-            overlap=self.overlap,
-        )
-        remember_output(self.drafter, result.output_ids)
-        text = self.tokenizer.decode(result.output_ids, skip_special_tokens=True)
-        self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": text}]
-        return Reply(text, result, len(ids))
 
 
 def status_line(turn: int, reply: Reply) -> str:

@@ -1,10 +1,9 @@
-"""``rest-generate`` and the building blocks every generation CLI shares (``rest-chat`` too):
-argument groups, prompt reading and encoding, opening the drafter and the model, error exits.
+"""``rest-generate``: greedy generation for prompts given on the command line or in a file.
 
-``main`` is a thin layer over ``drafter.hf.generate.generate``: parse arguments, read prompts, open
-the datastore, load tokenizer and model, print results; exit statuses as every command's
-(``EXIT_STATUSES``). Heavy imports (torch, transformers) happen after argument parsing so
-``--help`` is instant.
+A thin layer over ``drafter.hf.generate.generate`` (or llama.cpp with ``--engine llama.cpp``): parse
+arguments, read prompts, open the parts (``drafter.hf.session``), print results; the arguments,
+exit statuses and command shell it shares with ``rest-chat`` are ``drafter.cli.generation``'s.
+Heavy imports (torch, transformers) happen after argument parsing so ``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -13,99 +12,27 @@ import argparse
 import json
 import logging
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rest_spec.common.cli import exit_statuses, run_command, setup_logging
-from rest_spec.common.errors import CliError, NoOutputStoreError
-from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree
-from rest_spec.datastore.client import add_connection_arguments
+from rest_spec.common.errors import CliError
+from rest_spec.drafter.cli.generation import (
+    EXIT_STATUSES,
+    add_model_arguments,
+    load_parts,
+    parse_args,
+    positive_int,
+    run_cli,
+)
 from rest_spec.drafter.cli.prompts import CHAT_HELP, PROMPTS_FILE_HELP, Prompt, as_chat, encode_prompt, read_prompts
-from rest_spec.drafter.core.sources import open_datastore
+from rest_spec.drafter.hf.session import no_draft_cost, open_drafter, remember_output
 
 if TYPE_CHECKING:
-    from rest_spec.drafter.core.protocol import Drafter
     from rest_spec.drafter.hf.generate import GenerationResult
     from rest_spec.drafter.llamacpp.draft_model import LlamaGeneration
 
 log = logging.getLogger("rest_spec.drafter.cli.rest_generate")
-
-# HOST:PORT, with HOST a name, an IPv4 address or a bracketed IPv6 address.
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-EXIT_STATUSES = exit_statuses(
-    (
-        "prompts file unreadable or malformed",
-        "datastore missing or unreachable",
-        "tokenizer mismatch",
-        "model not found",
-    )
-)
-# What a generation command reports as one line besides CliError (TokenizerMismatchError is a ValueError).
-FAILURES = (OSError, ValueError)
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments every generation CLI takes: where drafts come from, the model, the draft tree,
-    the length of a reply, verbosity (shared by ``rest-generate`` and ``rest-chat``)."""
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--datastore",
-        metavar="DIR|HOST:PORT",
-        help="an index directory (opened in-process; several, comma-separated, answer as one index) or the "
-        "address of a rest-datastore server",
-    )
-    source.add_argument(
-        "--no-draft",
-        action="store_true",
-        help="plain decoding through the same loop (baseline), at the fastest layout of this machine's cached "
-        "verify-cost table when one exists (rest-measure-cost; --adaptive measures it on first use)",
-    )
-    add_connection_arguments(parser, "--datastore HOST:PORT")
-    parser.add_argument(
-        "--model",
-        metavar="SPEC",
-        help="Hugging Face id, model directory or .gguf file (default: the packaged SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="default: %(default)s")
-    parser.add_argument(
-        "--budget",
-        type=int,
-        default=DEFAULT_CONFIG.budget,
-        metavar="C",
-        help="draft tree size in nodes (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--max-depth",
-        type=_positive_int,
-        default=DEFAULT_CONFIG.max_depth,
-        metavar="M",
-        help="draft tree depth in tokens (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--adaptive",
-        action="store_true",
-        help="draft from the index, the request's own text and recent outputs, merged by calibrated "
-        "acceptance scores, and verify the tree size that pays on this hardware (the verify cost is "
-        "measured once per model, device and dtype and cached; --budget caps the candidates)",
-    )
-    parser.add_argument(
-        "--overlap",
-        action="store_true",
-        help="fetch each step's drafts during the previous forward pass, hiding a remote datastore's "
-        "round trip (on a small CPU it costs more than it saves; output is the same either way)",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="llama.cpp threads, for one-token steps and batches alike (default: every core)",
     )
@@ -155,17 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
         "anything is timed and take turns going first, so the machine's noise falls on both alike",
     )
     return parser
-
-
-def open_drafter(spec: str, *, tls_ca: str | None = None, auth_token: str | None = None) -> Drafter:
-    """The datastore ``--datastore`` names (``drafter.core.sources.open_datastore``): an index
-    directory or HOST:PORT, asked for its ``info()`` now, so an unreachable server or a broken
-    index fails here with a ``CliError``."""
-    try:
-        return open_datastore(spec, where="--datastore", tls_ca=tls_ca, auth_token=auth_token)
-    except ValueError as exc:
-        log.debug("opening %s failed", spec, exc_info=True)
-        raise CliError(str(exc)) from exc
 
 
 def result_record(result: GenerationResult | LlamaGeneration, text: str, draft_seconds: float, **extra) -> dict:
@@ -196,60 +112,6 @@ def print_result(args: argparse.Namespace, record: dict, number: int, total: int
         f"{record['mean_accepted']:.2f}, {timings}",
         file=sys.stderr,
     )
-
-
-def load_parts(args: argparse.Namespace):
-    """(tokenizer, model, drafter or None) for the ``parse_args`` of ``add_model_arguments``
-    (``--adaptive`` drafts with ``args.config``); the drafter is opened first (a bad datastore
-    fails before the slow model load) and checked against the tokenizer. The caller closes the
-    drafter."""
-    from rest_spec.common.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
-    from rest_spec.drafter.hf.model import load_model
-
-    drafter = None if args.no_draft else open_drafter(args.datastore, tls_ca=args.tls_ca, auth_token=args.auth_token)
-    try:
-        started = time.perf_counter()
-        tokenizer = load_tokenizer(args.model)
-        if drafter is not None:
-            check_tokenizer(drafter, tokenizer_fingerprint(tokenizer))
-        model = load_model(args.model, device=args.device)
-    except BaseException:
-        if drafter is not None:
-            drafter.close()
-        raise
-    log.info("loaded %s on %s in %.1f s", type(model).__name__, model.device, time.perf_counter() - started)
-    if args.adaptive and drafter is not None:
-        from rest_spec.drafter.core.adaptive import AdaptiveDrafter
-        from rest_spec.drafter.hf.measure import load_or_measure
-
-        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(model), config=args.config)
-    return tokenizer, model, drafter
-
-
-def remember_output(drafter, output_ids: list[int]) -> None:
-    """Add a finished generation to the drafter's store of recent outputs (``load_parts`` opens
-    drafters that take them; None: --no-draft)."""
-    if drafter is None or not output_ids:
-        return
-    try:
-        drafter.add_output(output_ids)
-    except NoOutputStoreError as exc:  # a store started with --outputs-max-tokens 0 keeps none, by design
-        log.debug("output not stored: %s", exc)
-    except (RuntimeError, ConnectionError) as exc:
-        # any other refusal (a token, a full disk, a dead server) is worth a line, not the generation
-        log.warning("output not stored: %s", exc)
-
-
-def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``parser``'s arguments (it has ``add_model_arguments``) with ``config``, their
-    ``DraftConfig``, built once for the drafter and every generation. A value the config refuses
-    is a usage error, like one argparse refuses (status 2, with the usage line)."""
-    args = parser.parse_args(argv)
-    try:
-        args.config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
-    except ValueError as exc:
-        parser.error(str(exc))
-    return args
 
 
 WARM_UP_TOKENS = 16  # --compare: tokens each way decodes before anything is timed
@@ -318,23 +180,6 @@ def run(args: argparse.Namespace) -> None:
         if comparison.differing:
             raise CliError(f"drafting changed the output of prompt(s) {', '.join(map(str, comparison.differing))}: "
                            "please report this, with the prompt and the model")  # fmt: skip
-
-
-def no_draft_cost(model):
-    """The cached verify-cost table's fastest one-token block for decoding without drafts (the same
-    output, faster), corrected by the steps' times as --adaptive's is; None where no table is cached
-    (only --adaptive measures one: its drafter holds it)."""
-    from rest_spec.drafter.core.cost import CorrectedCost
-    from rest_spec.drafter.hf.measure import load_cached
-
-    table = load_cached(model)
-    if table is None:
-        return None
-    cost = CorrectedCost(table)
-    shape = cost.current.block_shape([DraftTree.empty()])  # the table's choice, not a step checking it
-    log.info("no drafts: steps of %d position(s), linear layers %s (the cached verify-cost table)",
-             shape.size, "transposed" if shape.transposed else "as PyTorch lays them out")  # fmt: skip
-    return cost
 
 
 class Comparison:
@@ -419,14 +264,6 @@ def run_llama(args: argparse.Namespace, prompts: list[Prompt]) -> None:
     finally:
         if drafter is not None:
             drafter.close()
-
-
-def run_cli(prog: str, args: argparse.Namespace, body: Callable[[argparse.Namespace], None]) -> int:
-    """Run ``body(args)`` in the command shell (``common.cli.run_command``: ``CliError`` and
-    ``FAILURES`` become one line and exit status 1), this project's loggers -- not every library's
-    -- at DEBUG with ``--verbose`` (failures' tracebacks included), else at WARNING."""
-    setup_logging(logging.DEBUG if args.verbose else logging.WARNING, only="rest_spec")
-    return run_command(prog, lambda: body(args), failures=FAILURES)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
