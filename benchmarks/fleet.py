@@ -61,6 +61,7 @@ import ast
 import hashlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -120,6 +121,9 @@ MIN_DOCSTRING_CHARS = 80  # a docstring that says what the body does, not just i
 CODE_PROMPT_TOKENS = 512  # HumanEval's longest prompt is 395 tokens
 WARMUP_CHUNK = 500  # warm-up prompts decoded per engine, each chunk cached once decoded
 SERVER_WORKERS = 2
+# suffix; REST drafting over gRPC from the fleet's server (index and store); REST with the index in
+# the worker and a copy of the fleet's store (``additional_config.rest.outputs_from``)
+METHODS = ("suffix", "rest", "rest-copy")
 DEFAULT_OUTPUTS_MAX_TOKENS = 1_000_000  # rest-datastore serve's default store of outputs
 
 
@@ -134,6 +138,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--concurrency", default="1,8", help="comma-separated requests at once (default: %(default)s)")
     p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated, of " + ",".join(METHODS) + " (default: %(default)s; plain always runs)",
+    )
     p.add_argument(
         "--warmup-concurrency",
         type=int,
@@ -157,7 +166,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, default=RESULTS / "fleet" / "fleet.json", help="the report (default: %(default)s)"
     )
     args = p.parse_args(argv)
-    args.sets = args.sets.split(",")
+    args.sets, args.methods = args.sets.split(","), args.methods.split(",")
+    if not args.methods or set(args.methods) - set(METHODS):
+        p.error(f"--methods must be a comma-separated subset of {','.join(METHODS)}, got {','.join(args.methods)}")
     if not args.sets or set(args.sets) - set(STREAMS):
         p.error(f"--sets must be a comma-separated subset of {','.join(STREAMS)}, got {','.join(args.sets)}")
     try:
@@ -512,7 +523,7 @@ def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurren
     for n in args.warmup:
         block: dict = {}
         out["warmup"][str(n)] = block
-        for method in ("suffix", "rest"):
+        for method in args.methods:
             log.info("%s, warm-up %d: %s", where, n, method)
             try:
                 if method == "suffix":
@@ -522,8 +533,10 @@ def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurren
                     result, store = run_job(spec, timeout=ENGINE_TIMEOUT), None
                 else:
 
-                    def spec_of(address: str) -> dict:
+                    def spec_of(address: str, method: str = method) -> dict:
                         rest = rest_options(address, args)
+                        if method == "rest-copy":
+                            rest.update(datastore=str(index), outputs_from=address)
                         return fleet_job("rest", held, parts, concurrency, args, k=args.k, rest=rest)
 
                     result, store = rest_fleet(index, spec_of, warm_outputs[:n], most, server_log)
@@ -538,8 +551,9 @@ def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurren
                 cold[method] = block[method]
             elif method in cold:
                 block.setdefault("vs_cold", {})[method] = ratios(block[method], cold[method])
-        if "suffix" in block and "rest" in block:
-            block["rest_vs_suffix"] = ratios(block["rest"], block["suffix"])
+        for method in ("rest", "rest-copy"):
+            if "suffix" in block and method in block:
+                block[f"{method.replace('-', '_')}_vs_suffix"] = ratios(block[method], block["suffix"])
     log.info("%s: plain again", where)
     again = run_job(fleet_job("plain", held, parts, concurrency, args), timeout=ENGINE_TIMEOUT)
     out["plain_again"], _ = figures(again, concurrency, plain, order)
@@ -603,7 +617,7 @@ def differences(report: dict) -> list[str]:
     for name, c, f, fleet in fleets(report):
         runs = [("plain again", fleet["plain_again"])]
         for n, block in fleet["warmup"].items():
-            runs += [(f"{method}, warm-up {n}", block[method]) for method in ("suffix", "rest") if method in block]
+            runs += [(f"{method}, warm-up {n}", block[method]) for method in METHODS if method in block]
         for label, run in runs:
             lines += [
                 f"{name}, concurrency {c}, {f} replicas: {label} differs from plain on held-out prompt {prompt} "
@@ -638,15 +652,17 @@ def summary(report: dict) -> str:
         lines += [
             f"\n{name}, concurrency {c}, {f} replica(s) ({stream['prompts']} held-out prompts; plain "
             f"{plain['tokens_per_second']:.1f} tok/s, again {again['tokens_per_second']:.1f}):",
-            f"{'N':>5} | {'suffix tok/s':>12} {'x plain':>8} {'accept':>6} {'x cold':>6} | {'REST tok/s':>10} "
-            f"{'x plain':>8} {'accept':>6} {'x cold':>6} | {'REST x suffix':>13} | {'equal':>9}",
+            f"{'N':>5} | "
+            + " | ".join(f"{method + ' tok/s':>14} {'x plain':>8} {'accept':>6} {'x cold':>6}" for method in METHODS)
+            + f" | {'REST x suffix':>13} {'copy x suffix':>13} | {'equal':>14}",
         ]
         for n, block in fleet["warmup"].items():
             cells, equal = [], []
-            for method, width in (("suffix", 12), ("rest", 10)):
+            for method, width in ((method, 14) for method in METHODS):
                 m = block.get(method)
                 if m is None:
-                    cells.append(f"{'FAILED':>{width}} {'':>8} {'':>6} {'':>6}")
+                    missing = "FAILED" if f"{method}, warm-up {n}" in fleet["failed"] else "-"
+                    cells.append(f"{missing:>{width}} {'':>8} {'':>6} {'':>6}")
                     continue
                 cold = block.get("vs_cold", {}).get(method, {}).get("overall")
                 cells.append(
@@ -654,13 +670,15 @@ def summary(report: dict) -> str:
                     f"{_f(m['mean_acceptance_length']):>6} {_f(cold):>6}"
                 )
                 equal.append(f"{m['equal_to_plain']}/{m['outputs']}")
-            versus = block.get("rest_vs_suffix", {}).get("median")
-            lines.append(f"{n:>5} | {cells[0]} | {cells[1]} | {_f(versus):>13} | {' '.join(equal):>9}")
-        for n, block in fleet["warmup"].items():
-            sources = (block.get("rest") or {}).get("hindsight_per_source") or {}
+            versus = [block.get(f"{m}_vs_suffix", {}).get("median") for m in ("rest", "rest_copy")]
+            lines.append(
+                f"{n:>5} | {' | '.join(cells)} | {_f(versus[0]):>13} {_f(versus[1]):>13} | {' '.join(equal):>14}"
+            )
+        for (n, block), method in itertools.product(fleet["warmup"].items(), ("rest", "rest-copy")):
+            sources = (block.get(method) or {}).get("hindsight_per_source") or {}
             if sources:
                 lines.append(
-                    f"  REST, warm-up {n}, in hindsight: "
+                    f"  {method}, warm-up {n}, in hindsight: "
                     + "; ".join(
                         f"{s} held {_f(v['held_per_offer'])}/offer ({v['offered']}), accepted "
                         f"{_f(v['accepted_per_step'])}/step ({v['steps']})"
@@ -696,8 +714,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "k": args.k,
             "warmup_concurrency": args.warmup_concurrency,
             "suffix": "vLLM's defaults but num_speculative_tokens = k; each replica's cache holds its warm-up share",
+            "methods": args.methods,
             "rest": f"one rest-datastore serve ({SERVER_WORKERS} workers) per fleet, every warm-up output added "
             "over AddOutput, every replica drafting from it and adding to it",
+            "rest-copy": "rest's server, but every replica drafts from the index opened in its worker and a copy "
+            "of the server's store of outputs (outputs_from), and adds its outputs to the server",
         },
         "t_n": None,
         "streams": {},

@@ -67,11 +67,11 @@ def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_
     assert fleet_["shares"] == [1, 1] and not fleet_["failed"]
     assert fleet_["plain"]["outputs"] == fleet_["plain_again"]["equal_to_plain"] == 2
     block = fleet_["warmup"]["2"]
-    for method in ("suffix", "rest"):
+    for method in ("suffix", "rest", "rest-copy"):
         m = block[method]
         assert m["equal_to_plain"] == m["outputs"] == 2 and m["tokens_per_second"] > 0
         assert m["drafts"] >= 0 and len(m["replicas"]) == 2
-    assert set(block["rest_vs_suffix"]) == {"median", "overall"}
+    assert set(block["rest_vs_suffix"]) == set(block["rest_copy_vs_suffix"]) == {"median", "overall"}
 
     # each suffix replica's cache held its one warm-up request, then its held-out one too
     for replica in block["suffix"]["replicas"]:
@@ -79,13 +79,16 @@ def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_
         assert replica["suffix_cache"]["at_end"]["cached_requests"] == 2, replica
 
     # the shared store: every warm-up output, as its server counts them, then the replicas' own
-    store = block["rest"]["store"]
+    # (the copying replicas add theirs to the server too)
     tokens = sum(len(output) for output in warm.values() if len(output) >= 2)
-    assert store["warmup_outputs"] == 2 and store["warmup_tokens"] == tokens
-    assert store["after_warmup"] == {"tokens": tokens, "add_output_calls": 2}, store
-    # the first replica's output is stored once the second replica's run steps the engine on (the
-    # last request of an engine's last run may end with the engine, not stored)
-    assert store["at_end"]["add_output_calls"] >= 3 and store["at_end"]["tokens"] > tokens, store
-    assert block["rest"]["replicas"][0]["outputs_added"] + block["rest"]["replicas"][1]["outputs_added"] >= 1
-    assert block["rest"]["attribution"]["hindsight"]["steps"] >= 0
-    assert set(block["rest"]["hindsight_per_source"]) <= {"index", "request", "outputs"}
+    for method in ("rest", "rest-copy"):
+        store = block[method]["store"]
+        assert store["warmup_outputs"] == 2 and store["warmup_tokens"] == tokens
+        assert store["after_warmup"] == {"tokens": tokens, "add_output_calls": 2}, store
+        # the first replica's output is stored once the second replica's run steps the engine on (the
+        # last request of an engine's last run may end with the engine, not stored)
+        assert store["at_end"]["add_output_calls"] >= 3 and store["at_end"]["tokens"] > tokens, store
+        replicas = block[method]["replicas"]
+        assert replicas[0]["outputs_added"] + replicas[1]["outputs_added"] >= 1
+        assert block[method]["attribution"]["hindsight"]["steps"] >= 0
+        assert set(block[method]["hindsight_per_source"]) <= {"index", "request", "outputs"}
