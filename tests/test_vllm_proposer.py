@@ -27,6 +27,7 @@ def test_options_parse_with_environment_fallbacks():
     from_env = RestOptions.parse(None, environ={"REST_DATASTORE": "h:1", "REST_REMEASURE": "yes"})
     assert from_env.datastore == "h:1" and from_env.remeasure is True
     assert OPTIONS["outputs_dir"] == "REST_OUTPUTS_DIR"
+    assert RestOptions.parse({"datastore": "idx"}, environ={"REST_OUTPUTS_FROM": "h:2"}).outputs_from == "h:2"
     # the configuration wins over the environment
     assert RestOptions.parse({"datastore": "a"}, environ={"REST_DATASTORE": "b"}).datastore == "a"
 
@@ -40,6 +41,7 @@ def test_options_parse_with_environment_fallbacks():
         ({"datastore": "x", "overlap": "sometimes"}, r"additional_config\.rest\.overlap must be true or false"),
         ({"datastore": "x", "outputs_max_tokens": -1}, r"additional_config\.rest\.outputs_max_tokens must be"),
         ({"datastore": 3}, r"additional_config\.rest\.datastore must be a non-empty string"),
+        ({"datastore": "x", "outputs_from": ""}, r"additional_config\.rest\.outputs_from must be a non-empty string"),
         ([1, 2], r"additional_config\.rest must be an object"),
     ],
 )

@@ -14,7 +14,9 @@ vLLM runs it through its ``custom_class`` hook::
 Options (``additional_config["rest"]``, each with an environment fallback, ``OPTIONS``): the
 ``datastore``, an index directory (opened in the worker; "A,B": several as one) or HOST:PORT (a ``rest-datastore serve``,
 over TLS with ``tls_ca``, sending ``auth_token``), required; for an index directory, the store of
-outputs (``outputs_max_tokens``, ``outputs_dir``); ``overlap``; ``remeasure`` (ignore a cached
+outputs (``outputs_max_tokens``, ``outputs_dir``), or ``outputs_from``: the HOST:PORT of a fleet's
+``rest-datastore serve`` whose store this worker copies and drafts from in process, sending its
+outputs there (``datastore.mirror``); ``overlap``; ``remeasure`` (ignore a cached
 cost and learn it afresh).
 
 Each engine step it drafts what ``rest-generate --adaptive`` drafts: the index, the request's own
@@ -80,6 +82,7 @@ class RestOptions:
     auth_token: str | None = None
     outputs_max_tokens: int | None = None
     outputs_dir: str | None = None
+    outputs_from: str | None = None
     overlap: bool | None = None  # None: ``overlap_default`` of the datastore
     remeasure: bool = False
 
@@ -162,6 +165,7 @@ def open_source(options: RestOptions) -> DraftSource:
         auth_token=options.auth_token,
         outputs_max_tokens=options.outputs_max_tokens,
         outputs_dir=options.outputs_dir,
+        outputs_from=options.outputs_from,
     )
 
 
