@@ -182,6 +182,32 @@ class DraftTree:
         )
 
     @classmethod
+    def counted(
+        cls,
+        tokens: np.ndarray,
+        parents: np.ndarray,
+        counts: np.ndarray,
+        depths: np.ndarray,
+        match_len: int,
+        num_matches: int,
+        num_sampled: int,
+    ) -> DraftTree:
+        """The tree ``datastore.trie.counted_tree``'s kernel built (int32 tokens, parents and depths,
+        int64 counts, BFS order by construction), scored counts / ``num_sampled``, without the
+        checks: they cost as much as drafting the tree, and every source drafts one every step."""
+        scores = counts / float(num_sampled) if num_sampled else np.zeros(counts.shape[0])
+        return cls._derived(
+            tokens=tokens,
+            parents=parents,
+            counts=counts,
+            depths=depths,
+            match_len=match_len,
+            num_matches=num_matches,
+            num_sampled=num_sampled,
+            scores=scores,
+        )
+
+    @classmethod
     def _derived(cls, **values) -> DraftTree:
         """An instance of ``cls`` holding ``values`` (every field, arrays of the field's dtype)
         without ``__post_init__``'s checks: only for parts of a tree already checked."""

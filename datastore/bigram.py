@@ -23,7 +23,7 @@ import numpy as np
 
 from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree
 from rest_spec.datastore import format as fmt
-from rest_spec.datastore.trie import top_c_tree
+from rest_spec.datastore.trie import counted_tree
 
 SEP = fmt.separator(np.dtype(np.uint32))  # the index's separator of uint32 tokens, as top_c_tree needs
 _MIN_TAIL = 4096  # unsorted bigram entries a lookup scans before they are merged into the table
@@ -118,5 +118,4 @@ class BigramIndex:
         counted = ends[-max_candidates:]
         rows = self.tokens[counted[:, None] + np.arange(1, config.max_depth + 1)]  # [k, max_depth]
         rows[np.maximum.accumulate(rows == SEP, axis=1)] = SEP  # a continuation stops at its document's end
-        tokens, parents, counts = top_c_tree(rows, SEP, config.budget)
-        return DraftTree(tokens, parents, counts, match_len, int(ends.size), int(counted.size))
+        return counted_tree(rows, SEP, config.budget, match_len, int(ends.size))

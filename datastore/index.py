@@ -51,7 +51,7 @@ import numpy as np
 from rest_spec.common.cache import numba_cached
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
 from rest_spec.datastore import format as fmt
-from rest_spec.datastore.trie import top_c_tree
+from rest_spec.datastore.trie import counted_tree, top_c_tree
 
 numba = numba_cached()
 
@@ -278,8 +278,7 @@ def sample(num_matches: int, matched_reversed: np.ndarray, max_candidates: int) 
 
 def tree_from_rows(rows: np.ndarray, sep: int, budget: int, plan: DraftPlan) -> DraftTree:
     """The draft tree of the counted rows (their order does not matter: the trie is of the multiset)."""
-    tokens, parents, counts = top_c_tree(rows, sep, budget)
-    return DraftTree(tokens, parents, counts, plan.match_len, plan.num_matches, rows.shape[0])
+    return counted_tree(rows, sep, budget, plan.match_len, plan.num_matches)
 
 
 def check_shard_numbers(shards: Iterable[int], num_shards: int) -> tuple[int, ...]:

@@ -19,6 +19,7 @@ import heapq
 import numpy as np
 
 from rest_spec.common.cache import numba_cached
+from rest_spec.common.types import DraftTree
 
 numba = numba_cached()
 
@@ -34,7 +35,17 @@ def top_c_tree(continuations: np.ndarray, sep: int, budget: int) -> tuple[np.nda
     k, m = continuations.shape
     if k == 0 or m == 0 or budget <= 0:
         return np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64)
-    return _top_c_tree(np.ascontiguousarray(continuations), sep, budget)
+    return _top_c_tree(np.ascontiguousarray(continuations), sep, budget)[:3]
+
+
+def counted_tree(continuations: np.ndarray, sep: int, budget: int, match_len: int, num_matches: int) -> DraftTree:
+    """``top_c_tree`` of ``continuations`` as the ``DraftTree`` a source answers: drawn from a match of
+    ``match_len`` tokens found ``num_matches`` times, its rows the continuations counted."""
+    k, m = continuations.shape
+    if k == 0 or m == 0 or budget <= 0:
+        return DraftTree(*top_c_tree(continuations, sep, budget), match_len, num_matches, k)
+    tokens, parents, counts, depths = _top_c_tree(np.ascontiguousarray(continuations), sep, budget)
+    return DraftTree.counted(tokens, parents, counts, depths, match_len, num_matches, k)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -89,9 +100,11 @@ def _top_c_tree(rows, sep, budget):
     counts = (k - kept[order] // span).astype(np.int64)
     tokens = np.empty(n, dtype=np.int32)
     parents = np.empty(n, dtype=np.int32)
+    depths = np.empty(n, dtype=np.int32)
     for i in range(n):
         depth, start = positions[i] // k, positions[i] % k
         tokens[i] = rows[perm[start], depth]
+        depths[i] = depth + 1
         # the parent is the kept node one level up whose rows contain this node's first row
         parents[i] = np.searchsorted(positions, positions[i] - k, side="right") - 1 if depth > 0 else -1
-    return tokens, parents, counts
+    return tokens, parents, counts, depths

@@ -184,3 +184,22 @@ def test_version_1_index_is_refused_with_a_rebuild_hint(tmp_path):
     manifest.write_text(manifest.read_text().replace('"format_version": 2', '"format_version": 1'))
     with pytest.raises(fmt.IndexFormatError, match="version 1 is not supported.*rebuild"):
         Datastore.open(tmp_path / "idx")
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=6), min_size=1, max_size=40),
+    budget=st.integers(1, 80),
+    match_len=st.integers(1, 16),
+)
+def test_counted_trees_equal_checked_trees(rows, budget, match_len):
+    """``counted_tree`` skips ``DraftTree``'s checks: what it builds must pass them, depths included."""
+    from rest_spec.common.types import DraftTree
+    from rest_spec.datastore.trie import counted_tree, top_c_tree
+
+    width = max(map(len, rows))
+    array = np.array([row + [7] * (width - len(row)) for row in rows], dtype=np.uint16)  # 7: the separator
+    tree = counted_tree(array, 7, budget, match_len, 3 * len(rows))
+    checked = DraftTree(*top_c_tree(array, 7, budget), match_len, 3 * len(rows), len(rows))
+    assert tree == checked and np.array_equal(tree.depths, checked.depths) and tree.depths.dtype == np.int32
+    assert not tree.tokens.flags.writeable and not tree.scores.flags.writeable
