@@ -126,10 +126,14 @@ def test_agreeing_sources_score_above_each_and_a_weight_discounts_per_token():
 
 def test_merge_refuses_bad_weights():
     tree = counted_tree([[1]], budget=1)
-    with pytest.raises(ValueError, match=r"one weight \(or one per sample class\) per source \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"one weight \(or one per sample class, or per depth and class\) per source \(2\)"
+    ):
         merge_trees([tree, tree], [1.0], budget=4)
     with pytest.raises(ValueError, match="per source"):
-        merge_trees([tree], np.ones((1, 2, 2)), budget=4)
+        merge_trees([tree], np.ones((1, 2, 2, 2)), budget=4)
+    with pytest.raises(ValueError, match="per source"):
+        merge_trees([tree], np.ones((1, 0, 2)), budget=4)
     with pytest.raises(ValueError, match="non-negative"):
         merge_trees([tree], [-1.0], budget=4)
     with pytest.raises(ValueError, match="at least one source"):
@@ -214,7 +218,10 @@ def test_only_tried_nodes_count():
 def test_calibration_learns_each_sources_acceptance_rate():
     """Simulated verifier: after the context, the next token is a1 with probability 0.5, b1 with
     0.25; down a's chain each next token matches with 0.5, down b's with 0.9. Both sources claim
-    certainty (one continuation each). The weights converge to each source's accepted / tried."""
+    certainty (one continuation each). A node d deep continues its source's 2-token match by d - 1
+    tokens, so each depth has a match-length class of its own: the weights converge per depth to
+    each source's accepted / tried there -- b's first token 0.25, its later ones 0.9 (pooled over
+    depths they were 0.51, a first token rated twice as likely as it is)."""
     rng = np.random.default_rng(0)
     a = counted_tree([[10, 11, 12, 13]], budget=4)
     b = counted_tree([[20, 21, 22, 23]], budget=4)
@@ -231,11 +238,15 @@ def test_calibration_learns_each_sources_acceptance_rate():
             by_path = {p: i for i, p in enumerate(tree.paths())}
             accepted = [by_path[tuple(chain.tokens[:d])] for d in range(1, depth + 1)]
         calibration.observe(tree, accepted)
-    # E[accepted] / E[tried] per source: a: tried 1 + 0.5 (1 + 0.5 + 0.25), accepted 0.5 (1 + ...)
-    expected_a = 0.5 * (1 + 0.5 + 0.25 + 0.125) / (1 + 0.5 * (1 + 0.5 + 0.25))
-    expected_b = 0.25 * (1 + 0.9 + 0.81 + 0.729) / (1 + 0.25 * (1 + 0.9 + 0.81))
-    weights = calibration.weights_for([a.match_len, b.match_len])[:, 0]  # one sample each
-    np.testing.assert_allclose(weights, [expected_a, expected_b], atol=0.04)
+    weights = calibration.weights_for([a.match_len, b.match_len], depths=4)[:, :, 0]  # one sample each
+    np.testing.assert_allclose(weights, [[0.5] * 4, [0.25, 0.9, 0.9, 0.9]], atol=0.04)
+    assert np.array_equal(calibration.weights_for([2, 2])[:, 0], weights[:, 0])  # without depths: the first level's
+    # merged with them, b's chain is about 0.25 likely at its first token and 0.25 * 0.9 ** 3 at its fourth
+    merged = merge_trees([a, b], calibration.weights_for([2, 2], depths=4), budget=8)
+    scores = dict(zip(merged.paths(), merged.scores))
+    assert scores[(20,)] == pytest.approx(weights[1, 0])
+    assert scores[(20, 21, 22, 23)] == pytest.approx(np.prod(weights[1]))
+    assert scores[(20, 21, 22, 23)] == pytest.approx(0.25 * 0.9**3, abs=0.03)
 
 
 def test_calibration_tells_one_occurrence_from_many():

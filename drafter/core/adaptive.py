@@ -262,7 +262,8 @@ class AdaptiveDrafter:
         trees = [by_source[s] for s in self.sources] + list(shorter)
         if not any(len(tree) for tree in trees):  # most rows of a busy batch, some steps: no merge to run
             return DraftTree.empty()
-        return merge_trees(trees, self.calibration.weights_for([tree.match_len for tree in trees]), config.budget)
+        weights = self.calibration.weights_for([tree.match_len for tree in trees], config.max_depth)
+        return merge_trees(trees, weights, config.budget)
 
     def select(self, tree: DraftTree) -> DraftTree:
         """The part of a merged tree worth verifying on this hardware (all of it without a cost)."""

@@ -15,7 +15,9 @@ scales its per-token probability: node i under source s gets
 P_s(i) = prod over the path of min(1, w_s[class(c(parent))] * c(node) / c(parent)). The weight
 is per token, not per node, because acceptance is a sequence of per-token trials: a source that
 is overconfident is overconfident at every depth, and the product captures the decay with depth
-that one factor per node cannot.
+that one factor per node cannot. It is also per class of the match the token continues (the
+source's match plus the path above it: a node d deep under a 2-token match continues a match of
+d + 1), so a branch that has held for a few tokens is trusted as a longer match is.
 
 Sources combine by noisy-OR, p = 1 - prod_s (1 - P_s):
 - a node only one source proposes keeps exactly that source's probability (so a one-source merge
@@ -121,8 +123,10 @@ def sample_class(samples, classes):
 def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarray, budget: int) -> MergedTree:
     """The ``budget`` best-scored nodes of the union of ``trees`` (one per source), in BFS order.
 
-    weights  float [S] or [S, K], >= 0: each source's per-token calibration, per sample class
-             when 2-D (``SourceCalibration.weights``; ``sample_class``); [S] is one class
+    weights  float [S], [S, K] or [S, D, K], >= 0: each source's per-token calibration, per sample
+             class when 2-D (``SourceCalibration.weights``; ``sample_class``), and per depth when
+             3-D (level d for nodes d + 1 deep, the last for any deeper; ``weights_for(...,
+             depths)``); [S] is one class
     returns  a ``MergedTree`` whose ``scores`` are the noisy-OR of the weighted per-source path probabilities
              (see module docstring), ``source_probs`` [n, S] the sources' own conditional
              probabilities and ``source_samples`` [n, S] the parent counts behind them, ``counts``
@@ -137,9 +141,11 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
         raise ValueError("merge_trees needs at least one source tree")
     if weights.ndim == 1:
         weights = weights[:, None]
-    if weights.ndim != 2 or weights.shape[0] != len(trees) or weights.shape[1] < 1:
+    if weights.ndim == 2:
+        weights = weights[:, None, :]
+    if weights.ndim != 3 or weights.shape[0] != len(trees) or weights.shape[1] < 1 or weights.shape[2] < 1:
         raise ValueError(
-            f"weights must hold one weight (or one per sample class) per source ({len(trees)}), "
+            f"weights must hold one weight (or one per sample class, or per depth and class) per source ({len(trees)}), "
             f"got shape {weights.shape}"
         )
     if not np.all(weights >= 0) or not np.all(np.isfinite(weights)):
@@ -175,7 +181,7 @@ def _merge(tokens, parents, counts, scores, sizes, num_sampled, weights, budget)
     """The merge on the sources' nodes concatenated (each source in BFS order, ``parents``
     local to its source): (tokens int32, parents int32, counts int64, scores float64,
     source_probs float64 [n, S], source_samples int64 [n, S]) of the kept nodes in BFS order."""
-    n, num_sources, classes = tokens.shape[0], weights.shape[0], weights.shape[1]
+    n, num_sources, levels, classes = tokens.shape[0], weights.shape[0], weights.shape[1], weights.shape[2]
     root = n  # the slot of the root in ``first_child``
 
     # 1. The union trie, nodes numbered as first seen. A source lists parents before children,
@@ -251,11 +257,14 @@ def _merge(tokens, parents, counts, scores, sizes, num_sampled, weights, budget)
         node_samples[b, source[i]] = samples[i]
     path = np.empty((m, num_sources), np.float64)
     node_scores = np.empty(m, np.float64)
+    node_depth = np.empty(m, np.int64)
     for b in range(m):
         up = bfs_parent[b]
+        node_depth[b] = node_depth[up] + 1 if up >= 0 else 1
+        level = min(node_depth[b], levels) - 1
         miss = 1.0
         for s in range(num_sources):
-            p = min(1.0, weights[s, sample_class(node_samples[b, s], classes)] * probs[b, s])
+            p = min(1.0, weights[s, level, sample_class(node_samples[b, s], classes)] * probs[b, s])
             if up >= 0:
                 p *= path[up, s]
             path[b, s] = p
@@ -303,8 +312,8 @@ class SourceCalibration:
     """Per-source, per-sample-class weights for ``merge_trees``, learned from the acceptance
     actually observed.
 
-    Over the verified nodes the verifier actually tried -- children of the root and of accepted
-    nodes -- a (source, sample class) cell's *observed* is how many it accepted among those it
+    Over the tried nodes of a tree -- children of the root and of accepted nodes -- a
+    (source, sample class) cell's *observed* is how many it accepted among those it
     proposed, and its *predicted* the sum of its own conditional probabilities for them. The
     weight is the running ratio (observed + strength * prior) / (predicted + strength): the prior
     holds it while evidence is thin, and all sums decay by ``decay`` per step so it follows
@@ -313,7 +322,10 @@ class SourceCalibration:
 
     Cells are also kept per class of the length of the match the source's tree was drafted from
     (``lengths``, the first length of each class): a 16-token match in the request's own text is
-    far more reliable than a 2-token one, with the same single occurrence behind both. A
+    far more reliable than a 2-token one, with the same single occurrence behind both. A node d
+    deep continues that match by the d - 1 tokens above it, so it counts (and is weighted, through
+    ``weights_for(..., depths)``) under the class of match_len + d - 1: a 2-token match's first
+    token and the fourth token of its branch are not equally reliable. A
     (source, length, sample class) cell's prior is its (source, sample class) weight over every
     length, so a length class with little evidence follows the source's pooled weight and one
     with much evidence its own. One per decoding loop; not thread-safe.
@@ -357,14 +369,23 @@ class SourceCalibration:
             return pooled[:, None, :]
         return (self.observed + self.strength * pooled[:, None, :]) / (self.predicted + self.strength)
 
-    def weights_for(self, match_len: Sequence[int] | np.ndarray) -> np.ndarray:
-        """float64 [S, K]: the weights ``merge_trees`` takes for source trees drafted from matches
-        of ``match_len`` [S] tokens."""
-        return self.weights[np.arange(self.num_sources), length_class(match_len, self.lengths)]
+    def weights_for(self, match_len: Sequence[int] | np.ndarray, depths: int | None = None) -> np.ndarray:
+        """The weights ``merge_trees`` takes for source trees drafted from matches of ``match_len``
+        [S] tokens: float64 [S, depths, K], level d (from 0) those of a match d tokens longer --
+        a node d deep continues a match that much longer -- or [S, K] without ``depths`` (those of
+        the first level, for every depth)."""
+        if depths is None:
+            return self.weights[np.arange(self.num_sources), length_class(match_len, self.lengths)]
+        if depths < 1:
+            raise ValueError(f"depths must be >= 1, got {depths}")
+        longer = np.asarray(match_len, dtype=np.int64)[:, None] + np.arange(depths)
+        return self.weights[np.arange(self.num_sources)[:, None], length_class(longer, self.lengths)]
 
     def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:
-        """Learn from one verified ``tree`` (from ``merge_trees``, possibly cut by
-        ``select_tree``); ``accepted`` = indices of its accepted nodes (``Verification.keep[1:] - 1``)."""
+        """Learn from one ``tree`` (from ``merge_trees``, possibly cut by ``select_tree``);
+        ``accepted`` = indices of its accepted nodes (``Verification.keep[1:] - 1``), or of the
+        nodes that what followed would have accepted (``accepted_nodes``: a merged tree in hindsight,
+        as ``AdaptiveDrafter`` calibrates)."""
         if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != self.num_sources:
             raise ValueError(
                 f"tree must carry source_probs and source_samples for {self.num_sources} sources (a merge_trees result)"
@@ -380,7 +401,8 @@ class SourceCalibration:
         node, source = np.nonzero(probs[tried] > 0)  # every (tried node, proposing source) pair
         node = tried[node]
         _, lengths, classes = self.observed.shape
-        length = length_class(tree.source_match_len, self.lengths)[source]
+        # a node d deep continues its source's match by the d - 1 tokens above it
+        length = length_class(tree.source_match_len[source] + tree.depths[node] - 1, self.lengths)
         cell = (source * lengths + length) * classes + sample_class(samples[node, source], classes)
         size = self.observed.size
         self.observed = self.decay * self.observed + np.bincount(
