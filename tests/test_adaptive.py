@@ -94,6 +94,29 @@ def test_hindsight_waits_for_the_tokens_after_a_tree_and_counts_what_selection_p
     assert [(c["offered"], c["held"], c["passed_over"]) for c in (cells["2"], cells["3"])] == [(1, 3, 1), (1, 2, 1)]
 
 
+def test_calibration_learns_in_hindsight_from_branches_the_selection_passed_over(base):
+    """Only the first token of each merged tree is verified, yet the calibration learns from every
+    node of it that what followed would have tried: a branch never verified is calibrated too."""
+
+    class FirstToken(AdaptiveDrafter):
+        def select(self, tree: DraftTree) -> DraftTree:
+            first = np.flatnonzero(tree.parents == -1)[:1]
+            return tree.subset(first) if first.size else tree
+
+    drafter = FirstToken(base, cost=None, config=CONFIG, sources=("index",))
+    drafter.draft([30, 1, 2], CONFIG)  # merged: 3 7 | 4 8 | 5 6, verified: 3
+    drafter.draft([30, 1, 2, 3], CONFIG)  # merged: 4 | 5 6, verified: 4
+    assert not drafter.calibration.observed.any()  # the first tree is 3 deep: 1 token known
+    drafter.draft([30, 1, 2, 3, 4, 6], CONFIG)
+    # both trees in hindsight: 3 4 6 of the first (2 of them never verified), 4 6 of the second;
+    # verified alone, each would have taught one accepted token
+    assert drafter.calibration.observed.sum() == pytest.approx(3 * drafter.calibration.decay + 2)
+    # tried: 3 7 4 5 6 of the first (4 of 3, 5 and 6 of 4; 7 rejected), 4 5 6 of the second
+    assert drafter.calibration.predicted.sum() == pytest.approx(
+        (2 / 3 + 1 / 3 + 1 + 1 / 2 + 1 / 2) * drafter.calibration.decay + 1 + 1 / 2 + 1 / 2
+    )
+
+
 def test_a_context_that_does_not_continue_the_last_is_a_new_request(base):
     drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("index",))
     drafter.draft([30, 1, 2], CONFIG)
@@ -122,6 +145,9 @@ def test_named_rows_may_come_in_any_order_and_unnamed_ones_are_their_positions(b
     named = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("request",))
     named.draft_batch([row_a, row_b], CONFIG, requests=["a", "b"])
     named.draft_batch([row_b + [52, 50, 77], row_a + [42, 43, 9]], CONFIG, requests=["b", "a"])
+    # b's tree (52 50 51) is calibrated on once its context has grown by its depth, 3; a's (42 43 40 41) not yet
+    assert named.calibration.observed.sum() == 2.0
+    named.draft_batch([row_a + [42, 43, 9, 10]], CONFIG, requests=["a"])
     assert named.calibration.observed.sum() == pytest.approx(4.0, abs=0.02)  # 52 50 for b, 42 43 for a (decayed)
 
     unnamed = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("request",))
