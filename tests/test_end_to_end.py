@@ -179,6 +179,39 @@ def test_rest_generate_adaptive_compare_equals_plain(stdlib_index, reference, sm
 
 
 @pytest.mark.cli
+def test_rest_generate_drafts_from_a_copy_of_a_fleets_store(stdlib_index, reference, smollm2_cost_dir, tmp_path):
+    """``--outputs-from``: the index in process, the store of outputs copied from a fleet's server
+    that already holds the answer (another replica served it): fewer steps than with a fresh store of
+    its own, the same output, and the output sent to the server."""
+    from rest_spec.datastore.outputs import OutputStore
+    from rest_spec.datastore.server import DatastoreServer, ServerConfig
+
+    prompt_ids, expected = next(iter(reference.values()))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": next(iter(reference))}) + "\n")
+    cache = shutil.copytree(smollm2_cost_dir, tmp_path / "cache")
+    command = [sys.executable, "-m", "rest_spec.drafter", "--datastore", str(stdlib_index), "--prompts", str(prompts),
+               "--max-new-tokens", str(NEW_TOKENS), "--adaptive", "--json"]  # fmt: skip
+    env = {**os.environ, **ONE_THREAD, "REST_CACHE_DIR": str(cache)}
+    with (
+        Datastore.open(stdlib_index) as index,
+        OutputStore(100_000, vocab_size=index.vocab_size) as outputs,
+        DatastoreServer(index, ServerConfig(port=0, workers=2), outputs) as server,
+    ):
+        outputs.add(expected)
+        runs = [
+            subprocess.run(command + extra, capture_output=True, text=True, env=env)
+            for extra in ([], ["--outputs-from", server.address])
+        ]
+        for run in runs:
+            assert run.returncode == 0, run.stderr
+        fresh, copied = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
+        assert fresh["output_ids"] == copied["output_ids"] == expected
+        assert copied["steps"] < fresh["steps"], (copied["steps"], fresh["steps"])
+        assert [d.tolist() for d in outputs.documents()] == [expected, expected]  # sent by the copying run only
+
+
+@pytest.mark.cli
 def test_rest_generate_adaptive_measures_the_cost_on_first_use(stdlib_index, reference, tmp_path):
     """With nothing cached, --adaptive measures the verify cost (about a minute) into
     $REST_CACHE_DIR before it generates; --no-draft measures nothing, and without a table it runs

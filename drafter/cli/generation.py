@@ -47,7 +47,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="plain decoding through the same loop (baseline), at the fastest layout of this machine's cached "
         "verify-cost table when one exists (rest-measure-cost; --adaptive measures it on first use)",
     )
-    add_connection_arguments(parser, "--datastore HOST:PORT")
+    parser.add_argument(
+        "--outputs-from",
+        metavar="HOST:PORT",
+        help="with an index directory as --datastore: copy the store of outputs of this rest-datastore server "
+        "(a fleet's), draft from the copy in process, and send each finished output there",
+    )
+    add_connection_arguments(parser, "--datastore HOST:PORT and --outputs-from")
     parser.add_argument(
         "--model",
         metavar="SPEC",
@@ -110,6 +116,7 @@ def load_parts(args: argparse.Namespace):
         config=args.config,
         tls_ca=args.tls_ca,
         auth_token=args.auth_token,
+        outputs_from=args.outputs_from,
     )
 
 

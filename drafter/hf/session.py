@@ -30,13 +30,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def open_drafter(spec: str, *, tls_ca: str | None = None, auth_token: str | None = None) -> Drafter:
+def open_drafter(
+    spec: str, *, tls_ca: str | None = None, auth_token: str | None = None, outputs_from: str | None = None
+) -> Drafter:
     """The datastore ``spec`` names (``drafter.core.sources.open_datastore``): an index directory
-    (several, comma-separated, answer as one) or HOST:PORT, asked for its ``info()`` now, so an
-    unreachable server or a broken index fails here, with a one-line ``CliError`` naming
-    ``--datastore``."""
+    (several, comma-separated, answer as one; with a copy of the store of outputs of the server
+    ``outputs_from``) or HOST:PORT, asked for its ``info()`` now, so an unreachable server or a
+    broken index fails here, with a one-line ``CliError`` naming ``--datastore``."""
     try:
-        return open_datastore(spec, where="--datastore", tls_ca=tls_ca, auth_token=auth_token)
+        return open_datastore(
+            spec, where="--datastore", tls_ca=tls_ca, auth_token=auth_token, outputs_from=outputs_from
+        )
     except ValueError as exc:
         log.debug("opening %s failed", spec, exc_info=True)
         raise CliError(str(exc)) from exc
@@ -51,6 +55,7 @@ def load_parts(
     config: DraftConfig = DEFAULT_CONFIG,
     tls_ca: str | None = None,
     auth_token: str | None = None,
+    outputs_from: str | None = None,
 ):
     """(tokenizer, model, drafter or None) for the model spec ``model`` (``drafter.hf.model.load_model``)
     and ``datastore`` (None: decoding without drafts). The drafter is opened first (a bad datastore
@@ -60,7 +65,11 @@ def load_parts(
     from rest_spec.common.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
     from rest_spec.drafter.hf.model import load_model
 
-    drafter = None if datastore is None else open_drafter(datastore, tls_ca=tls_ca, auth_token=auth_token)
+    drafter = (
+        None
+        if datastore is None
+        else open_drafter(datastore, tls_ca=tls_ca, auth_token=auth_token, outputs_from=outputs_from)
+    )
     try:
         started = time.perf_counter()
         tokenizer = load_tokenizer(model)
