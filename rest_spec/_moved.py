@@ -63,6 +63,8 @@ MOVED_NAMES = {
     "rest_spec.drafter.vllm": "rest_spec.drafter.vllm.proposer",
     "rest_spec.drafter.hf": "rest_spec.drafter.hf.plugin",
     "rest_spec.drafter.llamacpp": "rest_spec.drafter.llamacpp.draft_model",
+    # a module split: the contract stayed, the step helpers moved
+    "rest_spec.drafter.core.protocol": "rest_spec.drafter.core.steps",
 }
 
 
@@ -103,12 +105,15 @@ def install() -> None:
 
 
 def moved_name(package: str, name: str):
-    """``name`` of ``package`` (a module that became a package) from where it lives now; for a
-    package's ``__getattr__``."""
+    """``name`` of ``package`` (a module that became a package, or one split in two) from where it
+    lives now; for the module's ``__getattr__``."""
     home = MOVED_NAMES[package]
+    if name.startswith("__"):
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
     # ``from package import submodule`` asks for the attribute before it imports the submodule:
     # a submodule's name is never an alias
-    if name.startswith("__") or importlib.util.find_spec(f"{package}.{name}") is not None:
+    is_package = "__path__" in vars(sys.modules[package])  # not hasattr: that would ask __getattr__ again
+    if is_package and importlib.util.find_spec(f"{package}.{name}") is not None:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(home), name, None)
     if value is None:

@@ -16,8 +16,8 @@ from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.merge import SourceCalibration
-from rest_spec.drafter.core.protocol import SUFFIX_CUTS
 from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.core.steps import SUFFIX_CUTS
 from rest_spec.drafter.hf.generate import generate
 from tests.helpers import MODEL_VOCAB, tiny_causal_lm, tree_from_paths, write_index
 

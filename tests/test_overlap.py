@@ -34,7 +34,6 @@ from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.merge import MergedTree
-from rest_spec.drafter.core.protocol import SUFFIX_CUTS
 from rest_spec.drafter.core.remote import RemoteDrafter
 from rest_spec.drafter.core.request_matcher import RequestMatcher
 from rest_spec.drafter.core.scheduler import (
@@ -44,6 +43,7 @@ from rest_spec.drafter.core.scheduler import (
     ahead_config,
     likely_outcomes,
 )
+from rest_spec.drafter.core.steps import SUFFIX_CUTS
 from rest_spec.drafter.hf.generate import BatchGenerationResult, generate
 from tests.helpers import (
     CORPUS_VOCAB,

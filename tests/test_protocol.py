@@ -19,18 +19,18 @@ from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.local import LocalDrafter
-from rest_spec.drafter.core.protocol import (
+from rest_spec.drafter.core.protocol import StepDrafter
+from rest_spec.drafter.core.remote import RemoteDrafter
+from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftScheduler
+from rest_spec.drafter.core.steps import (
     SUFFIX_CUTS,
     Deferred,
     DraftSource,
     PlainSteps,
-    StepDrafter,
     as_source,
     draft_step,
     steps_for,
 )
-from rest_spec.drafter.core.remote import RemoteDrafter
-from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftScheduler
 from tests.helpers import CORPUS_VOCAB as VOCAB
 from tests.helpers import ScriptedDrafter, contexts_from, synthetic_corpus, write_index
 
@@ -135,3 +135,13 @@ with LocalDrafter.open({str(index)!r}) as local:
 assert "grpc" not in sys.modules, "grpc was imported"
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_the_step_helpers_that_moved_to_steps_still_answer_from_protocol():
+    from rest_spec.drafter.core import protocol, steps
+
+    with pytest.warns(DeprecationWarning, match="drafter.core.protocol.Mark moved to rest_spec.drafter.core.steps"):
+        assert protocol.Mark is steps.Mark
+    with pytest.raises(AttributeError):
+        protocol.no_such_name  # noqa: B018
+    assert set(protocol.__all__) == {"BatchRule", "Drafter", "Pending", "SourceDrafter", "StepDrafter"}

@@ -9,8 +9,8 @@ from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.cost import BatchCost, CostKey, DraftingWorth, VerifyCost, select_batch_chains
 from rest_spec.drafter.core.local import LocalDrafter
-from rest_spec.drafter.core.protocol import draft_step
 from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftScheduler
+from rest_spec.drafter.core.steps import draft_step
 from tests.helpers import MODEL_VOCAB, write_index
 
 # a CPU-like cost: 1.9x t(1) at 8 tokens, 4x at 64

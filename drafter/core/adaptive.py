@@ -35,17 +35,9 @@ from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.core.cost import CorrectedCost, StepCost, VerifyCost, select_chain, select_tree
 from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, merge_trees
-from rest_spec.drafter.core.protocol import (
-    Deferred,
-    Drafter,
-    Mark,
-    Pending,
-    SourceDrafter,
-    as_source,
-    draft_step,
-    token_list,
-)
+from rest_spec.drafter.core.protocol import Drafter, Pending, SourceDrafter
 from rest_spec.drafter.core.request_matcher import RequestMatcher
+from rest_spec.drafter.core.steps import Deferred, Mark, as_source, draft_step, token_list
 
 SOURCES = ("index", "request", "outputs")
 MAX_SESSIONS = 4096  # sessions kept at most; past it the longest unseen goes (an engine that never says "ended")
@@ -109,7 +101,7 @@ class AdaptiveDrafter:
 
     base         where the index and outputs trees come from: a ``SourceDrafter`` (``LocalDrafter``,
                  ``RemoteDrafter``); a plain ``Drafter`` does when "outputs" is not a source.
-                 Kept as ``source`` (``drafter.core.protocol.as_source``)
+                 Kept as ``source`` (``drafter.core.steps.as_source``)
     cost         the measured verification cost (``drafter.hf.measure.load_or_measure``), kept as a
                  ``CorrectedCost`` (given one, that one): the loop that verifies these trees
                  corrects it by the steps it times (``generate``), across requests; or a

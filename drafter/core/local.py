@@ -17,7 +17,7 @@ from rest_spec.datastore.outputs import (
     check_outputs_options,
     open_output_store,
 )
-from rest_spec.drafter.core.protocol import DraftSource
+from rest_spec.drafter.core.steps import DraftSource
 
 
 class LocalDrafter(DraftSource):

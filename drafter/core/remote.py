@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from rest_spec.common.types import SourceTrees
 from rest_spec.datastore.client import DatastoreClient
 from rest_spec.drafter.core.breaker import CircuitBreaker
-from rest_spec.drafter.core.protocol import DraftSource, Pending
+from rest_spec.drafter.core.protocol import Pending
+from rest_spec.drafter.core.steps import DraftSource
 
 __all__ = ["ADD_OUTPUT_TIMEOUT", "RemoteDrafter"]
 

@@ -60,7 +60,8 @@ import numpy as np
 from rest_spec.common.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.core.breaker import Admission, CircuitBreaker
 from rest_spec.drafter.core.cost import DraftingWorth, StepCost
-from rest_spec.drafter.core.protocol import SUFFIX_CUTS, BatchRule, Drafter, Mark, Pending, finish_step, steps_for
+from rest_spec.drafter.core.protocol import BatchRule, Drafter, Pending
+from rest_spec.drafter.core.steps import SUFFIX_CUTS, Mark, finish_step, steps_for
 
 log = logging.getLogger(__name__)
 

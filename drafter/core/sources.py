@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from rest_spec.common.cli import first_line
-from rest_spec.drafter.core.protocol import DraftSource
+from rest_spec.drafter.core.steps import DraftSource
 
 ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):\d{1,5}$")  # HOST:PORT, [IPv6]:PORT
 

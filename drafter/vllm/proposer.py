@@ -61,9 +61,9 @@ import numpy as np
 from rest_spec.common.types import MAX_DEPTH, DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.cost import BatchCost, CostKey, select_batch_chains
-from rest_spec.drafter.core.protocol import DraftSource
 from rest_spec.drafter.core.scheduler import DraftScheduler, OverlapConfig
 from rest_spec.drafter.core.sources import open_datastore
+from rest_spec.drafter.core.steps import DraftSource
 from rest_spec.drafter.core.uploads import OutputUploader, UploadStats
 
 log = logging.getLogger(__name__)
