@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, humaneval_inputs, report_header, save_report
+from benchmarks.common import RESULTS, comma_list, humaneval_inputs, save_report, start_run
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
@@ -42,7 +42,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--index", default="indexes/python-stdlib", help="index directory (default: %(default)s)")
     p.add_argument("--model", default=None, help="model spec (default: the packaged SmolLM2-135M-Instruct)")
-    p.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated batch sizes (default: %(default)s)")
+    p.add_argument(
+        "--batch-sizes",
+        type=comma_list(item=int),
+        default="1,2,4,8",
+        help="comma-separated batch sizes (default: %(default)s)",
+    )
     p.add_argument(
         "--prompts",
         type=int,
@@ -67,10 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--out", type=Path, default=RESULTS / "batch_stdlib.json")
     args = p.parse_args(argv)
-    try:
-        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    except ValueError:
-        p.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
     bad = [b for b in args.batch_sizes if b < 1 or args.prompts % b]
     if bad:
         p.error(f"every batch size must be >= 1 and divide --prompts {args.prompts}: {bad}")
@@ -141,7 +142,7 @@ def run_rest(model, drafter, prompts, size: int, max_new_tokens: int, config: Dr
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    header = start_run("batch", argv, level=logging.WARNING, format=logging.BASIC_FORMAT)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model, device=args.device), load_tokenizer(args.model)
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     report = {
-        **report_header("batch", argv),
+        **header,
         "config": {
             "index": str(args.index),
             "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)",

@@ -20,11 +20,10 @@ Latency is timed: run it on a quiet machine. Prints one JSON object and saves it
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import report_header, save_report
+from benchmarks.common import save_report, start_run
 from benchmarks.history import RESULTS, greedy_outputs, run_fleet, set_streams
 from benchmarks.retrieval.engines import compare_latency, open_figures, our_engine
 from benchmarks.retrieval.service import grpc_figures
@@ -61,7 +60,6 @@ def measure(index: Path, held_out, args) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--index", type=Path, action="append", required=True, help="an index to measure (repeat)")
     p.add_argument("--prompts", type=int, default=64, help="HumanEval prompts from the 101st (default: %(default)s)")
@@ -73,13 +71,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--skip-latency", action="store_true", help="the replay only (no timing)")
     p.add_argument("--out", type=Path, default=RESULTS / "code_scale.json")
     args = p.parse_args(argv)
+    report = start_run("code_scale", argv, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from benchmarks.vllm import ENGINE_MODEL
     from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
     ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")
     _, _, held_prompts = set_streams("code", load_tokenizer(None), 0, args.prompts)
     held_out = list(zip(held_prompts, greedy_outputs(held_prompts, args)))
-    report = report_header("code_scale", argv)
     report["held_out"] = f"HumanEval {101}-{100 + len(held_out)}"
     report["indexes"] = [measure(index, held_out, args) for index in args.index]
     save_report(report, args.out)

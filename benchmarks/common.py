@@ -4,6 +4,7 @@ own engine ``draftretriever`` queried the way REST's code does."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import logging
@@ -12,7 +13,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.resources import files
 from pathlib import Path
 
@@ -71,6 +72,37 @@ def report_header(benchmark: str, argv: Sequence[str] | None) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(),
     }
+
+
+def start_run(
+    benchmark: str, argv: Sequence[str] | None, *, level: int = logging.INFO, format: str = "%(message)s"
+) -> dict:
+    """Every benchmark's preamble, after its arguments are parsed: log lines at ``level`` (in
+    ``format``) to stderr, and the report's first keys (``report_header``)."""
+    logging.basicConfig(level=level, stream=sys.stderr, format=format)
+    return report_header(benchmark, argv)
+
+
+def comma_list(choices: Sequence[str] | None = None, *, item: Callable[[str], object] = str, empty: bool = False):
+    """An argparse ``type`` for a comma-separated list (``--sets humaneval,sharegpt``,
+    ``--concurrency 1,8``): a list of ``item(part)``, each part one of ``choices`` where given, at
+    least one unless ``empty``; empty parts are dropped. argparse passes a string default through it
+    too, so the option is a list whether given or not."""
+
+    def parse(text: str) -> list:
+        parts = [part for part in text.split(",") if part]
+        if choices is not None and (unknown := [part for part in parts if part not in choices]):
+            raise argparse.ArgumentTypeError(
+                f"must be a comma-separated subset of {','.join(choices)}; not {','.join(unknown)}"
+            )
+        if not parts and not empty:
+            raise argparse.ArgumentTypeError("must name at least one (comma-separated)")
+        try:
+            return [item(part) for part in parts]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"must be comma-separated values: {exc}") from None
+
+    return parse
 
 
 def load_targets(benchmark: str) -> dict:

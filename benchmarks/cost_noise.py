@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, RESULTS, ensure_index, humaneval_inputs, report_header, save_report
+from benchmarks.common import REPO, RESULTS, comma_list, ensure_index, humaneval_inputs, save_report, start_run
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
@@ -256,18 +256,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--busy", type=int, default=2, help="CPU-bound processes beside the busy measurement (default: 2)")
     p.add_argument(
-        "--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="the sizes measured (default: rest-measure-cost's)"
+        "--sizes",
+        type=comma_list(item=int),
+        default=",".join(map(str, DEFAULT_SIZES)),
+        help="the sizes measured (default: rest-measure-cost's)",
     )
     p.add_argument("--index", type=Path, default=REPO / "indexes/python-stdlib")
     p.add_argument("--out", type=Path, default=RESULTS / "cost_noise.json")
     args = p.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1 or args.busy < 1:
         p.error("--prompts, --max-new-tokens and --busy must be positive")
-    try:
-        sizes = tuple(int(n) for n in args.sizes.split(","))
-    except ValueError:
-        p.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    sizes = tuple(args.sizes)
+    header = start_run("cost_noise", argv)
     logging.getLogger("rest_spec").setLevel(logging.WARNING)  # the measurements' per-size lines
     index = ensure_index(args.index, ["--corpus", "python-stdlib"])
     model, tokenizer = load_model(None), load_tokenizer(None)
@@ -275,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         directories, measurements = measure_tables(model, Path(workdir), args.busy, sizes)
         tables = run_tables(model, tokenizer, index, directories, args)
     report = {
-        **report_header("cost_noise", argv),
+        **header,
         "prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens,
         "busy_processes": args.busy,

@@ -45,7 +45,6 @@ import dataclasses
 import logging
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -58,14 +57,15 @@ from benchmarks.common import (
     RESULTS,
     chat_prompt,
     check,
+    comma_list,
     ensure_index,
     humaneval_inputs,
     load_targets,
     mode_bars,
     pyplot,
-    report_header,
     save_figure,
     save_report,
+    start_run,
 )
 from benchmarks.replay import greedy_path, save_greedy_outputs
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
@@ -163,9 +163,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
-        "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
+        "--sets",
+        type=comma_list(SETS),
+        default=",".join(DEFAULT_SETS),
+        help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)",
     )
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs)")
+    p.add_argument(
+        "--modes",
+        type=comma_list(MODES),
+        default=",".join(MODES),
+        help="comma-separated, of %(default)s (plain always runs)",
+    )
     add_set_arguments(p)
     p.add_argument(
         "--budget", type=int, default=64, help="paper mode's tree size; the adaptive mode's candidates (default 64)"
@@ -178,11 +186,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help="the plot (default: --out with .png)")
     args = p.parse_args(argv)
     args.plot = args.plot or args.out.with_suffix(".png")
-    args.sets, args.modes = args.sets.split(","), args.modes.split(",")
-    if not args.sets or set(args.sets) - set(SETS):
-        p.error(f"--sets must be a comma-separated subset of {','.join(SETS)}, got {','.join(args.sets)}")
-    if set(args.modes) - set(MODES):
-        p.error(f"--modes must be a comma-separated subset of {','.join(MODES)}, got {','.join(args.modes)}")
     args.modes = [m for m in MODES if m in args.modes or m == "plain"]  # plain is the reference
     if args.prompts < 1 or args.max_new_tokens < 1:
         p.error("--prompts and --max-new-tokens must be positive")
@@ -493,14 +496,14 @@ def plot(report: dict, path: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    header = start_run("e2e", argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model), load_tokenizer(args.model)
     fingerprint = tokenizer_fingerprint(tokenizer)
     cost = load_or_measure(model, remeasure=args.remeasure)
     report = {
-        **report_header("e2e", argv),
+        **header,
         "config": {
             "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF, fp32)",
             "greedy": True,

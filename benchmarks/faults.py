@@ -47,11 +47,12 @@ from benchmarks.common import (
     REPO,
     RESULTS,
     check,
+    comma_list,
     ensure_index,
     humaneval_prompts,
     load_targets,
-    report_header,
     save_report,
+    start_run,
 )
 from benchmarks.e2e import STDLIB_INDEX
 from benchmarks.load import start_server
@@ -70,7 +71,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--prompts", type=int, default=10, help="HumanEval prompts (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated (default: %(default)s)")
+    p.add_argument(
+        "--modes", type=comma_list(MODES), default=",".join(MODES), help="comma-separated (default: %(default)s)"
+    )
     p.add_argument("--fault-at", type=float, default=3.0, help="seconds into a prompt (default: %(default)s)")
     p.add_argument("--freeze-at", type=float, default=0.5, help="recovery mode (default: %(default)s)")
     p.add_argument(
@@ -84,8 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300, help="seconds a run may take before it is killed")
     p.add_argument("--out", type=Path, default=RESULTS / "faults.json")
     args = p.parse_args(argv)
-    args.modes = args.modes.split(",")
-    if set(args.modes) - set(MODES) or "no-draft" not in args.modes:
+    if "no-draft" not in args.modes:
         p.error(f"--modes must be a comma-separated subset of {','.join(MODES)}, no-draft included")
     if args.prompts < 1 or args.max_new_tokens < 1 or min(args.fault_at, args.freeze_at, args.hold) < 0:
         p.error("--prompts and --max-new-tokens must be positive, the times non-negative")
@@ -278,7 +280,7 @@ def targets(summary: dict) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    header = start_run("faults", argv)
     ensure_index(args.index, STDLIB_INDEX[1])
     load_before, loads = os.getloadavg(), []  # what else ran on the machine
     prompts = humaneval_prompts(args.prompts)
@@ -305,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = {mode: summarize(mode_rows, rows["no-draft"]) for mode, mode_rows in rows.items()}
     load_after = os.getloadavg()
     report = {
-        **report_header("faults", argv),
+        **header,
         "config": {
             "prompts": args.prompts,
             "max_new_tokens": args.max_new_tokens,

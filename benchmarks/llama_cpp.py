@@ -37,7 +37,6 @@ import argparse
 import logging
 import signal
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -46,12 +45,13 @@ import numpy as np
 from benchmarks.common import (
     RESULTS,
     check,
+    comma_list,
     load_targets,
     mode_bars,
     pyplot,
-    report_header,
     save_figure,
     save_report,
+    start_run,
 )
 from benchmarks.e2e import add_set_arguments, hf_run, set_index, set_prompts
 from benchmarks.load import start_server
@@ -91,9 +91,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--sets", default="humaneval,sharegpt", help="comma-separated, of humaneval,sharegpt")
+    p.add_argument(
+        "--sets",
+        type=comma_list(("humaneval", "sharegpt")),
+        default="humaneval,sharegpt",
+        help="comma-separated, of humaneval,sharegpt",
+    )
     p.add_argument(
         "--modes",
+        type=comma_list(MODES),
         default=",".join(DEFAULT_MODES),
         help=f"comma-separated, of {','.join(MODES)} (default: %(default)s; llama always runs)",
     )
@@ -108,11 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS / "llama_cpp.json")
     p.add_argument("--plot", type=Path, default=RESULTS / "llama_cpp.png")
     args = p.parse_args(argv)
-    args.sets = args.sets.split(",")
-    args.modes = ["llama"] + [m for m in args.modes.split(",") if m != "llama"]
-    unknown = sorted(set(args.modes) - set(MODES)) + sorted(set(args.sets) - {"humaneval", "sharegpt"})
-    if unknown:
-        p.error(f"unknown mode or set: {', '.join(unknown)}")
+    args.modes = ["llama"] + [m for m in args.modes if m != "llama"]
     return args
 
 
@@ -300,13 +302,13 @@ def plot(report: dict, path: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    header = start_run("llama_cpp", argv)
     require_llama_cpp()
     import llama_cpp
 
     tokenizer = load_tokenizer(None)
     report = {
-        **report_header("llama_cpp", argv),
+        **header,
         "config": {
             "model": "SmolLM2-135M-Instruct (packaged Q4_1 GGUF)",
             "llama_cpp_python": llama_cpp.__version__,

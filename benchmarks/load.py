@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, RESULTS, ensure_index, report_header, save_report
+from benchmarks.common import REPO, RESULTS, ensure_index, save_report, start_run
 
 log = logging.getLogger("benchmarks.load")
 
@@ -247,7 +247,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    header = start_run("load", argv, format="%(asctime)s %(name)s: %(message)s")
     ensure_index(args.index, ["--corpus", "python-stdlib"])
     figures = run_load(
         args.index,
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         workers=args.workers,
     )
     report = {
-        **report_header("load", argv),
+        **header,
         "index": str(args.index),
         **figures,
     }

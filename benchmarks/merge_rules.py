@@ -36,14 +36,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, DraftRetriever, report_header, save_report
+from benchmarks.common import RESULTS, DraftRetriever, comma_list, save_report, start_run
 from benchmarks.e2e import DEFAULT_SETS, SETS
 from benchmarks.replay import Drafts, Example, replay
 from benchmarks.tradeoff import set_examples
@@ -53,7 +52,7 @@ from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.cost import VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.merge import merge_trees
-from rest_spec.drafter.core.protocol import SUFFIX_CUTS
+from rest_spec.drafter.core.steps import SUFFIX_CUTS
 from rest_spec.drafter.hf.measure import load_or_measure
 from rest_spec.drafter.hf.model import load_model
 
@@ -192,19 +191,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)}")
+    p.add_argument(
+        "--sets", type=comma_list(SETS), default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)}"
+    )
     p.add_argument("--budget", type=int, default=64, help="nodes per step for every drafter (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="as in benchmarks.e2e (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS / "merge_rules.json")
     args = p.parse_args(argv)
-    sets = args.sets.split(",")
-    if set(sets) - set(SETS) or args.prompts < 1 or args.max_new_tokens < 1:
-        p.error(f"--sets must be a subset of {','.join(SETS)}; --prompts and --max-new-tokens positive")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    sets = args.sets
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        p.error("--prompts and --max-new-tokens must be positive")
+    header = start_run("merge_rules", argv)
     model, tokenizer = load_model(None), load_tokenizer(None)
     config, cost = DraftConfig(budget=args.budget), load_or_measure(model)
     report = {
-        **report_header("merge_rules", argv),
+        **header,
         "config": {"prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "budget": args.budget},
         "sets": {},
     }

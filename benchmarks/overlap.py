@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria
 
-from benchmarks.common import REPO, RESULTS, ensure_index, pyplot, report_header, save_figure, save_report
+from benchmarks.common import REPO, RESULTS, comma_list, ensure_index, pyplot, save_figure, save_report, start_run
 from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.load import start_server
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -62,21 +62,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--sets", default=",".join(DEFAULT_SETS), help="comma-separated (default: %(default)s)")
-    p.add_argument("--rtts", default="0,1,2,5", help="added round trips in ms (default: %(default)s)")
+    p.add_argument(
+        "--sets", type=comma_list(SETS), default=",".join(DEFAULT_SETS), help="comma-separated (default: %(default)s)"
+    )
+    p.add_argument(
+        "--rtts", type=comma_list(item=float), default="0,1,2,5", help="added round trips in ms (default: %(default)s)"
+    )
     p.add_argument("--budget", type=int, default=64, help="the adaptive drafter's candidates (default 64)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024)
     p.add_argument("--no-fault-run", action="store_true", help="skip the killed-server run")
     p.add_argument("--out", type=Path, default=RESULTS / "overlap.json")
     p.add_argument("--plot", type=Path, default=RESULTS / "overlap.png")
     args = p.parse_args(argv)
-    args.sets = args.sets.split(",")
-    if set(args.sets) - set(SETS):
-        p.error(f"--sets must be a comma-separated subset of {','.join(SETS)}")
-    try:
-        args.rtts = [float(r) for r in args.rtts.split(",")]
-    except ValueError:
-        p.error(f"--rtts must be comma-separated numbers, got {args.rtts!r}")
     if args.prompts < 1 or args.max_new_tokens < 1 or min(args.rtts) < 0:
         p.error("--prompts and --max-new-tokens must be positive, --rtts non-negative")
     return args
@@ -272,12 +269,12 @@ def plot(report: dict, rtts: list[float], path: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    header = start_run("overlap", argv)
     logging.getLogger("rest_spec").setLevel(logging.ERROR)  # the fault run's fallback warnings
     model, tokenizer = load_model(None), load_tokenizer(None)
     cost = load_or_measure(model)
     report = {
-        **report_header("overlap", argv),
+        **header,
         "config": {
             "prompts_per_set": args.prompts,
             "max_new_tokens": args.max_new_tokens,

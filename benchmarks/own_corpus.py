@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import REPO, report_header, save_report
+from benchmarks.common import REPO, comma_list, report_header, save_report
 from benchmarks.history import RESULTS, greedy_outputs, set_streams
 from benchmarks.vllm_run import engine_env
 from rest_spec.common.tokenizer import load_tokenizer
@@ -100,7 +100,12 @@ def build_set(name: str, count: int, args: argparse.Namespace, tokenizer) -> dic
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sets", default="code,chat", help="comma-separated, of code,chat (default: %(default)s)")
+    p.add_argument(
+        "--sets",
+        type=comma_list(("code", "chat")),
+        default="code,chat",
+        help="comma-separated, of code,chat (default: %(default)s)",
+    )
     p.add_argument("--count", type=int, default=2000, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
@@ -120,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")  # the cache's key
     tokenizer = load_tokenizer(None)
     report = report_header("own_corpus", argv)
-    report["sets"] = {name: build_set(name, args.count, args, tokenizer) for name in args.sets.split(",")}
+    report["sets"] = {name: build_set(name, args.count, args, tokenizer) for name in args.sets}
     save_report(report, args.out)
 
 

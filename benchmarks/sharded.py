@@ -41,14 +41,13 @@ import dataclasses
 import logging
 import shutil
 import statistics
-import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, check, ensure_index, load_targets, report_header, save_report
+from benchmarks.common import RESULTS, check, comma_list, ensure_index, load_targets, save_report, start_run
 from benchmarks.e2e import INDEXES, set_prompts
 from benchmarks.load import draft_requests, drive, start_datastore
 from benchmarks.overlap import record, stop, summarize
@@ -338,10 +337,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="draft budget of every call and of the adaptive drafter (default: %(default)s)",
     )
     p.add_argument(
-        "--routers", default="1,2,4", help="shard servers behind each router, comma-separated (default: %(default)s)"
+        "--routers",
+        type=comma_list(item=int),
+        default="1,2,4",
+        help="shard servers behind each router, comma-separated (default: %(default)s)",
     )
     p.add_argument(
-        "--clients", default="1,2,3,4", help="client processes of the throughput runs (default: %(default)s)"
+        "--clients",
+        type=comma_list(item=int),
+        default="1,2,3,4",
+        help="client processes of the throughput runs (default: %(default)s)",
     )
     p.add_argument(
         "--batch", type=int, default=64, help="contexts per DraftBatch of the exactness check (default: %(default)s)"
@@ -376,12 +381,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` checked, the lists split and the draft parameters made (``p.error`` on a bad value)."""
-    try:
-        args.routers = [int(k) for k in args.routers.split(",")]
-        args.clients = [int(n) for n in args.clients.split(",")]
-    except ValueError:
-        p.error(f"--routers and --clients must be comma-separated integers, got {args.routers!r} and {args.clients!r}")
+    """``args`` checked and the draft parameters made (``p.error`` on a bad value)."""
     if min(args.routers) < 1 or min(args.clients) < 1:
         p.error("--routers and --clients must be positive")
     for name in ("prompts", "contexts", "max_new_tokens", "max_prompt_tokens", "batch", "workers", "seconds"):
@@ -396,9 +396,9 @@ def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     return args
 
 
-def run(args: argparse.Namespace, argv: Sequence[str] | None, logs: Path) -> dict:
-    """Every part of the benchmark on ``args.index`` (``argv``: the command line, for the report),
-    the servers logging into ``logs``."""
+def run(args: argparse.Namespace, header: dict, logs: Path) -> dict:
+    """Every part of the benchmark on ``args.index`` (``header``: the report's first keys,
+    ``common.start_run``'s), the servers logging into ``logs``."""
     index = ensure_index(args.index, BUILD_ARGS)
     manifest = read_manifest(index)
     shards = len(manifest.shards)
@@ -418,7 +418,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None, logs: Path) -> dic
     model = load_model(None)
     cost = load_or_measure(model)
     report = {
-        **report_header("sharded", argv),
+        **header,
         "index": {"path": str(index), "shards": shards, "tokens": manifest.num_tokens},
         "config": {
             "contexts": "16-token windows of the held-out conversations (never indexed), fixed seed",
@@ -447,10 +447,10 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None, logs: Path) -> dic
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    header = start_run("sharded", argv, format="%(asctime)s %(name)s: %(message)s")
     logs = Path(tempfile.mkdtemp(prefix="rest-sharded-logs-"))
     try:
-        report = run(args, argv, logs)
+        report = run(args, header, logs)
     except BaseException:
         log.error("the servers' logs are in %s", logs)
         raise

@@ -24,13 +24,20 @@ it is the place to try drafting changes; e2e then measures the real thing.
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, DraftRetriever, check, ensure_index, load_targets, report_header, save_report
+from benchmarks.common import (
+    RESULTS,
+    DraftRetriever,
+    check,
+    comma_list,
+    ensure_index,
+    load_targets,
+    save_report,
+    start_run,
+)
 from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.replay import Example, greedy_outputs, replay
 from rest_spec.common.tokenizer import load_tokenizer
@@ -49,10 +56,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument(
-        "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
+        "--sets",
+        type=comma_list(SETS),
+        default=",".join(DEFAULT_SETS),
+        help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)",
     )
     p.add_argument(
         "--sizes",
+        type=comma_list(item=int),
         default="2,4,8,16,32,64",
         help="fixed tree sizes to compare; the target compares the one equal to --budget with rest "
         "(default: %(default)s)",
@@ -66,13 +77,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="as in benchmarks.e2e (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS / "tradeoff.json")
     args = p.parse_args(argv)
-    args.sets = args.sets.split(",")
-    if not args.sets or set(args.sets) - set(SETS):
-        p.error(f"--sets must be a comma-separated subset of {','.join(SETS)}, got {','.join(args.sets)}")
-    try:
-        args.sizes = [int(k) for k in args.sizes.split(",")]
-    except ValueError:
-        p.error(f"--sizes must be comma-separated integers, got {args.sizes!r}")
     if args.prompts < 1 or args.max_new_tokens < 1 or min(args.sizes) < 1 or max(args.sizes) > args.budget:
         p.error("--prompts and --max-new-tokens must be positive, and --sizes in [1, --budget]")
     return args
@@ -119,11 +123,11 @@ def targets(report: dict, budget: int) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    header = start_run("tradeoff", argv)
     model, tokenizer = load_model(None), load_tokenizer(None)
     cost = load_or_measure(model)
     report = {
-        **report_header("tradeoff", argv),
+        **header,
         "config": {
             "prompts_per_set": args.prompts,
             "max_new_tokens": args.max_new_tokens,

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, report_header, save_report
+from benchmarks.common import RESULTS, comma_list, report_header, save_report
 from rest_spec.drafter.core.cost import VerifyCost
 from rest_spec.drafter.hf.measure import DEFAULT_CONTEXT_LENGTH, cost_key, measured_tree, verify_timer
 from rest_spec.drafter.hf.model import load_model
@@ -79,15 +79,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over every size (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per size per round (default: %(default)s)")
-    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="n to time, from 1 (default: %(default)s)")
-    p.add_argument("--profile", default=",".join(map(str, PROFILED)), help="n to profile (default: %(default)s)")
+    p.add_argument(
+        "--sizes",
+        type=comma_list(item=int, empty=True),
+        default=",".join(map(str, SIZES)),
+        help="n to time, from 1 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--profile",
+        type=comma_list(item=int, empty=True),
+        default=",".join(map(str, PROFILED)),
+        help="n to profile (default: %(default)s)",
+    )
     p.add_argument("--compiled", action="store_true", help="also time the forward under torch.compile")
     p.add_argument("--out", type=Path, default=RESULTS / "verify_cost.json")
     args = p.parse_args(argv)
-    try:
-        sizes, profiled = (tuple(int(n) for n in text.split(",") if n) for text in (args.sizes, args.profile))
-    except ValueError:
-        p.error(f"--sizes and --profile must be comma-separated integers, got {args.sizes!r}, {args.profile!r}")
+    sizes, profiled = tuple(args.sizes), tuple(args.profile)
     model = load_model(None)
     generate_step = verify_timer(model, repeats=args.repeats, plain_cache=True)
     project_step = verify_timer(model, repeats=args.repeats)

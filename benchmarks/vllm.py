@@ -59,7 +59,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, compile_kernels, report_header, save_report
+from benchmarks.common import RESULTS, comma_list, compile_kernels, save_report, start_run
 from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
@@ -85,9 +85,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument(
-        "--sets", default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)"
+        "--sets",
+        type=comma_list(SETS),
+        default=",".join(DEFAULT_SETS),
+        help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)",
     )
-    p.add_argument("--concurrency", default="1,8", help="comma-separated requests at once (default: %(default)s)")
+    p.add_argument(
+        "--concurrency",
+        type=comma_list(item=int),
+        default="1,8",
+        help="comma-separated requests at once (default: %(default)s)",
+    )
     p.add_argument(
         "--schedule",
         choices=("groups", "continuous"),
@@ -97,11 +105,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "request starting as another ends, as in a server (default: %(default)s)",
     )
     p.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated, of %(default)s (plain always runs, first and last)"
+        "--modes",
+        type=comma_list(MODES),
+        default=",".join(MODES),
+        help="comma-separated, of %(default)s (plain always runs, first and last)",
     )
     p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
     p.add_argument(
         "--ngram-settings",
+        type=comma_list(item=parse_ngram_setting),
         default=DEFAULT_NGRAM_SETTINGS,
         help="the ngram mode's candidate k:min:max (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) "
         "settings, comma-separated (default: %(default)s)",
@@ -134,17 +146,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_set_arguments(p)
     p.add_argument("--out", type=Path, default=RESULTS / "vllm.json", help="the report (default: %(default)s)")
     args = p.parse_args(argv)
-    args.sets, args.modes = args.sets.split(","), args.modes.split(",")
-    if not args.sets or set(args.sets) - set(SETS):
-        p.error(f"--sets must be a comma-separated subset of {','.join(SETS)}, got {','.join(args.sets)}")
-    if set(args.modes) - set(MODES):
-        p.error(f"--modes must be a comma-separated subset of {','.join(MODES)}, got {','.join(args.modes)}")
     args.modes = [m for m in MODES if m in args.modes or m == "plain"]  # plain is the reference
-    try:
-        args.concurrency = [int(c) for c in args.concurrency.split(",")]
-        args.ngram_settings = [parse_ngram_setting(s) for s in args.ngram_settings.split(",")]
-    except ValueError as exc:
-        p.error(f"--concurrency or --ngram-settings: {exc}")
     if min(args.concurrency) < 1 or args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
         p.error("--prompts, --max-new-tokens, --k and every --concurrency must be positive")
     if args.tune_prompts < 0:
@@ -538,7 +540,7 @@ def summary(report: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    header = start_run("vllm", argv)
     tokenizer = load_tokenizer(args.model)
     checkpoint = (
         hf_checkpoint(args.model, dtype=args.dtype)
@@ -556,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens, args.skip_prompts),
         )
     report = {
-        **report_header("vllm", argv),
+        **header,
         "config": {
             "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF as an fp32 checkpoint)",
             "checkpoint": str(checkpoint),

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import benchmarks.retrieval as retrieval
-from benchmarks.common import REPO, REST_SEARCH, RESULTS, open_draftretriever, report_header, save_report
+from benchmarks.common import REPO, REST_SEARCH, RESULTS, open_draftretriever, save_report, start_run
 from benchmarks.retrieval import (
     BUDGETS,
     GROWTH_BUDGET,
@@ -179,7 +178,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    header = start_run("retrieval", argv, level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)
     args.workdir.mkdir(parents=True, exist_ok=True)
     specs = (
@@ -193,7 +192,7 @@ def main(argv=None) -> int:
         query_sets[spec.name] = sample_queries(spec.corpus_spec(args.max_records), args.queries, args.seed, tokenizer)
         indexes[spec.name] = benchmark_index(spec, index, build, query_sets[spec.name], args)
     report = {
-        **report_header("retrieval", argv),
+        **header,
         "config": {
             **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "indexes": [asdict(s) for s in specs],
