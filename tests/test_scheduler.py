@@ -3,11 +3,19 @@ skipped step means -- on a real ``AdaptiveDrafter`` over a real tiny index."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
-from rest_spec.drafter.core.cost import BatchCost, CostKey, DraftingWorth, VerifyCost, select_batch_chains
+from rest_spec.drafter.core.cost import (
+    BatchCost,
+    BlockShape,
+    CostKey,
+    DraftingWorth,
+    VerifyCost,
+    select_batch_chains,
+)
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftScheduler
 from rest_spec.drafter.core.steps import draft_step
@@ -96,6 +104,43 @@ def test_without_a_cost_every_step_drafts_and_a_batch_weighs_at_its_own_size(bas
     assert scheduler.step([], [], batch=4) == [] and scheduler.stats.steps == 1  # no row may draft: no step
 
 
+class Recording:
+    """A ``StepCost`` that prices every step at one second and records what it is told."""
+
+    def __init__(self) -> None:
+        self.observed: list[tuple[list[int], float, int | None]] = []
+
+    def step_seconds(self, trees, rows=None) -> float:
+        return 1.0
+
+    def observe_step(self, trees, seconds, rows=None) -> None:
+        self.observed.append(([len(tree) for tree in trees], seconds, rows))
+
+
+def test_the_scheduler_feeds_the_cost_what_each_step_verified(base):
+    """Every engine tells the scheduler how long a step took; the scheduler tells the cost which
+    trees that step verified, in how many rows, once."""
+    cost = Recording()
+    scheduler = DraftScheduler(AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("index",)), CONFIG, cost=cost)
+    assert scheduler.cost is cost
+    scheduler.verified(0.5)  # the prefill: no trees handed yet
+    trees = scheduler.step([CONTEXT, [31, 1, 2]], ["a", "b"], batch=3)
+    assert all(len(tree) for tree in trees) and cost.observed == []
+    scheduler.verified(0.25)
+    scheduler.verified(0.125)  # told twice: observed once
+    assert cost.observed == [([len(tree) for tree in trees], 0.25, 3)]
+    # vLLM's way: the time told at the next step
+    trees = scheduler.step([VERIFIED], ["a"], ended=["b"])
+    scheduler.step([[*VERIFIED, 40]], ["a"], step_seconds=0.75)
+    assert cost.observed[-1] == ([len(trees[0])], 0.75, 1)
+    # llama.cpp's: the engine verified less than it was handed
+    scheduler.verified(0.0625, [DraftTree.empty()])
+    assert cost.observed[-1] == ([0], 0.0625, 1)
+    assert (
+        scheduler.step_seconds() == 0.1875
+    )  # the deadlines follow every time told: the median of 0.1 (the start), 0.5 ... 0.0625
+
+
 def test_llama_cpps_draft_model_follows_the_schedulers_rule(base):
     """``RestDraftModel`` (no llama.cpp needed to call it: its parts set as ``use_cost`` sets them)
     tells the scheduler its one request and when a new one starts; the scheduler skips."""
@@ -105,12 +150,15 @@ def test_llama_cpps_draft_model_follows_the_schedulers_rule(base):
     model.drafter, model.config, model.stats = base, CONFIG, DraftStats()
     model._options = {"config": CONFIG, "sources": ("index",), "suffixes": ()}
     model.adaptive = model.scheduler = None
-    model._context_length, model._request, model._step_seconds = 0, 0, None
+    model._context_length, model._request = 0, 0
+    model.last_chain, model._last_tree = np.zeros(0, np.intc), DraftTree.empty()
     model.use_cost(CPU_COST)  # t(1) 1 s: the first estimate of a step
     model.scheduler.worth = Scripted(True, False)
     chain = model(CONTEXT)
     assert len(chain) > 0 and model.stats.drafted == len(chain)
-    model.observe(1 + len(chain), 0.002)  # llama.cpp evaluated the chain: told at the next call
+    seen = model.adaptive.cost.seen(BlockShape(1 + len(chain)), chain=True)
+    model.observe(1 + len(chain), 0.002)  # llama.cpp evaluated the chain: the scheduler feeds the cost
+    assert model.adaptive.cost.seen(BlockShape(1 + len(chain)), chain=True) == seen + 1
     assert len(model(VERIFIED)) == 0 and (model.stats.calls, model.stats.skipped) == (2, 1)
     assert model.scheduler.step_seconds() == pytest.approx((1.0 + 0.002) / 2)
     # the chain verified before the skip: its tokens up to the first the verifier did not take

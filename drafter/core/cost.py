@@ -410,10 +410,12 @@ class CorrectedCost:
         return self.current.step_seconds(trees, rows)
 
     def observe_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
-        """A step of one row, run at ``block_shape(trees)``, took ``seconds`` (``observe``); a batch's
-        steps tell nothing of one row's prices."""
+        """A step of one row, run at ``block_shape(trees)`` (an engine that does not pad runs the
+        tree's own tokens), took ``seconds`` (``observe``); a batch's steps tell nothing of one
+        row's prices."""
         if len(trees) == 1 and rows in (None, 1):
-            self.observe(self.block_shape(trees), trees[0].is_chain(), seconds)
+            shape = self.block_shape(trees) if self.pads else BlockShape(len(trees[0]) + 1)
+            self.observe(shape, trees[0].is_chain(), seconds)
 
     def block_shape(self, trees: Sequence[DraftTree]) -> BlockShape:
         """``VerifyCost.block_shape`` by the corrected prices, or, for one row, the alternative to a

@@ -209,6 +209,8 @@ class DraftScheduler:
     config    the loop's tree size (``budget``, ``max_depth``)
     overlap   see ``OverlapConfig``
     step_seconds  a first estimate of a step's time (the prefill's), until forwards are measured
+    cost      what steps are priced by, where not the drafter's (``StepDrafter.cost``): a loop
+              without drafts still shapes its blocks by one; the engine's step times feed it here
     """
 
     def __init__(
@@ -217,8 +219,10 @@ class DraftScheduler:
         config: DraftConfig,
         overlap: OverlapConfig = OverlapConfig(),
         step_seconds: float = 0.1,
+        cost: StepCost | None = None,
     ) -> None:
         self.sources = None if drafter is None else steps_for(drafter)
+        self._cost = cost
         source = None if self.sources is None else self.sources.source
         self.config, self.overlap = config, overlap
         # the datastore's own breaker where it keeps one across generations, else one for this one
@@ -237,10 +241,15 @@ class DraftScheduler:
         self._late = 0  # speculative calls the background job gave up on
         self.worth = DraftingWorth()  # whether drafting pays at a batch size (weighed with a cost)
         self._live: set[Hashable] = set()  # the last step's requests, less those that ended since
+        # the trees the last step handed the engine, and the rows it ran: what its time is observed for
+        self._handed: tuple[list[DraftTree], int] | None = None
 
     @property
     def cost(self) -> StepCost | None:
-        """The drafter's verification cost, which the loop corrects from the steps it times."""
+        """The cost steps are priced by: the one given, else the drafter's. Fed here, from the
+        steps the engine times (``verified``)."""
+        if self._cost is not None:
+            return self._cost
         return None if self.sources is None else self.sources.cost
 
     def step_seconds(self) -> float:
@@ -252,9 +261,16 @@ class DraftScheduler:
         ``MIN_WAIT`` (a fast step must not rule out a healthy datastore's ordinary round trip)."""
         return max(self.step_seconds() * self.overlap.deadline, MIN_WAIT)
 
-    def verified(self, seconds: float) -> None:
-        """A forward (verification) took ``seconds``: the deadlines follow it."""
+    def verified(self, seconds: float, trees: Sequence[DraftTree] | None = None) -> None:
+        """The step that verified the trees of the last ``step`` took ``seconds`` (or, where the
+        engine verified less than it was handed, ``trees``): the deadlines follow it, and the cost
+        learns from it (``StepCost.observe_step``), the same way for every engine."""
         self._forwards.append(seconds)
+        cost, handed = self.cost, self._handed
+        self._handed = None  # a step is observed once
+        if cost is not None and (handed is not None or trees is not None):
+            verified = handed[0] if trees is None else list(trees)
+            cost.observe_step(verified, seconds, len(verified) if handed is None else handed[1])
 
     def step(
         self,
@@ -271,8 +287,9 @@ class DraftScheduler:
         draft (read now, not kept; what each gained since the last step is what the verifier
         accepted), named by ``request_ids`` (default: their positions); ``batch``, the rows the
         step runs (default: ``len(rows)``; rows that cannot draft still cost); ``step_seconds``,
-        what the step just verified took (None: not timed); ``ended``, requests that ended since
-        the last step; ``admit``, the engine's batch rule (``finish_step``).
+        what the step that verified the last call's trees took (None: not timed; else as
+        ``verified``); ``ended``, requests that ended since the last step; ``admit``, the engine's
+        batch rule (``finish_step``).
 
         Whether to draft at all is decided here (the module docstring); trees that are drafted are
         then prepared ahead for the next step where overlap is on (``speculate``)."""
@@ -280,6 +297,14 @@ class DraftScheduler:
             self.verified(step_seconds)
         if ended:
             self.finish(ended)
+        size = len(rows) if batch is None else batch
+        trees = self._step(rows, request_ids, size, admit)
+        self._handed = (trees, size)
+        return trees
+
+    def _step(
+        self, rows: Sequence[Sequence[int]], request_ids: Sequence[Hashable] | None, size: int, admit: BatchRule | None
+    ) -> list[DraftTree]:
         if self.sources is None:
             return [DraftTree.empty()] * len(rows)
         if not rows:
@@ -287,7 +312,6 @@ class DraftScheduler:
         start = time.perf_counter()
         requests = range(len(rows)) if request_ids is None else request_ids
         self._live = set(requests)
-        size = len(rows) if batch is None else batch
         cost = self.cost
         if cost is not None and not self.worth.drafts(size):
             self._skip(rows, requests, start)

@@ -255,27 +255,23 @@ def decode(
 
     steps = 0
     draft_seconds = verify_seconds = 0.0
-    drafting = DraftScheduler(drafter, config, overlap, step_seconds=prefill_seconds)
-    if cost is None:
-        cost = drafting.cost
+    drafting = DraftScheduler(drafter, config, overlap, step_seconds=prefill_seconds, cost=cost)
+    cost = drafting.cost
     # rows verified together pay for the widest row's block: the batch's width by its cost
     admit = None if cost is None else lambda trees: select_batch_trees(trees, cost)
-    forward: float | None = None  # the last step's forward, in seconds
     ended: list[int] = []  # rows that finished at the last step
     try:
         while active:
             t0 = time.perf_counter()
             live = [contexts[row] for row in active]  # read by the drafter now, not kept
             # each row's request: its prompt's number; the next step's drafts start during this forward
-            trees = drafting.step(live, active, step_seconds=forward, ended=ended, admit=admit)
+            trees = drafting.step(live, active, ended=ended, admit=admit)
             t1 = time.perf_counter()
             shape = None if cost is None else cost.block_shape(trees)
             verdicts = verify_trees(model, cache, rows, live, trees, chooser, shape)
             rows = compact_cache(cache, rows, [verdict.keep for verdict in verdicts])
             t2 = time.perf_counter()
-            forward = t2 - t1
-            if cost is not None:
-                cost.observe_step(trees, forward)  # a CorrectedCost learns from one-row steps
+            drafting.verified(t2 - t1)  # the deadlines and the cost (a CorrectedCost learns from one-row steps)
             verify_seconds += t2 - t1
             draft_seconds += t1 - t0
             steps += 1

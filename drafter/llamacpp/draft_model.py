@@ -43,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rest_spec.common.types import DraftConfig
+from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.adaptive import SOURCES, AdaptiveDrafter
-from rest_spec.drafter.core.cost import BlockShape, CorrectedCost, CostKey, VerifyCost, check_sizes
+from rest_spec.drafter.core.cost import CorrectedCost, CostKey, VerifyCost, check_sizes
 from rest_spec.drafter.core.cost_cache import cached_cost, check_timing
 from rest_spec.drafter.core.protocol import Drafter
 from rest_spec.drafter.core.scheduler import DraftScheduler, OverlapConfig
@@ -219,8 +219,8 @@ class RestDraftModel(LlamaDraftModel):
         self.scheduler: DraftScheduler | None = None
         self._context_length = 0  # see __call__
         self._request = 0  # the number of the request being decoded (llama.cpp runs one at a time)
-        self._step_seconds: float | None = None  # the last evaluation's time, told at the next call
         self.last_chain = np.zeros(0, np.intc)
+        self._last_tree = DraftTree.empty()  # the chain last handed out, as the scheduler drafted it
         if cost is not None:
             self.use_cost(cost)
 
@@ -236,12 +236,13 @@ class RestDraftModel(LlamaDraftModel):
             self.adaptive.cost = corrected
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """One evaluation of ``tokens`` tokens (a pending token and its draft) took ``seconds``: the
-        cost table is timed on one context length, with caches warm, and real steps run on other
-        contexts, between other work (``drafter.core.cost.CorrectedCost``)."""
-        if self.adaptive is not None:
-            self.adaptive.cost.observe(BlockShape(tokens), True, seconds)
-            self._step_seconds = seconds  # the datastore's deadlines follow the step time
+        """One evaluation of ``tokens`` tokens (a pending token and the first ``tokens - 1`` of the
+        chain last drafted) took ``seconds``: the scheduler feeds it to the cost (the table is timed
+        on one context length, with caches warm, and real steps run on other contexts, between other
+        work: ``drafter.core.cost.CorrectedCost``) and the datastore's deadlines."""
+        if self.scheduler is not None:
+            verified = self._last_tree.subset(np.arange(min(tokens - 1, len(self._last_tree))))
+            self.scheduler.verified(seconds, [verified])
 
     def attach(self, llm: Llama, *, check: bool = True, remeasure: bool = False) -> VerifyCost:
         """Ready this model to draft for ``llm`` (built with ``draft_model=self``): check that its
@@ -274,14 +275,13 @@ class RestDraftModel(LlamaDraftModel):
             ended, self._request = (self._request,), self._request + 1
         self._context_length = len(input_ids)
         start, skipped = time.perf_counter(), self.scheduler.stats.skipped
-        (tree,) = self.scheduler.step([input_ids], [self._request], step_seconds=self._step_seconds, ended=ended)
-        self._step_seconds = None
+        (tree,) = self.scheduler.step([input_ids], [self._request], ended=ended)
         if self.scheduler.stats.skipped > skipped:
             self.stats.skipped += 1
         else:
             self.stats.drafted += len(tree)
             self.stats.seconds += time.perf_counter() - start
-        self.last_chain = tree.tokens.astype(np.intc)
+        self.last_chain, self._last_tree = tree.tokens.astype(np.intc), tree
         return self.last_chain
 
     def drafted(self, tokens: Sequence[int]) -> bool:

@@ -345,7 +345,9 @@ class RestProposer:
 
         chains = self.scheduler.step(
             contexts, [batch[i][0] for i in eligible], batch=rows, step_seconds=seconds, admit=admit
-        )
+        )  # the scheduler feeds the step's time to the cost
+        if seconds is not None:
+            self._learned()
         for i, chain in zip(eligible, chains):
             drafts[i] = chain.tokens.tolist()
         self.stats.expected += sum(float(chain.scores.sum()) for chain in chains)
@@ -415,7 +417,7 @@ class RestProposer:
     def _observe(self, now: float, batch, sampled) -> float | None:
         """Time the step that just ran (its seconds; None when not timed): it verified what the last
         call returned if the same requests ran again, all of them decoding (no prefill), and it did
-        not span idle time."""
+        not span idle time. The scheduler tells the cost (``DraftScheduler.verified``)."""
         if self._last is None:
             return None
         end, rows, drafted = self._last
@@ -426,13 +428,15 @@ class RestProposer:
         if median is not None and seconds > GAP_FACTOR * median:
             return None
         self._steps.append(seconds)
-        self.cost.observe(len(rows), drafted, seconds)
+        return seconds
+
+    def _learned(self) -> None:
+        """A step's time went to the cost: report it, and cache the cost once it has seen enough."""
         self.stats.observed += 1
         self.stats.per_token_ms = 1e3 * self.cost.per_token
         self.stats.largest_base_ms = 1e3 * self.cost.base(self.cost.largest_rows)
         if self.cost.steps >= CACHE_AFTER and not self._cached:
             self._cache_cost()
-        return seconds
 
     def _cache_cost(self) -> None:
         """Write the learned cost, as one-row chain times, for the next engine's prior."""
