@@ -78,7 +78,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, compile_kernels, report_header, save_report
+from benchmarks.common import RESULTS, comma_list, compile_kernels, save_report, start_run
 from benchmarks.e2e import add_set_arguments, set_index, set_prompts, sharegpt_prompt
 from benchmarks.load import start_datastore
 from benchmarks.overlap import stop
@@ -131,17 +131,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--sets", default="code,chat", help="comma-separated, of code,chat (default: %(default)s)")
-    p.add_argument("--replicas", default="1,4", help="comma-separated fleet sizes F (default: %(default)s)")
-    p.add_argument("--warmup", default="0,500,2000", help="comma-separated warm-up requests N (default: %(default)s)")
+    p.add_argument(
+        "--sets", type=comma_list(tuple(STREAMS)), default="code,chat", help="comma-separated (default: %(default)s)"
+    )
+    p.add_argument(
+        "--replicas",
+        type=comma_list(item=int),
+        default="1,4",
+        help="comma-separated fleet sizes F (default: %(default)s)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=comma_list(item=int),
+        default="0,500,2000",
+        help="comma-separated warm-up requests N (default: %(default)s)",
+    )
     p.add_argument("--prompts", type=int, default=40, help="held-out prompts per stream (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    p.add_argument("--concurrency", default="1,8", help="comma-separated requests at once (default: %(default)s)")
+    p.add_argument(
+        "--concurrency",
+        type=comma_list(item=int),
+        default="1,8",
+        help="comma-separated requests at once (default: %(default)s)",
+    )
     p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
     p.add_argument(
         "--methods",
+        type=comma_list(METHODS),
         default=",".join(METHODS),
-        help="comma-separated, of " + ",".join(METHODS) + " (default: %(default)s; plain always runs)",
+        help="comma-separated (default: %(default)s; plain always runs)",
     )
     p.add_argument(
         "--warmup-concurrency",
@@ -166,17 +184,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--out", type=Path, default=RESULTS / "fleet" / "fleet.json", help="the report (default: %(default)s)"
     )
     args = p.parse_args(argv)
-    args.sets, args.methods = args.sets.split(","), args.methods.split(",")
-    if not args.methods or set(args.methods) - set(METHODS):
-        p.error(f"--methods must be a comma-separated subset of {','.join(METHODS)}, got {','.join(args.methods)}")
-    if not args.sets or set(args.sets) - set(STREAMS):
-        p.error(f"--sets must be a comma-separated subset of {','.join(STREAMS)}, got {','.join(args.sets)}")
-    try:
-        args.replicas = [int(x) for x in args.replicas.split(",")]
-        args.warmup = sorted({int(x) for x in args.warmup.split(",")})
-        args.concurrency = [int(x) for x in args.concurrency.split(",")]
-    except ValueError as exc:
-        p.error(f"--replicas, --warmup and --concurrency are comma-separated whole numbers: {exc}")
+    args.warmup = sorted(set(args.warmup))
     if min(args.replicas) < 1 or min(args.concurrency) < 1 or min(args.warmup) < 0:
         p.error("every --replicas and --concurrency must be positive, every --warmup >= 0")
     if args.prompts < max(args.replicas) or args.max_new_tokens < 1 or args.k < 1 or args.warmup_concurrency < 1:
@@ -690,12 +698,12 @@ def summary(report: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    header = start_run("fleet", argv)
     tokenizer = load_tokenizer(None)
     ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")
     compile_kernels()  # the engines' workers load them from the cache this fills
     report = {
-        **report_header("fleet", argv),
+        **header,
         "config": {
             "model": "SmolLM2-135M-Instruct (packaged GGUF as an fp32 checkpoint)",
             "checkpoint": ENGINE_MODEL["model"],
