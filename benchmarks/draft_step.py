@@ -56,7 +56,7 @@ def timed_step(drafter: AdaptiveDrafter, rows: list[list[int]], requests: list[i
     lap()
     drafter.record(chains, merged)
     lap()
-    return chains, dict(zip(PHASES, np.diff(clock)))
+    return chains, dict(zip(PHASES, np.diff(clock).tolist()))
 
 
 def replay_rows(drafter: AdaptiveDrafter, examples, rows: int, k: int) -> list[dict[str, float]]:
@@ -106,7 +106,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--warmup-concurrency", type=int, default=32, help="requests at once decoding missing outputs")
     p.add_argument("--out", type=Path, default=RESULTS / "draft_step.json")
     args = p.parse_args(argv)
-    args.tune = 0  # benchmarks.history's outputs, held-out sets
     report = start_run("draft_step", argv)
     from benchmarks.vllm import ENGINE_MODEL
     from rest_spec.drafter.vllm.checkpoint import hf_checkpoint

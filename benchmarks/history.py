@@ -91,13 +91,13 @@ def set_streams(name: str, tokenizer, warmup: int, prompts: int) -> tuple[Path, 
     return index, warm, held
 
 
-def greedy_outputs(prompts: list[list[int]], args: argparse.Namespace) -> list[list[int]]:
+def greedy_outputs(prompts: list[list[int]], args: argparse.Namespace, *, cached_only: bool = False) -> list[list[int]]:
     """Plain vLLM's greedy outputs of ``prompts``, decoded once and cached per prompt with
-    ``benchmarks.fleet``'s warm-up outputs (the fleet benchmark reuses them); cached ones only
-    under ``--tune``."""
+    ``benchmarks.fleet``'s warm-up outputs (the fleet benchmark reuses them); with ``cached_only``
+    (``--tune``) an output not cached is an error, not decoded."""
     from benchmarks.fleet import prompt_key, warmup_cache, warmup_outputs
 
-    if args.tune and prompts:
+    if cached_only and prompts:
         path = warmup_cache(args.max_new_tokens)
         cached = json.loads(path.read_text())["outputs"] if path.is_file() else {}
         missing = sum(prompt_key(p) not in cached for p in prompts)
@@ -316,14 +316,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         index, warm_prompts, held_prompts = set_streams(name, tokenizer, max(args.warmup) + args.tune, args.prompts)
         if args.tune:
             warm_prompts, held_prompts = tuning_split(warm_prompts, args.tune)
-        held_out = list(zip(held_prompts, greedy_outputs(held_prompts, args)))
+        held_out = list(zip(held_prompts, greedy_outputs(held_prompts, args, cached_only=bool(args.tune))))
         result = report["sets"][name] = {"index": str(index), "held_out": len(held_out), "fleets": {}}
         if args.tune:
             result["tuning_split"] = f"warm-up requests {max(args.warmup) + 1}-{max(args.warmup) + args.tune} held out"
         if name in args.own_index:
             result["own_index"] = args.own_index[name]
         for n in args.warmup:  # the warm-up decoded as far as each N needs, so the small N report first
-            warm = list(zip(warm_prompts[:n], greedy_outputs(warm_prompts[:n], args)))
+            warm = list(zip(warm_prompts[:n], greedy_outputs(warm_prompts[:n], args, cached_only=bool(args.tune))))
             for f in args.replicas:
                 row = {
                     d: run_fleet(

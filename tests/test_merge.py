@@ -19,7 +19,7 @@ from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.bigram import SEP
 from rest_spec.datastore.outputs import OutputStore
 from rest_spec.datastore.trie import top_c_tree
-from rest_spec.drafter.core.merge import Attribution, SourceCalibration, merge_trees
+from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, merge_trees
 from rest_spec.drafter.core.request_matcher import RequestMatcher
 from rest_spec.drafter.hf.internals import forward_with_cache
 from rest_spec.drafter.hf.kv_cache import CacheRows, new_cache
@@ -83,7 +83,21 @@ def test_merge_scores_and_selection_match_the_path_oracle(trees, data, budget, c
     assert len(merged) == min(budget, len(expected))
     assert len(set(paths)) == len(paths)
     np.testing.assert_allclose(merged.scores, [expected[p] for p in paths], rtol=1e-9, atol=1e-12)
-    # prefix-closed (DraftTree checks parents), BFS order, scores never grow down a path
+    # built without the checks (the kernel lays it out): it passes them, depths included
+    checked = MergedTree(
+        merged.tokens,
+        merged.parents,
+        merged.counts,
+        merged.match_len,
+        merged.num_matches,
+        merged.num_sampled,
+        scores=merged.scores,
+        source_probs=merged.source_probs,
+        source_samples=merged.source_samples,
+        source_match_len=merged.source_match_len,
+    )
+    assert checked == merged and np.array_equal(checked.depths, merged.depths) and merged.depths.dtype == np.int32
+    # prefix-closed, BFS order, scores never grow down a path
     assert [(len(p), p) for p in paths] == sorted((len(p), p) for p in paths)
     has_parent = merged.parents >= 0
     assert np.all(merged.scores[has_parent] <= merged.scores[merged.parents[has_parent]])

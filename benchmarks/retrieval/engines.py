@@ -120,7 +120,8 @@ def median_seconds(action: Callable[[], object], repeats: int) -> float:
 def open_rss(engine: str, path: str) -> int:
     """Resident bytes added by opening ``path`` with ``engine`` ("ours" or "draftretriever"),
     from /proc/self/status after the imports; run in a fresh process."""
-    import draftretriever  # noqa: F401 (imported before measuring, like ours)
+    if engine != "ours":
+        import draftretriever  # noqa: F401 (imported before measuring, like ours)
 
     before = _vm_rss()
     opened = Datastore.open(path) if engine == "ours" else open_draftretriever(path)  # noqa: F841

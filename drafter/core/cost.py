@@ -25,6 +25,7 @@ import hashlib
 import json
 import re
 import statistics
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -491,7 +492,7 @@ def select_tree(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: in
     gain = 1.0 + np.concatenate(([0.0], np.cumsum(tree.scores[ranked])))  # [k + 1]: keeping the top 0..k
     rate = gain / cost(1 + np.arange(ranked.size + 1))
     best = int(np.argmax(rate))
-    chain_end, chain_rate = _best_chain(tree, cost, candidates)
+    chain_end, chain_rate = _best_chain(tree, cost, max_depth)
     chain_wins = chain_rate > rate[best] * (1 + 1e-12)
     if isinstance(cost, CorrectedCost):  # a size the loop still has to time: this step runs it
         probe = cost.unchecked_below(1 + (int(tree.depths[chain_end]) if chain_wins else best))
@@ -507,33 +508,55 @@ def select_tree(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: in
 def select_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: int | None = None) -> DraftTree:
     """The path from the root maximizing expected tokens per second, (1 + sum of its scores) /
     ``cost.chain(1 + its length)``, at most ``max_depth`` long; empty when no path beats verifying
-    the pending token alone. For engines that verify chains only (llama.cpp)."""
-    candidates = np.arange(len(tree)) if max_depth is None else np.flatnonzero(tree.depths <= max_depth)
-    end, rate = _best_chain(tree, cost, candidates)
-    if rate <= (1 + 1e-12) / float(cost.chain(1)):
+    the pending token alone. For engines that verify chains only (vLLM, llama.cpp)."""
+    end, rate = _best_chain(tree, cost, max_depth)
+    if end < 0 or rate <= (1 + 1e-12) / float(cost.chain(1)):
         return DraftTree.empty()
     return tree.subset(tree.path_to(end))
 
 
-def _best_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, candidates: np.ndarray) -> tuple[int, float]:
-    """The node among ``candidates`` whose root path has the highest (1 + path score sum) / chain
-    cost, and that rate (-1 and 0.0 without candidates); of equal rates the shallowest wins."""
-    if candidates.size == 0:
+def _best_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: int | None) -> tuple[int, float]:
+    """The node at most ``max_depth`` deep whose root path has the highest (1 + path score sum) /
+    chain cost, and that rate (-1 and 0.0 without one); of equal rates the first in BFS order (the
+    shallowest). Every row, every step: one compiled pass (``_chain_kernel``), the chain prices
+    looked up once."""
+    deepest = tree.max_depth if max_depth is None else min(max_depth, tree.max_depth)
+    if deepest < 1:
         return -1, 0.0
-    rate = (1.0 + _path_sums(tree)[candidates]) / cost.chain(1 + tree.depths[candidates])
-    best = int(np.argmax(rate))
-    return int(candidates[best]), float(rate[best])
+    prices = np.asarray(cost.chain(np.arange(1, deepest + 2)), dtype=np.float64)  # [d]: a chain of d drafts
+    end, rate = _chain_kernel()(tree.parents, tree.scores, tree.depths, prices)
+    return int(end), float(rate)
 
 
-def _path_sums(tree: DraftTree) -> np.ndarray:
-    """float64 [n]: the sum of the scores on the path from the root to each node, itself included
-    (one vectorized step per depth level; parents precede children)."""
-    sums = np.asarray(tree.scores, dtype=np.float64).copy()
-    depths = tree.depths
-    for depth in range(2, int(depths.max(initial=0)) + 1):
-        level = np.flatnonzero(depths == depth)
-        sums[level] += sums[tree.parents[level]]
-    return sums
+@functools.cache
+def _chain_kernel():
+    """``_best_chain``'s pass, compiled on first use (importing this module imports no numba):
+    (parents, scores, depths, prices) -> (best node, its rate)."""
+    from rest_spec.common.cache import numba_cached
+
+    @numba_cached().njit(nogil=True, cache=True)
+    def best_chain(parents, scores, depths, prices):
+        deepest = prices.shape[0] - 1
+        sums = np.empty(parents.shape[0], np.float64)
+        best, best_rate = -1, 0.0
+        for i in range(parents.shape[0]):  # parents precede children
+            sums[i] = scores[i] + (sums[parents[i]] if parents[i] >= 0 else 0.0)
+            if depths[i] <= deepest:
+                rate = (1.0 + sums[i]) / prices[depths[i]]
+                if best < 0 or rate > best_rate:
+                    best, best_rate = i, rate
+        return best, best_rate
+
+    return best_chain
+
+
+def compile_kernels() -> float:
+    """Compile ``select_chain``'s kernel into numba's on-disk cache (``drafter.core.kernels``);
+    returns the seconds it took."""
+    start = time.perf_counter()
+    tree = DraftTree(np.array([5], np.int32), np.array([-1], np.int32), np.array([1], np.int64), 1, 1, 1)
+    _chain_kernel()(tree.parents, tree.scores, tree.depths, np.ones(2))
+    return time.perf_counter() - start
 
 
 def select_batch_chains(chains: Sequence[DraftTree], cost: BatchCost, rows: int) -> list[DraftTree]:

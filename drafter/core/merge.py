@@ -152,7 +152,7 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
         raise ValueError(f"weights must be finite and non-negative, got {weights.tolist()}")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    tokens, parents, counts, scores, source_probs, source_samples = _merge(
+    tokens, parents, counts, scores, source_probs, source_samples, depths = _merge(
         np.concatenate([t.tokens for t in trees]),
         np.concatenate([t.parents for t in trees]),
         np.concatenate([t.counts for t in trees]),
@@ -162,10 +162,13 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
         weights,
         budget,
     )
-    return MergedTree(
-        tokens,
-        parents,
-        counts,
+    # built as the kernel laid it out (BFS order, monotone scores, depths): not checked again, as
+    # ``DraftTree.counted`` -- the checks would cost a third of the merge, every row and step
+    return MergedTree._derived(
+        tokens=tokens,
+        parents=parents,
+        counts=counts,
+        depths=depths,
         match_len=max(t.match_len for t in trees),
         num_matches=sum(t.num_matches for t in trees),
         num_sampled=sum(t.num_sampled for t in trees),
@@ -180,7 +183,8 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
 def _merge(tokens, parents, counts, scores, sizes, num_sampled, weights, budget):
     """The merge on the sources' nodes concatenated (each source in BFS order, ``parents``
     local to its source): (tokens int32, parents int32, counts int64, scores float64,
-    source_probs float64 [n, S], source_samples int64 [n, S]) of the kept nodes in BFS order."""
+    source_probs float64 [n, S], source_samples int64 [n, S], depths int32) of the kept nodes in
+    BFS order."""
     n, num_sources, levels, classes = tokens.shape[0], weights.shape[0], weights.shape[1], weights.shape[2]
     root = n  # the slot of the root in ``first_child``
 
@@ -286,7 +290,8 @@ def _merge(tokens, parents, counts, scores, sizes, num_sampled, weights, budget)
         up = bfs_parent[keep[j]]
         out_parents[j] = new_index[up] if up >= 0 else -1
         out_tokens[j] = node_token[order[keep[j]]]
-    return out_tokens, out_parents, node_counts[keep], node_scores[keep], probs[keep], node_samples[keep]
+    out_depths = node_depth[keep].astype(np.int32)
+    return out_tokens, out_parents, node_counts[keep], node_scores[keep], probs[keep], node_samples[keep], out_depths
 
 
 def compile_kernels() -> float:
@@ -353,6 +358,7 @@ class SourceCalibration:
         self.strength, self.decay = strength, decay
         self.observed = np.zeros((num_sources, len(self.lengths), classes))
         self.predicted = np.zeros((num_sources, len(self.lengths), classes))
+        self._weights: np.ndarray | None = None  # ``weights``, until the next ``observe``
 
     @property
     def num_sources(self) -> int:
@@ -361,13 +367,18 @@ class SourceCalibration:
     @property
     def weights(self) -> np.ndarray:
         """float64 [S, L, K]: each source's current per-token weight per match-length class and
-        sample class."""
-        pooled = (self.observed.sum(axis=1) + self.strength * self.prior[:, None]) / (
-            self.predicted.sum(axis=1) + self.strength
-        )
-        if len(self.lengths) == 1:
-            return pooled[:, None, :]
-        return (self.observed + self.strength * pooled[:, None, :]) / (self.predicted + self.strength)
+        sample class (read-only; computed once per ``observe``: every row of a step merges by it)."""
+        if self._weights is None:
+            pooled = (self.observed.sum(axis=1) + self.strength * self.prior[:, None]) / (
+                self.predicted.sum(axis=1) + self.strength
+            )
+            if len(self.lengths) == 1:
+                weights = pooled[:, None, :]
+            else:
+                weights = (self.observed + self.strength * pooled[:, None, :]) / (self.predicted + self.strength)
+            weights.setflags(write=False)
+            self._weights = weights
+        return self._weights
 
     def weights_for(self, match_len: Sequence[int] | np.ndarray, depths: int | None = None) -> np.ndarray:
         """The weights ``merge_trees`` takes for source trees drafted from matches of ``match_len``
@@ -405,6 +416,7 @@ class SourceCalibration:
         length = length_class(tree.source_match_len[source] + tree.depths[node] - 1, self.lengths)
         cell = (source * lengths + length) * classes + sample_class(samples[node, source], classes)
         size = self.observed.size
+        self._weights = None
         self.observed = self.decay * self.observed + np.bincount(
             cell, weights=is_accepted[node].astype(np.float64), minlength=size
         ).reshape(self.observed.shape)
