@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.tokenizer import require_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.datastore.index import Datastore
-from rest_spec.datastore.mirror import OutputsMirror
 from rest_spec.datastore.outputs import (
     DEFAULT_OUTPUTS_MAX_TOKENS,
     OutputStore,
@@ -18,6 +18,9 @@ from rest_spec.datastore.outputs import (
     open_output_store,
 )
 from rest_spec.drafter.core.steps import DraftSource
+
+if TYPE_CHECKING:  # a local index never imports grpc (tests/test_protocol.py); only a copy of a server's store does
+    from rest_spec.datastore.mirror import OutputsMirror
 
 
 class LocalDrafter(DraftSource):
@@ -62,6 +65,8 @@ class LocalDrafter(DraftSource):
         try:
             require_tokenizer(datastore, expected_fingerprint)
             if outputs_from is not None:
+                from rest_spec.datastore.mirror import OutputsMirror
+
                 outputs = OutputsMirror(
                     outputs_from,
                     vocab_size=datastore.vocab_size,
