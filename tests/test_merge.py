@@ -368,3 +368,17 @@ def test_compile_kernels_covers_the_adaptive_drafters_merges(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     before, after = json.loads(proc.stdout)
     assert before >= 1 and after == before
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(tree=source_trees, appended=st.lists(st.integers(0, 4), max_size=7), as_array=st.booleans())
+def test_accepted_nodes_are_the_longest_root_path_the_tokens_follow(tree, appended, as_array):
+    paths = tree.paths()
+    followed = [i for i, path in enumerate(paths) if tuple(appended[: len(path)]) == path]
+    got = tree.accepted_nodes(np.array(appended, np.int64) if as_array else appended)
+    assert got.dtype == np.int64
+    if not followed:
+        assert got.size == 0
+    else:
+        deepest = paths[max(followed, key=lambda i: len(paths[i]))]
+        assert [paths[i] for i in got] == [deepest[: k + 1] for k in range(len(deepest))]
