@@ -28,7 +28,9 @@ replicas had served them:
 - REST: one ``rest-datastore serve`` for the whole fleet (the set's index, an empty store of
   outputs large enough to evict nothing), every warm-up output added over gRPC ``AddOutput``, the
   call a proposer makes when a request ends; every replica's proposer drafts from it and adds its
-  own outputs to it;
+  own outputs to it (``rest``: over gRPC, index and store; ``rest-copy``: the index in the worker
+  and a copy of the server's store, ``additional_config.rest.outputs_from``; ``--methods`` picks
+  the methods and their order);
 - suffix: each replica's cache holds its share of the warm-up (prompt, output) pairs, loaded into
   the engine's ``SuffixDecodingCache`` the way its proposer stores a served request
   (``benchmarks.vllm_run.suffix_history``).
