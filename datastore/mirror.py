@@ -29,6 +29,7 @@ from rest_spec.datastore.outputs import DEFAULT_OUTPUTS_MAX_TOKENS, OutputStore
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 0.5  # seconds between reads: another replica's output is drafted from this late at most
+MAX_PAGES = 64  # replies one ``sync`` reads at most (256 MB at the default reply limit): the rest wait for the next
 ADD_TIMEOUT = 1.0  # seconds an AddOutput may take (it runs off the engine's step, see drafter.core.uploads)
 
 
@@ -86,10 +87,12 @@ class OutputsMirror:
         return len(self.store)
 
     def sync(self) -> int:
-        """Copy what the server stored since the last read, reading until it has no more; returns
-        the outputs copied. Errors as ``DatastoreClient.read_outputs`` raises them."""
+        """Copy what the server stored since the last read, reading until it has no more (or
+        ``MAX_PAGES`` replies: a server that keeps answering one more page, whatever it says,
+        never holds a reader here for good); returns the outputs copied. Errors as
+        ``DatastoreClient.read_outputs`` raises them."""
         copied = 0
-        while True:
+        for _ in range(MAX_PAGES):
             start = self._next_seq
             documents, next_seq, end_seq = self.client.read_outputs(start, self.store.vocab_size)
             if end_seq < start:  # the server counts afresh: everything it holds is new to us
@@ -105,11 +108,12 @@ class OutputsMirror:
                     elif tokens.size <= self.store.max_tokens:
                         self.store.add(tokens)
                         copied += 1
-                self._next_seq = max(next_seq, start)
+                self._next_seq = next_seq  # not behind ``start``: the reply was checked (wire.outputs_from_reply)
                 if self._own:  # numbers read past (the server evicted them first) never come back
                     self._own = {seq for seq in self._own if seq >= self._next_seq}
-            if self._next_seq >= end_seq or (self._next_seq == start and not documents):
+            if not documents or next_seq >= end_seq:  # a reply without outputs comes only at the end
                 return copied
+        return copied
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

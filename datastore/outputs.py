@@ -438,12 +438,6 @@ class OutputStore:
             self._compact_if_mostly_evicted()
         return seq
 
-    @property
-    def end_seq(self) -> int:
-        """The sequence number the next ``add`` will give."""
-        with self._lock:
-            return self._next_seq
-
     def read(self, from_seq: int, max_tokens: int) -> tuple[list[tuple[int, np.ndarray]], int, int]:
         """What a copy of this store reads (``datastore.mirror``): (the live documents numbered
         ``from_seq`` or later, oldest first, as (seq, tokens copy), at most ``max_tokens`` tokens in

@@ -214,3 +214,19 @@ def test_reads_from_any_number_gather_exactly_the_live_outputs_from_it(lengths, 
                 break
             seq = next_seq
         assert read == {k: n for k, n in live.items() if k >= start and n <= budget}
+
+
+def test_a_server_that_never_stops_paging_holds_a_read_for_a_bounded_number_of_replies(store):
+    """A hostile server may answer every read with one more output and an end far ahead: a sync
+    returns after ``MAX_PAGES`` replies, keeping what it read, and the next sync goes on from there."""
+    from rest_spec.datastore import mirror as mirror_module
+
+    outputs, server = served(store)
+    with outputs, server, OutputsMirror(server.address, vocab_size=VOCAB, interval=60) as mirror:
+
+        def endless(from_seq, vocab_size, timeout=None):
+            return [(from_seq, np.array([1, 2, 3]))], from_seq + 1, 1 << 62
+
+        mirror.client.read_outputs = endless
+        assert mirror.sync() == mirror_module.MAX_PAGES and len(mirror) == mirror_module.MAX_PAGES
+        assert mirror.sync() == mirror_module.MAX_PAGES and len(mirror) == 2 * mirror_module.MAX_PAGES
