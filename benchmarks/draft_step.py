@@ -8,8 +8,9 @@ adaptive drafter as vLLM's proposer runs it (index, the request's own text and a
 holding the first ``--warmup`` warm-up outputs; chains of at most ``--k`` tokens), R requests
 decoded together, each row's chain accepted as far as its output follows it. Each phase of the step
 (``drafter.core.steps.draft_step``'s sequence) is timed: ``advance`` (sessions, credit for what
-was accepted, hindsight), ``sources`` (the index's and the store's trees), ``merge`` (with the
-request's own tree), ``select`` (the chain) and ``record``. Reports per R the median and p90 of a
+was accepted, hindsight), ``sources`` (the index's and the store's trees), ``merge_select`` (the
+request's own tree, the merge and the chain: ``draft_rows``, one compiled pass over the rows) and
+``record``. Reports per R the median and p90 of a
 step's milliseconds, per phase and in all, and per row; only steps where all R rows drafted count.
 Timed: run it alone on a quiet machine. Prints one JSON object and saves it.
 """
@@ -32,7 +33,7 @@ from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
 
-PHASES = ("advance", "sources", "merge", "select", "record")
+PHASES = ("advance", "sources", "merge_select", "record")
 
 
 def timed_step(drafter: AdaptiveDrafter, rows: list[list[int]], requests: list[int], config: DraftConfig):
@@ -47,12 +48,7 @@ def timed_step(drafter: AdaptiveDrafter, rows: list[list[int]], requests: list[i
     candidates = drafter.candidates(config)
     shared = drafter.start_shared(rows, candidates).result()
     lap()
-    merged = [
-        drafter.merge(both, drafter.request_tree(session, (), candidates), candidates)
-        for session, both in zip(sessions, shared)
-    ]
-    lap()
-    chains = [drafter.select(tree) for tree in merged]
+    chains, merged = drafter.draft_rows(sessions, shared, candidates)
     lap()
     drafter.record(chains, merged)
     lap()

@@ -279,6 +279,21 @@ class DraftTree:
             path.append(int(self.parents[path[-1]]))
         return np.array(path[::-1], dtype=np.int64)
 
+    def chain_to(self, node: int) -> DraftTree:
+        """The chain of the nodes from the root's child down to ``node``, with their counts and
+        scores (and a subclass's columns): ``subset(path_to(node))`` without its checks, which a
+        root path passes by construction."""
+        path = self.path_to(node)
+        return self._take(
+            path,
+            np.arange(-1, path.size - 1, dtype=np.int32),
+            np.arange(1, path.size + 1, dtype=np.int32),
+            match_len=self.match_len,
+            num_matches=self.num_matches,
+            num_sampled=self.num_sampled,
+            scores=self.scores[path],
+        )
+
     def accepted_nodes(self, appended: Sequence[int]) -> np.ndarray:
         """int64 [k]: the nodes on the longest path from the root that ``appended`` (the tokens
         committed since this tree was drafted) follows, root first: the nodes the verifier

@@ -18,14 +18,17 @@ as 2: one shared token predicts little).
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
+from rest_spec.common.cache import numba_cached
 from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore.trie import counted_tree
 
 SEP = fmt.separator(np.dtype(np.uint32))  # the index's separator of uint32 tokens, as top_c_tree needs
+numba = numba_cached()
 _MIN_TAIL = 4096  # unsorted bigram entries a lookup scans before they are merged into the table
 
 
@@ -92,30 +95,78 @@ class BigramIndex:
             self._ends = np.insert(self._ends, at, ends[order])
             self._tail_len = 0
 
-    def ends_of(self, first: int, second: int) -> np.ndarray:
-        """int64 ascending: the indexed positions e with t[e-1] == first and t[e] == second."""
-        key = np.uint64((first << 32) | second)
-        lo, hi = np.searchsorted(self._keys, key, "left"), np.searchsorted(self._keys, key, "right")
-        tail = self._tail_ends[: self._tail_len][self._tail_keys[: self._tail_len] == key]
-        return np.concatenate((self._ends[lo:hi], tail))  # the tail holds the newest positions
-
     def draft(self, query: np.ndarray, config: DraftConfig, first: int, max_candidates: int) -> DraftTree:
         """The draft for the context whose last tokens, newest first, are ``query`` (uint32),
         counting only occurrences that end at position ``first`` or later. Above ``max_candidates``
-        occurrences the most recent ones are counted (recent text is the most relevant here)."""
+        occurrences the most recent ones are counted (recent text is the most relevant here).
+        The match and the gathering of continuations are one compiled pass (``_continuations``):
+        two sources draft this way per row and step."""
         if query.size < 2:
             return DraftTree.empty()
-        ends = self.ends_of(int(query[1]), int(query[0]))
-        ends = ends[ends >= first]
-        match_len = 2 if ends.size else 0
-        for j in range(2, query.size):  # one token further back per round, on the survivors only
-            longer = ends[self.tokens[ends - j] == query[j]]  # a SEP (or position 0) ends the match
-            if longer.size == 0:
-                break
-            ends, match_len = longer, j + 1
+        rows, match_len, num_matches = _continuations(
+            self.tokens,
+            self._keys,
+            self._ends,
+            self._tail_keys[: self._tail_len],
+            self._tail_ends[: self._tail_len],
+            np.ascontiguousarray(query, dtype=np.uint32),
+            first,
+            config.max_depth,
+            max_candidates,
+        )
         if match_len == 0 or match_len < config.n_min:
             return DraftTree.empty()
-        counted = ends[-max_candidates:]
-        rows = self.tokens[counted[:, None] + np.arange(1, config.max_depth + 1)]  # [k, max_depth]
-        rows[np.maximum.accumulate(rows == SEP, axis=1)] = SEP  # a continuation stops at its document's end
-        return counted_tree(rows, SEP, config.budget, match_len, int(ends.size))
+        return counted_tree(rows, SEP, config.budget, match_len, num_matches)
+
+
+@numba.njit(nogil=True, cache=True)
+def _continuations(tokens, keys, ends, tail_keys, tail_ends, query, first, max_depth, max_candidates):
+    """``BigramIndex.draft``'s match: the positions ending the longest match of ``query`` (newest
+    token first; its last two tokens found in the table and the tail, then one token further back
+    per round on the survivors, a ``SEP`` ending every match) at ``first`` or later; returns the
+    continuations of the latest ``max_candidates`` of them (uint32 [k, max_depth], each ``SEP``
+    from its document's end on), the match length (0: none) and the number of positions."""
+    sep = np.uint32(SEP)
+    key = (np.uint64(query[1]) << np.uint64(32)) | np.uint64(query[0])
+    lo, hi = np.searchsorted(keys, key, "left"), np.searchsorted(keys, key, "right")
+    found = np.empty(hi - lo + tail_keys.shape[0], np.int64)
+    n = 0
+    for i in range(lo, hi):
+        if ends[i] >= first:
+            found[n] = ends[i]
+            n += 1
+    for i in range(tail_keys.shape[0]):  # the tail holds the newest positions
+        if tail_keys[i] == key and tail_ends[i] >= first:
+            found[n] = tail_ends[i]
+            n += 1
+    match_len = 2 if n else 0
+    for j in range(2, query.shape[0]):
+        kept = 0
+        for i in range(n):
+            if tokens[found[i] - j] == query[j]:  # a SEP (or position 0) ends the match
+                kept += 1
+        if kept == 0:
+            break
+        m = 0
+        for i in range(n):
+            if tokens[found[i] - j] == query[j]:
+                found[m] = found[i]
+                m += 1
+        n, match_len = m, j + 1
+    start = max(n - max_candidates, 0)
+    rows = np.full((n - start, max_depth), sep, np.uint32)
+    for r in range(n - start):
+        for d in range(max_depth):
+            token = tokens[found[start + r] + 1 + d]
+            if token == sep:
+                break
+            rows[r, d] = token
+    return rows, match_len, n
+
+
+def compile_kernels() -> float:
+    """Compile ``BigramIndex.draft``'s kernels into numba's on-disk cache (``drafter.core.kernels``);
+    returns the seconds it took."""
+    start = time.perf_counter()
+    BigramIndex(np.array([5, 6, 7, 5, 6, 8], np.uint32)).draft(np.array([6, 5], np.uint32), DraftConfig(), 1, 64)
+    return time.perf_counter() - start

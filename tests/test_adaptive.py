@@ -75,14 +75,18 @@ def test_calibration_observes_the_nodes_the_verifier_accepted(base):
     assert drafter.attribution.hindsight() == {"steps": 1, "held_per_step": 3.0, "accepted_per_step": 3.0}
 
 
+class FirstToken(AdaptiveDrafter):
+    """Verifies the first token of each merged tree only (a chain cut short)."""
+
+    def draft_rows(self, sessions, shared, config):
+        _, merged = super().draft_rows(sessions, shared, config)
+        first = [tree.subset(np.flatnonzero(tree.parents == -1)[:1]) if len(tree) else tree for tree in merged]
+        return first, merged
+
+
 def test_hindsight_waits_for_the_tokens_after_a_tree_and_counts_what_selection_passed_over(base):
     """The verified part of a merged tree is its first token only (a chain cut short); the tokens
     that follow show the merged tree held three: counted once the context has grown by its depth."""
-
-    class FirstToken(AdaptiveDrafter):
-        def select(self, tree: DraftTree) -> DraftTree:
-            first = np.flatnonzero(tree.parents == -1)[:1]
-            return tree.subset(first) if first.size else tree
 
     drafter = FirstToken(base, cost=None, config=CONFIG, sources=("index",))
     assert [tuple(p) for p in drafter.draft([30, 1, 2], CONFIG).paths()] == [(3,)]
@@ -97,11 +101,6 @@ def test_hindsight_waits_for_the_tokens_after_a_tree_and_counts_what_selection_p
 def test_calibration_learns_in_hindsight_from_branches_the_selection_passed_over(base):
     """Only the first token of each merged tree is verified, yet the calibration learns from every
     node of it that what followed would have tried: a branch never verified is calibrated too."""
-
-    class FirstToken(AdaptiveDrafter):
-        def select(self, tree: DraftTree) -> DraftTree:
-            first = np.flatnonzero(tree.parents == -1)[:1]
-            return tree.subset(first) if first.size else tree
 
     drafter = FirstToken(base, cost=None, config=CONFIG, sources=("index",))
     drafter.draft([30, 1, 2], CONFIG)  # merged: 3 7 | 4 8 | 5 6, verified: 3

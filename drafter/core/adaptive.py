@@ -31,10 +31,13 @@ import dataclasses
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 
+import numpy as np
+
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from rest_spec.drafter.core.cost import CorrectedCost, StepCost, VerifyCost, select_chain, select_tree
-from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, merge_trees
+from rest_spec.drafter.core.batch_step import merge_rows
+from rest_spec.drafter.core.cost import CorrectedCost, StepCost, VerifyCost, select_tree
+from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration
 from rest_spec.drafter.core.protocol import Drafter, Pending, SourceDrafter
 from rest_spec.drafter.core.request_matcher import RequestMatcher
 from rest_spec.drafter.core.steps import Deferred, Mark, as_source, draft_step, token_list
@@ -236,10 +239,6 @@ class AdaptiveDrafter:
             max_depth=min(self.config.max_depth, config.max_depth),
         )
 
-    def request_tree(self, session: _Session, extra: Sequence[int], config: DraftConfig) -> DraftTree:
-        """The request source's tree for the request's context continued by ``extra``."""
-        return DraftTree.empty() if session.matcher is None else session.matcher.draft_ahead(extra, config)
-
     def start_shared(self, rows: Sequence[Sequence[int]], config: DraftConfig, timeout: float | None = None) -> Pending:
         """The index and outputs trees per row (empty where off; ``CutTrees`` with the cuts when
         there are ``suffixes``), in one call to the source (``DraftSource.start_sources``)."""
@@ -254,22 +253,35 @@ class AdaptiveDrafter:
             return Deferred(lambda: [SourceTrees(DraftTree.empty(), DraftTree.empty())] * len(rows))
         return self.source.start_sources(rows, config, outputs="outputs" in self.sources, timeout=timeout)
 
-    def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
-        """Every source's candidates merged into one scored tree (``config.budget`` nodes)."""
+    def draft_rows(
+        self, sessions: Sequence[_Session], shared: Sequence[SourceTrees], config: DraftConfig
+    ) -> tuple[list[DraftTree], list[DraftTree]]:
+        """Every row's sources merged into one scored tree (``config.budget`` nodes) and the part
+        of it worth verifying on this hardware (all of it without a cost): (selected, merged).
+        The merges and the chains run in one compiled pass over all rows
+        (``drafter.core.batch_step.merge_rows``)."""
+        rows = [self._row_trees(session, both, config) for session, both in zip(sessions, shared)]
+        if not rows:
+            return [], []
+        match_len = np.array([[tree.match_len for tree in row] for row in rows], dtype=np.int64)
+        weights = self.calibration.weights_for(match_len, config.max_depth)
+        prices = None
+        if self.cost is not None and self.chains:
+            prices = np.asarray(self.cost.chain(np.arange(1, config.max_depth + 2)), dtype=np.float64)
+        merged, chains = merge_rows(rows, weights, config.budget, prices)
+        if chains is not None:
+            return chains, merged
+        if self.cost is None:
+            return merged, merged
+        return [select_tree(tree, self.cost) for tree in merged], merged
+
+    def _row_trees(self, session: _Session, shared: SourceTrees, config: DraftConfig) -> list[DraftTree]:
+        """A row's trees in calibration order: the sources', then the index's for each cut."""
+        request = DraftTree.empty() if session.matcher is None else session.matcher.draft_ahead((), config)
         by_source = {"index": shared.index, "outputs": shared.outputs, "request": request}
         # trees fetched without the cuts (the scheduler's speculation) have none
         shorter = shared.shorter if isinstance(shared, CutTrees) else (DraftTree.empty(),) * len(self.suffixes)
-        trees = [by_source[s] for s in self.sources] + list(shorter)
-        if not any(len(tree) for tree in trees):  # most rows of a busy batch, some steps: no merge to run
-            return DraftTree.empty()
-        weights = self.calibration.weights_for([tree.match_len for tree in trees], config.max_depth)
-        return merge_trees(trees, weights, config.budget)
-
-    def select(self, tree: DraftTree) -> DraftTree:
-        """The part of a merged tree worth verifying on this hardware (all of it without a cost)."""
-        if self.cost is None:
-            return tree
-        return select_chain(tree, self.cost) if self.chains else select_tree(tree, self.cost)
+        return [by_source[s] for s in self.sources] + list(shorter)
 
     def add_output(self, tokens: Sequence[int]) -> int:
         """Store a finished generation in the base's output store (later requests draft from it);

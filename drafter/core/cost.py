@@ -25,7 +25,6 @@ import hashlib
 import json
 import re
 import statistics
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -499,7 +498,7 @@ def select_tree(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: in
         if probe is not None and probe - 1 <= ranked.size:
             best, chain_wins = probe - 1, False
     if chain_wins:
-        return tree.subset(tree.path_to(chain_end))
+        return tree.chain_to(chain_end)
     if best == len(tree):
         return tree  # all of it: no copy
     return tree.subset(np.sort(ranked[:best]))
@@ -512,51 +511,22 @@ def select_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: i
     end, rate = _best_chain(tree, cost, max_depth)
     if end < 0 or rate <= (1 + 1e-12) / float(cost.chain(1)):
         return DraftTree.empty()
-    return tree.subset(tree.path_to(end))
+    return tree.chain_to(end)
 
 
 def _best_chain(tree: DraftTree, cost: VerifyCost | CorrectedCost, max_depth: int | None) -> tuple[int, float]:
     """The node at most ``max_depth`` deep whose root path has the highest (1 + path score sum) /
     chain cost, and that rate (-1 and 0.0 without one); of equal rates the first in BFS order (the
-    shallowest). Every row, every step: one compiled pass (``_chain_kernel``), the chain prices
-    looked up once."""
+    shallowest). Every row, every step: one compiled pass (``drafter.core.batch_step.best_chain``,
+    imported here: importing this module imports no numba), the chain prices looked up once."""
+    from rest_spec.drafter.core.batch_step import best_chain
+
     deepest = tree.max_depth if max_depth is None else min(max_depth, tree.max_depth)
     if deepest < 1:
         return -1, 0.0
     prices = np.asarray(cost.chain(np.arange(1, deepest + 2)), dtype=np.float64)  # [d]: a chain of d drafts
-    end, rate = _chain_kernel()(tree.parents, tree.scores, tree.depths, prices)
+    end, rate = best_chain(tree.parents, tree.scores, tree.depths, prices)
     return int(end), float(rate)
-
-
-@functools.cache
-def _chain_kernel():
-    """``_best_chain``'s pass, compiled on first use (importing this module imports no numba):
-    (parents, scores, depths, prices) -> (best node, its rate)."""
-    from rest_spec.common.cache import numba_cached
-
-    @numba_cached().njit(nogil=True, cache=True)
-    def best_chain(parents, scores, depths, prices):
-        deepest = prices.shape[0] - 1
-        sums = np.empty(parents.shape[0], np.float64)
-        best, best_rate = -1, 0.0
-        for i in range(parents.shape[0]):  # parents precede children
-            sums[i] = scores[i] + (sums[parents[i]] if parents[i] >= 0 else 0.0)
-            if depths[i] <= deepest:
-                rate = (1.0 + sums[i]) / prices[depths[i]]
-                if best < 0 or rate > best_rate:
-                    best, best_rate = i, rate
-        return best, best_rate
-
-    return best_chain
-
-
-def compile_kernels() -> float:
-    """Compile ``select_chain``'s kernel into numba's on-disk cache (``drafter.core.kernels``);
-    returns the seconds it took."""
-    start = time.perf_counter()
-    tree = DraftTree(np.array([5], np.int32), np.array([-1], np.int32), np.array([1], np.int64), 1, 1, 1)
-    _chain_kernel()(tree.parents, tree.scores, tree.depths, np.ones(2))
-    return time.perf_counter() - start
 
 
 def select_batch_chains(chains: Sequence[DraftTree], cost: BatchCost, rows: int) -> list[DraftTree]:

@@ -384,12 +384,13 @@ class SourceCalibration:
         """The weights ``merge_trees`` takes for source trees drafted from matches of ``match_len``
         [S] tokens: float64 [S, depths, K], level d (from 0) those of a match d tokens longer --
         a node d deep continues a match that much longer -- or [S, K] without ``depths`` (those of
-        the first level, for every depth)."""
+        the first level, for every depth). ``match_len`` [R, S], R rows' sources, gives [R, S, ...]
+        (``drafter.core.batch_step.merge_rows``'s weights)."""
         if depths is None:
             return self.weights[np.arange(self.num_sources), length_class(match_len, self.lengths)]
         if depths < 1:
             raise ValueError(f"depths must be >= 1, got {depths}")
-        longer = np.asarray(match_len, dtype=np.int64)[:, None] + np.arange(depths)
+        longer = np.asarray(match_len, dtype=np.int64)[..., None] + np.arange(depths)
         return self.weights[np.arange(self.num_sources)[:, None], length_class(longer, self.lengths)]
 
     def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:

@@ -15,8 +15,8 @@ Three layers, each a small typed interface:
       sessions = advance(rows, requests)          # each row's request session, credited
       config = candidates(loop_config)            # how the sources draft this step
       shared = start_shared(rows, config)         # index and output trees: one call, maybe async
-      merged = [merge(shared[i], request_tree(sessions[i], (), config), config) ...]
-      trees = admit([select(tree) for tree in merged])  # selected; the engine's batch rule, if any
+      trees, merged = draft_rows(sessions, shared, config)  # merged with each request's own, selected
+      trees = admit(trees)                        # the engine's batch rule, if any
       record(trees, merged)                       # what the next advance credits
       finish(ended)                               # requests the engine says have ended
 
@@ -123,16 +123,12 @@ class StepDrafter(Protocol):
         hypothetical contexts by speculation: touches no request state."""
         ...
 
-    def request_tree(self, request: Any, extra: Sequence[int], config: DraftConfig) -> DraftTree:
-        """The request's own tree for its context continued by ``extra``."""
-        ...
-
-    def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
-        """A row's sources merged into one tree of at most ``config.budget`` nodes."""
-        ...
-
-    def select(self, tree: DraftTree) -> DraftTree:
-        """The part of a merged tree worth verifying."""
+    def draft_rows(
+        self, sessions: Sequence[Any], shared: Sequence[SourceTrees], config: DraftConfig
+    ) -> tuple[list[DraftTree], list[DraftTree]]:
+        """Each row's shared trees merged with its request's own into one tree of at most
+        ``config.budget`` nodes, and the part of it worth verifying: (selected, merged), per row.
+        All rows at once, so a drafter may run them in one compiled pass."""
         ...
 
     def record(self, trees: Sequence[DraftTree], merged: Sequence[DraftTree]) -> None:

@@ -140,10 +140,7 @@ def finish_step(
     """The end of a step once each row has its shared trees: merged with the request's own,
     selected (what pays for one row), admitted (what pays for the batch: the engine's rule,
     ``cost.select_batch_chains``, ``cost.select_batch_trees``), recorded."""
-    merged = [
-        steps.merge(both, steps.request_tree(session, (), config), config) for session, both in zip(sessions, shared)
-    ]
-    trees = [steps.select(tree) for tree in merged]
+    trees, merged = steps.draft_rows(sessions, shared, config)
     if admit is not None:
         trees = admit(trees)
     steps.record(trees, merged)
@@ -215,23 +212,22 @@ class PlainSteps:
     def candidates(self, config: DraftConfig) -> DraftConfig:
         return config
 
-    def request_tree(self, request: None, extra: Sequence[int], config: DraftConfig) -> DraftTree:
-        return DraftTree.empty()
-
     def start_shared(
         self, rows: Sequence[Sequence[int]], config: DraftConfig, timeout: float | None = None
     ) -> Pending[list[SourceTrees]]:
         return self.source.start_sources(rows, config, timeout=timeout)
 
-    def merge(self, shared: SourceTrees, request: DraftTree, config: DraftConfig) -> DraftTree:
-        """The index tree, cut to the budget (a tree under a bonus token comes from a wider one)."""
-        tree = shared.index
-        if len(tree) <= config.budget:
-            return tree
-        return tree.subset(np.sort(np.argsort(-tree.scores, kind="stable")[: config.budget]))
-
-    def select(self, tree: DraftTree) -> DraftTree:
-        return tree
+    def draft_rows(
+        self, sessions: Sequence[None], shared: Sequence[SourceTrees], config: DraftConfig
+    ) -> tuple[list[DraftTree], list[DraftTree]]:
+        """Each row's index tree, cut to the budget (a tree under a bonus token comes from a wider one)."""
+        trees = [
+            tree
+            if len(tree) <= config.budget
+            else tree.subset(np.sort(np.argsort(-tree.scores, kind="stable")[: config.budget]))
+            for tree in (both.index for both in shared)
+        ]
+        return trees, trees
 
 
 def steps_for(drafter: Drafter) -> StepDrafter:

@@ -1,0 +1,111 @@
+"""The compiled batch step (``drafter.core.batch_step``) against the per-row Python path it
+replaced: ``merge_trees`` per row, ``select_chain`` on each merged tree; and the growing sources'
+compiled match against the numpy one it replaced."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rest_spec.common.types import DraftConfig, DraftTree
+from rest_spec.datastore.bigram import SEP, BigramIndex
+from rest_spec.datastore.trie import counted_tree
+from rest_spec.drafter.core.batch_step import merge_rows
+from rest_spec.drafter.core.cost import CostKey, VerifyCost, select_chain
+from rest_spec.drafter.core.merge import MergedTree, SourceCalibration, merge_trees
+from tests.test_merge import source_trees
+from tests.tiers import examples
+
+maybe_empty = st.one_of(st.just(DraftTree.empty()), source_trees)
+
+
+def chain_cost(seconds: list[float]) -> VerifyCost:
+    """A verify cost whose chain of n tokens costs ``seconds[n - 1]``."""
+    sizes = tuple(range(1, len(seconds) + 1))
+    return VerifyCost(CostKey("test", "", 1, "cpu", "float32"), 256, sizes, tuple(seconds))
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    rows=st.integers(1, 6).flatmap(
+        lambda s: st.lists(st.lists(maybe_empty, min_size=s, max_size=s), min_size=1, max_size=5)
+    ),
+    budget=st.integers(0, 30),
+    data=st.data(),
+)
+def test_batch_step_equals_the_per_row_merge_and_chain(rows, budget, data):
+    num_sources, depth = len(rows[0]), 6
+    calibration = SourceCalibration(
+        num_sources, prior=data.draw(st.lists(st.floats(0.1, 3.0), min_size=num_sources, max_size=num_sources))
+    )
+    match_len = np.array([[data.draw(st.integers(0, 20)) for _ in row] for row in rows])
+    weights = calibration.weights_for(match_len, depth)
+    # a rising chain cost: 1 token 1.0, then each draft token a random share of a step more
+    seconds = np.cumsum([1.0, *data.draw(st.lists(st.floats(0.0, 1.5), min_size=depth, max_size=depth))])
+    cost = chain_cost(seconds.tolist())
+    merged, chains = merge_rows(rows, weights, budget, np.asarray(cost.chain(np.arange(1, depth + 2))))
+    assert len(merged) == len(chains) == len(rows)
+    for r, row in enumerate(rows):
+        if not any(len(tree) for tree in row) or budget == 0:
+            assert len(merged[r]) == 0 and len(chains[r]) == 0
+            continue
+        expected = merge_trees(row, weights[r], budget)
+        assert isinstance(merged[r], MergedTree) and merged[r] == expected
+        assert np.array_equal(merged[r].depths, expected.depths)
+        assert chains[r] == select_chain(expected, cost)
+        assert np.array_equal(chains[r].depths, np.arange(1, len(chains[r]) + 1))
+    # without prices: the merged trees alone
+    alone, none = merge_rows(rows, weights, budget)
+    assert none is None and all(a == m for a, m in zip(alone, merged))
+
+
+def test_batch_step_refuses_ragged_rows():
+    tree = DraftTree(np.array([5], np.int32), np.array([-1], np.int32), np.array([1], np.int64), 1, 1, 1)
+    weights = SourceCalibration(2).weights_for(np.array([[1, 0], [1, 0]]), 2)
+    with pytest.raises(ValueError, match="every row needs 2 source trees"):
+        merge_rows([[tree, tree], [tree]], weights, 4)
+
+
+def reference_draft(index: BigramIndex, query: np.ndarray, config: DraftConfig, first: int, cap: int) -> DraftTree:
+    """``BigramIndex.draft`` as it was written in numpy, before it was compiled."""
+    if query.size < 2:
+        return DraftTree.empty()
+    key = np.uint64((int(query[1]) << 32) | int(query[0]))
+    lo, hi = np.searchsorted(index._keys, key, "left"), np.searchsorted(index._keys, key, "right")
+    tail = index._tail_ends[: index._tail_len][index._tail_keys[: index._tail_len] == key]
+    ends = np.concatenate((index._ends[lo:hi], tail))
+    ends = ends[ends >= first]
+    match_len = 2 if ends.size else 0
+    for j in range(2, query.size):
+        longer = ends[index.tokens[ends - j] == query[j]]
+        if longer.size == 0:
+            break
+        ends, match_len = longer, j + 1
+    if match_len == 0 or match_len < config.n_min:
+        return DraftTree.empty()
+    counted = ends[-cap:]
+    rows = index.tokens[counted[:, None] + np.arange(1, config.max_depth + 1)]
+    rows[np.maximum.accumulate(rows == SEP, axis=1)] = SEP
+    return counted_tree(rows, SEP, config.budget, match_len, int(ends.size))
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    documents=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1, max_size=6),
+    appended=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=20), max_size=3),
+    query=st.lists(st.integers(0, 4), min_size=0, max_size=10),
+    first=st.integers(0, 40),
+    cap=st.integers(1, 8),
+    n_min=st.integers(1, 4),
+    max_depth=st.integers(1, 8),
+)
+def test_compiled_bigram_match_equals_the_numpy_one(documents, appended, query, first, cap, n_min, max_depth):
+    joined = [token for document in documents for token in (*document, SEP)][:-1]
+    index = BigramIndex(np.array(joined, np.uint32))
+    for tokens in appended:  # the newest positions sit in the unsorted tail
+        index.append(np.array(tokens, np.uint32))
+    config = DraftConfig(n_min=n_min, max_depth=max_depth, budget=16)
+    query = np.array(query, np.uint32)
+    assert index.draft(query, config, first, cap) == reference_draft(index, query, config, first, cap)
