@@ -14,7 +14,7 @@ from rest_spec.datastore.bigram import SEP, BigramIndex
 from rest_spec.datastore.trie import counted_tree
 from rest_spec.drafter.core.batch_step import merge_rows
 from rest_spec.drafter.core.cost import CostKey, VerifyCost, select_chain
-from rest_spec.drafter.core.merge import MergedTree, SourceCalibration, merge_trees
+from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, merge_trees
 from tests.test_merge import source_trees
 from tests.tiers import examples
 
@@ -109,3 +109,42 @@ def test_compiled_bigram_match_equals_the_numpy_one(documents, appended, query, 
     config = DraftConfig(n_min=n_min, max_depth=max_depth, budget=16)
     query = np.array(query, np.uint32)
     assert index.draft(query, config, first, cap) == reference_draft(index, query, config, first, cap)
+
+
+def with_match_len(tree: DraftTree, match_len: int) -> DraftTree:
+    return DraftTree(tree.tokens, tree.parents, tree.counts, match_len, tree.num_matches, tree.num_sampled)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.tuples(source_trees, st.integers(0, 20)), min_size=2, max_size=2),
+            st.lists(st.integers(0, 3), max_size=6),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+)
+def test_a_steps_rows_counted_at_once_equal_them_counted_in_turn(rows):
+    """``observe_all`` and ``observe_hindsight_all`` (the advance of a step's rows) count as
+    ``observe`` and ``observe_hindsight`` tree by tree do."""
+    merged, followed = [], []
+    for sources, tokens in rows:
+        merged.append(merge_trees([with_match_len(tree, n) for tree, n in sources], [1.0, 0.7], 12))
+        followed.append(tokens)
+    paths = [tree.accepted_nodes(tokens) for tree, tokens in zip(merged, followed)]
+    verified = [min(len(path), n % 3) for n, path in enumerate(paths)]
+    at_once, in_turn = SourceCalibration(2), SourceCalibration(2)
+    at_once.observe_all(merged, paths)
+    for tree, path in zip(merged, paths):
+        in_turn.observe(tree, path)
+    np.testing.assert_allclose(at_once.observed, in_turn.observed, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(at_once.predicted, in_turn.predicted, rtol=1e-12, atol=1e-12)
+    together, apart = Attribution(["a", "b"]), Attribution(["a", "b"])
+    together.observe_all(merged, paths)
+    together.observe_hindsight_all(merged, paths, verified)
+    for tree, path, tokens, accepted in zip(merged, paths, followed, verified):
+        apart.observe(tree, path)
+        apart.observe_hindsight(tree, tokens, accepted)
+    assert together.counts() == apart.counts()

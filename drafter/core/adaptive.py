@@ -184,6 +184,8 @@ class AdaptiveDrafter:
         before or a context that does not continue its session. Reads each context's new tokens
         and tail only."""
         self._rows = []
+        verified: tuple[list[MergedTree], list[np.ndarray]] = ([], [])
+        matured: tuple[list[MergedTree], list[np.ndarray], list[int]] = ([], [], [])
         for row, request in zip(rows, requests):
             session = self._sessions.get(request)
             if session is None or not session.mark.continued_by(row):
@@ -196,29 +198,37 @@ class AdaptiveDrafter:
                 if gained:
                     accepted = session.tree.accepted_nodes(gained)  # none of an empty tree
                     if len(session.tree):
-                        self.attribution.observe(session.tree, accepted)
+                        verified[0].append(session.tree)
+                        verified[1].append(accepted)
                     if isinstance(session.merged, MergedTree):
                         session.hindsight.append((session.mark.length, session.merged, len(accepted)))
-                self._look_back(session, row)
+                self._look_back(session, row, matured)
             session.mark, session.tree, session.merged = Mark.of(row), DraftTree.empty(), DraftTree.empty()
             if session.matcher is not None:
                 session.matcher.extend(row)
             self._rows.append(session)
+        # counted for all rows at once, in row order (as row by row)
+        self.attribution.observe_all(*verified)
+        self.calibration.observe_all(*matured[:2])
+        self.attribution.observe_hindsight_all(*matured)
         return self._rows
 
-    def _look_back(self, session: _Session, row: Sequence[int]) -> None:
-        """Calibrate on (``SourceCalibration.observe``) and count in hindsight
-        (``Attribution.observe_hindsight``) each of the session's merged trees whose context has
-        since grown by the tree's depth."""
+    def _look_back(
+        self, session: _Session, row: Sequence[int], matured: tuple[list[MergedTree], list[np.ndarray], list[int]]
+    ) -> None:
+        """Add to ``matured`` (trees, the nodes of each that what followed ran along, tokens
+        accepted of each) the session's merged trees whose context has since grown by the tree's
+        depth: what the calibration (``SourceCalibration.observe_all``) and the hindsight
+        (``Attribution.observe_hindsight_all``) count."""
         while session.hindsight:
             start, merged, verified = session.hindsight[0]
             end = start + int(merged.depths.max())
             if len(row) < end:
                 return
             session.hindsight.popleft()
-            followed = token_list(row, start, end)
-            self.calibration.observe(merged, merged.accepted_nodes(followed))
-            self.attribution.observe_hindsight(merged, followed, verified)
+            matured[0].append(merged)
+            matured[1].append(merged.accepted_nodes(token_list(row, start, end)))
+            matured[2].append(verified)
 
     def finish(self, requests: Sequence[Hashable]) -> None:
         """These requests ended: their sessions go."""

@@ -398,32 +398,74 @@ class SourceCalibration:
         ``accepted`` = indices of its accepted nodes (``Verification.keep[1:] - 1``), or of the
         nodes that what followed would have accepted (``accepted_nodes``: a merged tree in hindsight,
         as ``AdaptiveDrafter`` calibrates)."""
-        if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != self.num_sources:
-            raise ValueError(
-                f"tree must carry source_probs and source_samples for {self.num_sources} sources (a merge_trees result)"
-            )
-        probs, samples = tree.source_probs, tree.source_samples
-        accepted = np.asarray(accepted, dtype=np.int64)
-        if accepted.size and (accepted.min() < 0 or accepted.max() >= len(tree)):
-            raise ValueError(f"accepted node indices must be in [0, {len(tree)})")
-        is_accepted = np.zeros(len(tree) + 1, dtype=bool)  # slot -1: the root, always reached
-        is_accepted[accepted] = True
-        is_accepted[-1] = True
-        tried = np.flatnonzero(is_accepted[tree.parents])
-        node, source = np.nonzero(probs[tried] > 0)  # every (tried node, proposing source) pair
+        self.observe_all([tree], [accepted])
+
+    def observe_all(self, trees: Sequence[MergedTree], accepted: Sequence[Sequence[int] | np.ndarray]) -> None:
+        """``observe`` each tree in turn (each decays what came before it), in one vectorized pass:
+        a step's rows at once."""
+        if not trees:
+            return
+        nodes = _Nodes(trees, accepted, self.num_sources, "tree")
+        is_accepted, tried = nodes.is_accepted, nodes.tried
+        node, source = np.nonzero(nodes.probs[tried] > 0)  # every (tried node, proposing source) pair
         node = tried[node]
+        tree = nodes.owner[node]
         _, lengths, classes = self.observed.shape
         # a node d deep continues its source's match by the d - 1 tokens above it
-        length = length_class(tree.source_match_len[source] + tree.depths[node] - 1, self.lengths)
-        cell = (source * lengths + length) * classes + sample_class(samples[node, source], classes)
+        length = length_class(nodes.match_len[tree, source] + nodes.depths[node] - 1, self.lengths)
+        cell = (source * lengths + length) * classes + sample_class(nodes.samples[node, source], classes)
+        age = self.decay ** (len(trees) - 1 - tree)  # a later tree's decay of an earlier one's evidence
         size = self.observed.size
         self._weights = None
-        self.observed = self.decay * self.observed + np.bincount(
-            cell, weights=is_accepted[node].astype(np.float64), minlength=size
+        self.observed = self.decay ** len(trees) * self.observed + np.bincount(
+            cell, weights=is_accepted[node] * age, minlength=size
         ).reshape(self.observed.shape)
-        self.predicted = self.decay * self.predicted + np.bincount(
-            cell, weights=probs[node, source], minlength=size
+        self.predicted = self.decay ** len(trees) * self.predicted + np.bincount(
+            cell, weights=nodes.probs[node, source] * age, minlength=size
         ).reshape(self.predicted.shape)
+
+
+class _Nodes:
+    """The nodes of several merged trees as one: their per-node columns concatenated, ``owner`` the
+    tree of each, parents and the ``accepted`` nodes (per tree, local indices) as indices into the
+    whole; ``is_accepted`` [n + 1] (the last slot: the roots, always reached) and ``tried``, the
+    nodes whose parent was reached. What the calibration and the attribution count a step's rows by."""
+
+    def __init__(
+        self,
+        trees: Sequence[MergedTree],
+        accepted: Sequence[Sequence[int] | np.ndarray],
+        num_sources: int,
+        name: str,
+    ) -> None:
+        for tree in trees:
+            if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != num_sources:
+                raise ValueError(
+                    f"{name} must carry source_probs and source_samples for {num_sources} sources (a merge_trees result)"
+                )
+        if len(accepted) != len(trees):
+            raise ValueError(f"one list of accepted nodes per {name}, got {len(accepted)} for {len(trees)}")
+        sizes = np.fromiter((len(tree) for tree in trees), np.int64, len(trees))
+        self.offsets = np.concatenate(([0], np.cumsum(sizes)))
+        self.owner = np.repeat(np.arange(len(trees)), sizes)
+        parents = np.concatenate([tree.parents for tree in trees]).astype(np.int64)
+        self.parents = np.where(parents >= 0, parents + self.offsets[self.owner], -1)
+        self.depths = np.concatenate([tree.depths for tree in trees])
+        self.probs = np.concatenate([tree.source_probs for tree in trees])
+        self.samples = np.concatenate([tree.source_samples for tree in trees])
+        self.match_len = np.stack([tree.source_match_len for tree in trees])  # [trees, S]
+        local = [np.asarray(nodes, dtype=np.int64) for nodes in accepted]
+        self.accepted_count = np.fromiter((nodes.size for nodes in local), np.int64, len(local))
+        self.accepted_owner = np.repeat(np.arange(len(trees)), self.accepted_count)
+        local_all = np.concatenate(local) if local else np.zeros(0, np.int64)
+        outside = np.flatnonzero((local_all < 0) | (local_all >= sizes[self.accepted_owner]))
+        if outside.size:
+            raise ValueError(f"accepted node indices must be in [0, {sizes[self.accepted_owner[outside[0]]]})")
+        self.accepted = local_all + self.offsets[self.accepted_owner]
+        self.is_accepted = np.zeros(self.offsets[-1] + 1, dtype=bool)
+        self.is_accepted[self.accepted] = True
+        self.is_accepted[-1] = True
+        self.tried = np.flatnonzero(self.is_accepted[self.parents])
 
 
 class Attribution:
@@ -490,38 +532,80 @@ class Attribution:
 
     def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:
         """Count one verified ``tree``; ``accepted`` = indices of its accepted nodes."""
-        if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != len(self.sources):
-            raise ValueError(f"tree must be a merge_trees result over {len(self.sources)} sources")
-        proposed = tree.source_probs > 0  # [n, S]
-        first = proposed[tree.parents == -1].any(axis=0)  # [S]: proposed a root child
-        if not first.any():
+        self.observe_all([tree], [accepted])
+
+    def observe_all(self, trees: Sequence[MergedTree], accepted: Sequence[Sequence[int] | np.ndarray]) -> None:
+        """``observe`` each of ``trees`` (a step's rows), in one vectorized pass."""
+        if not trees:
             return
-        accepted = np.asarray(accepted, dtype=np.int64)
-        length = length_class(tree.source_match_len)
-        rows, cols = np.flatnonzero(first), length[first]
-        self.steps[rows, cols] += 1
-        if accepted.size:
-            self.first_accepted[rows, cols] += proposed[accepted[0], first]
-        self.accepted[rows, cols] += proposed[accepted][:, first].sum(axis=0)
-        self.verified[rows, cols] += proposed[:, first].sum(axis=0)
+        nodes = _Nodes(trees, accepted, len(self.sources), "tree")
+        proposed = nodes.probs > 0  # [n, S]
+        first = self._firsts(nodes, proposed)  # [trees, S]: proposed a root child
+        cell = self._cells(nodes)  # [trees, S]
+        shape = (len(trees), len(self.sources))
+        accepted_by = np.zeros(shape, np.int64)
+        np.add.at(accepted_by, nodes.accepted_owner, proposed[nodes.accepted])
+        verified_by = np.zeros(shape, np.int64)
+        np.add.at(verified_by, nodes.owner, proposed)
+        first_accepted = np.zeros(shape, bool)  # the first accepted node's sources
+        some = nodes.accepted_count > 0
+        first_accepted[some] = proposed[
+            nodes.accepted[np.cumsum(nodes.accepted_count)[some] - nodes.accepted_count[some]]
+        ]
+        self._add(self.steps, cell, first, 1)
+        self._add(self.first_accepted, cell, first, first_accepted)
+        self._add(self.accepted, cell, first, accepted_by)
+        self._add(self.verified, cell, first, verified_by)
 
     def observe_hindsight(self, merged: MergedTree, followed: Sequence[int], accepted: int) -> None:
         """Count one merged tree against the tokens that ``followed`` its context (at least its
         depth of them), once they are known: how deep each source's part of it ran along them, and
         whether deeper than the ``accepted`` tokens of the part that was verified (0 where none was)."""
-        if not isinstance(merged, MergedTree) or merged.source_probs.shape[1] != len(self.sources):
-            raise ValueError(f"merged must be a merge_trees result over {len(self.sources)} sources")
-        path = merged.accepted_nodes(followed)
-        # each source's part of the path from the root (a source proposes a node's parent too)
-        held = np.logical_and.accumulate(merged.source_probs[path] > 0, axis=0).sum(axis=0)  # [S]
-        first = (merged.source_probs[merged.parents == -1] > 0).any(axis=0)
-        rows, cols = np.flatnonzero(first), length_class(merged.source_match_len)[first]
-        self.offered[rows, cols] += 1
-        self.held[rows, cols] += held[first]
-        self.passed_over[rows, cols] += held[first] > accepted
-        self.tree_steps += 1
-        self.tree_held += len(path)
-        self.tree_accepted += accepted
+        self.observe_hindsight_all([merged], [merged.accepted_nodes(followed)], [accepted])
+
+    def observe_hindsight_all(
+        self, merged: Sequence[MergedTree], paths: Sequence[np.ndarray], accepted: Sequence[int]
+    ) -> None:
+        """``observe_hindsight`` for each merged tree, given the nodes ``paths`` of each that what
+        followed it ran along (``DraftTree.accepted_nodes``), in one vectorized pass."""
+        if not merged:
+            return
+        nodes = _Nodes(merged, paths, len(self.sources), "merged")
+        # each source's part of the path from the root (a source proposes a node's parent too):
+        # the path's length, or the place of its first node the source did not propose
+        held = np.repeat(nodes.accepted_count[:, None], len(self.sources), axis=1)
+        place = np.arange(nodes.accepted.size) - np.repeat(
+            np.cumsum(nodes.accepted_count) - nodes.accepted_count, nodes.accepted_count
+        )
+        step, source = np.nonzero(nodes.probs[nodes.accepted] <= 0)
+        np.minimum.at(held, (nodes.accepted_owner[step], source), place[step])
+        first = self._firsts(nodes, nodes.probs > 0)
+        cell = self._cells(nodes)
+        verified = np.asarray(accepted, dtype=np.int64)[:, None]
+        self._add(self.offered, cell, first, 1)
+        self._add(self.held, cell, first, held)
+        self._add(self.passed_over, cell, first, held > verified)
+        self.tree_steps += len(merged)
+        self.tree_held += int(nodes.accepted_count.sum())
+        self.tree_accepted += int(verified.sum())
+
+    @staticmethod
+    def _firsts(nodes: _Nodes, proposed: np.ndarray) -> np.ndarray:
+        """bool [trees, S]: which sources proposed a root child of each tree."""
+        roots = np.flatnonzero(nodes.parents == -1)
+        first = np.zeros((nodes.match_len.shape[0], proposed.shape[1]), bool)
+        np.logical_or.at(first, nodes.owner[roots], proposed[roots])
+        return first
+
+    def _cells(self, nodes: _Nodes) -> np.ndarray:
+        """int [trees, S]: each tree's (source, match-length class) cell, flat."""
+        return np.arange(len(self.sources)) * len(MATCH_LENGTH_EDGES) + length_class(nodes.match_len)
+
+    @staticmethod
+    def _add(counts: np.ndarray, cell: np.ndarray, where: np.ndarray, values: np.ndarray | int) -> None:
+        """Add ``values`` [trees, S] (or one value) to the cells ``cell`` where ``where``."""
+        values = np.broadcast_to(values, cell.shape)[where]
+        counts.reshape(-1)[...] += np.bincount(cell[where], weights=values, minlength=counts.size).astype(np.int64)
 
     def report(self) -> list[dict]:
         """One dict per cell with steps or offers: source, match lengths ("4-5", "16+"), the
