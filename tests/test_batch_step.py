@@ -14,7 +14,7 @@ from rest_spec.datastore.bigram import SEP, BigramIndex
 from rest_spec.datastore.trie import counted_tree
 from rest_spec.drafter.core.batch_step import merge_rows
 from rest_spec.drafter.core.cost import CostKey, VerifyCost, select_chain
-from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, merge_trees
+from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, TreeNodes, merge_trees
 from tests.test_merge import source_trees
 from tests.tiers import examples
 
@@ -127,7 +127,7 @@ def with_match_len(tree: DraftTree, match_len: int) -> DraftTree:
     ),
 )
 def test_a_steps_rows_counted_at_once_equal_them_counted_in_turn(rows):
-    """``observe_all`` and ``observe_hindsight_all`` (the advance of a step's rows) count as
+    """``observe_nodes`` and ``observe_hindsight_nodes`` (the advance of a step's rows) count as
     ``observe`` and ``observe_hindsight`` tree by tree do."""
     merged, followed = [], []
     for sources, tokens in rows:
@@ -136,14 +136,15 @@ def test_a_steps_rows_counted_at_once_equal_them_counted_in_turn(rows):
     paths = [tree.accepted_nodes(tokens) for tree, tokens in zip(merged, followed)]
     verified = [min(len(path), n % 3) for n, path in enumerate(paths)]
     at_once, in_turn = SourceCalibration(2), SourceCalibration(2)
-    at_once.observe_all(merged, paths)
+    nodes = TreeNodes(merged, paths, 2)
+    at_once.observe_nodes(nodes)
     for tree, path in zip(merged, paths):
         in_turn.observe(tree, path)
     np.testing.assert_allclose(at_once.observed, in_turn.observed, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(at_once.predicted, in_turn.predicted, rtol=1e-12, atol=1e-12)
     together, apart = Attribution(["a", "b"]), Attribution(["a", "b"])
-    together.observe_all(merged, paths)
-    together.observe_hindsight_all(merged, paths, verified)
+    together.observe_nodes(nodes)
+    together.observe_hindsight_nodes(nodes, verified)
     for tree, path, tokens, accepted in zip(merged, paths, followed, verified):
         apart.observe(tree, path)
         apart.observe_hindsight(tree, tokens, accepted)

@@ -189,7 +189,7 @@ def test_attribution_counts_per_source_and_match_length():
     attribution.observe(merged, merged.accepted_nodes([1, 7]))
     since = attribution - before
     assert [(c["source"], c["steps"], c["accepted"]) for c in since.report()] == [("index", 1, 1), ("request", 1, 1)]
-    with pytest.raises(ValueError, match="for 3 sources \\(a merge_trees result\\)"):
+    with pytest.raises(ValueError, match="for 3 sources \\(merge_trees results\\)"):
         attribution.observe(index, [])
 
 
@@ -210,7 +210,7 @@ def test_hindsight_counts_how_deep_each_source_ran_along_what_followed():
     assert attribution.hindsight() == {"steps": 2, "held_per_step": 2.0, "accepted_per_step": 0.5}
     since = attribution - Attribution.from_counts(json.loads(json.dumps(attribution.counts())))
     assert since.hindsight()["steps"] == 0 and not since.report()
-    with pytest.raises(ValueError, match="for 3 sources \\(a merge_trees result\\)"):
+    with pytest.raises(ValueError, match="for 3 sources \\(merge_trees results\\)"):
         attribution.observe_hindsight(index, [1], accepted=0)
 
 

@@ -37,7 +37,7 @@ from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.core.batch_step import merge_rows
 from rest_spec.drafter.core.cost import CorrectedCost, StepCost, VerifyCost, select_tree
-from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration
+from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, TreeNodes
 from rest_spec.drafter.core.protocol import Drafter, Pending, SourceDrafter
 from rest_spec.drafter.core.request_matcher import RequestMatcher
 from rest_spec.drafter.core.steps import Deferred, Mark, as_source, draft_step, token_list
@@ -208,9 +208,11 @@ class AdaptiveDrafter:
                 session.matcher.extend(row)
             self._rows.append(session)
         # counted for all rows at once, in row order (as row by row)
-        self.attribution.observe_all(*verified)
-        self.calibration.observe_all(*matured[:2])
-        self.attribution.observe_hindsight_all(*matured)
+        num_sources = self.calibration.num_sources
+        self.attribution.observe_nodes(TreeNodes(*verified, num_sources))
+        in_hindsight = TreeNodes(*matured[:2], num_sources)
+        self.calibration.observe_nodes(in_hindsight)
+        self.attribution.observe_hindsight_nodes(in_hindsight, matured[2])
         return self._rows
 
     def _look_back(
@@ -218,8 +220,8 @@ class AdaptiveDrafter:
     ) -> None:
         """Add to ``matured`` (trees, the nodes of each that what followed ran along, tokens
         accepted of each) the session's merged trees whose context has since grown by the tree's
-        depth: what the calibration (``SourceCalibration.observe_all``) and the hindsight
-        (``Attribution.observe_hindsight_all``) count."""
+        depth: what the calibration (``SourceCalibration.observe_nodes``) and the hindsight
+        (``Attribution.observe_hindsight_nodes``) count."""
         while session.hindsight:
             start, merged, verified = session.hindsight[0]
             end = start + int(merged.depths.max())

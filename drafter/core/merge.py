@@ -398,14 +398,13 @@ class SourceCalibration:
         ``accepted`` = indices of its accepted nodes (``Verification.keep[1:] - 1``), or of the
         nodes that what followed would have accepted (``accepted_nodes``: a merged tree in hindsight,
         as ``AdaptiveDrafter`` calibrates)."""
-        self.observe_all([tree], [accepted])
+        self.observe_nodes(TreeNodes([tree], [accepted], self.num_sources))
 
-    def observe_all(self, trees: Sequence[MergedTree], accepted: Sequence[Sequence[int] | np.ndarray]) -> None:
-        """``observe`` each tree in turn (each decays what came before it), in one vectorized pass:
-        a step's rows at once."""
-        if not trees:
+    def observe_nodes(self, nodes: TreeNodes) -> None:
+        """``observe`` each of the trees of ``nodes`` in turn (each decays what came before it), in
+        one vectorized pass: a step's rows at once."""
+        if not nodes.trees:
             return
-        nodes = _Nodes(trees, accepted, self.num_sources, "tree")
         is_accepted, tried = nodes.is_accepted, nodes.tried
         node, source = np.nonzero(nodes.probs[tried] > 0)  # every (tried node, proposing source) pair
         node = tried[node]
@@ -414,37 +413,42 @@ class SourceCalibration:
         # a node d deep continues its source's match by the d - 1 tokens above it
         length = length_class(nodes.match_len[tree, source] + nodes.depths[node] - 1, self.lengths)
         cell = (source * lengths + length) * classes + sample_class(nodes.samples[node, source], classes)
-        age = self.decay ** (len(trees) - 1 - tree)  # a later tree's decay of an earlier one's evidence
+        age = self.decay ** (nodes.trees - 1 - tree)  # a later tree's decay of an earlier one's evidence
         size = self.observed.size
         self._weights = None
-        self.observed = self.decay ** len(trees) * self.observed + np.bincount(
+        self.observed = self.decay**nodes.trees * self.observed + np.bincount(
             cell, weights=is_accepted[node] * age, minlength=size
         ).reshape(self.observed.shape)
-        self.predicted = self.decay ** len(trees) * self.predicted + np.bincount(
+        self.predicted = self.decay**nodes.trees * self.predicted + np.bincount(
             cell, weights=nodes.probs[node, source] * age, minlength=size
         ).reshape(self.predicted.shape)
 
 
-class _Nodes:
-    """The nodes of several merged trees as one: their per-node columns concatenated, ``owner`` the
-    tree of each, parents and the ``accepted`` nodes (per tree, local indices) as indices into the
+class TreeNodes:
+    """The nodes of several merged trees as one (a step's rows): their per-node columns
+    concatenated, ``owner`` the tree of each, parents and the ``accepted`` nodes (per tree, local
+    indices: those the verifier accepted, or those what followed ran along) as indices into the
     whole; ``is_accepted`` [n + 1] (the last slot: the roots, always reached) and ``tried``, the
-    nodes whose parent was reached. What the calibration and the attribution count a step's rows by."""
+    nodes whose parent was reached. Built once per step for what the calibration
+    (``SourceCalibration.observe_nodes``) and the attribution (``Attribution.observe_nodes``,
+    ``observe_hindsight_nodes``) count."""
 
     def __init__(
         self,
         trees: Sequence[MergedTree],
         accepted: Sequence[Sequence[int] | np.ndarray],
         num_sources: int,
-        name: str,
     ) -> None:
         for tree in trees:
             if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != num_sources:
                 raise ValueError(
-                    f"{name} must carry source_probs and source_samples for {num_sources} sources (a merge_trees result)"
+                    f"trees must carry source_probs and source_samples for {num_sources} sources (merge_trees results)"
                 )
         if len(accepted) != len(trees):
-            raise ValueError(f"one list of accepted nodes per {name}, got {len(accepted)} for {len(trees)}")
+            raise ValueError(f"one list of accepted nodes per tree, got {len(accepted)} for {len(trees)}")
+        self.trees = len(trees)
+        if not trees:
+            return
         sizes = np.fromiter((len(tree) for tree in trees), np.int64, len(trees))
         self.offsets = np.concatenate(([0], np.cumsum(sizes)))
         self.owner = np.repeat(np.arange(len(trees)), sizes)
@@ -456,8 +460,9 @@ class _Nodes:
         self.match_len = np.stack([tree.source_match_len for tree in trees])  # [trees, S]
         local = [np.asarray(nodes, dtype=np.int64) for nodes in accepted]
         self.accepted_count = np.fromiter((nodes.size for nodes in local), np.int64, len(local))
+        self.accepted_start = np.cumsum(self.accepted_count) - self.accepted_count
         self.accepted_owner = np.repeat(np.arange(len(trees)), self.accepted_count)
-        local_all = np.concatenate(local) if local else np.zeros(0, np.int64)
+        local_all = np.concatenate(local)
         outside = np.flatnonzero((local_all < 0) | (local_all >= sizes[self.accepted_owner]))
         if outside.size:
             raise ValueError(f"accepted node indices must be in [0, {sizes[self.accepted_owner[outside[0]]]})")
@@ -497,11 +502,11 @@ class Attribution:
 
     def __init__(self, sources: Sequence[str]) -> None:
         self.sources = tuple(sources)
-        shape = (len(self.sources), len(MATCH_LENGTH_EDGES))
-        self.steps, self.first_accepted = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-        self.accepted, self.verified = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-        self.offered, self.held = np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-        self.passed_over = np.zeros(shape, np.int64)
+        # the verified trees' counts and the hindsight's, each stack one array (one update a step)
+        self._verified = np.zeros((4, len(self.sources), len(MATCH_LENGTH_EDGES)), np.int64)
+        self._hindsight = np.zeros((3, len(self.sources), len(MATCH_LENGTH_EDGES)), np.int64)
+        self.steps, self.first_accepted, self.accepted, self.verified = self._verified
+        self.offered, self.held, self.passed_over = self._hindsight
         self.tree_steps, self.tree_held, self.tree_accepted = (np.zeros((), np.int64) for _ in range(3))
 
     COUNTS = (
@@ -532,80 +537,59 @@ class Attribution:
 
     def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:
         """Count one verified ``tree``; ``accepted`` = indices of its accepted nodes."""
-        self.observe_all([tree], [accepted])
+        self.observe_nodes(TreeNodes([tree], [accepted], len(self.sources)))
 
-    def observe_all(self, trees: Sequence[MergedTree], accepted: Sequence[Sequence[int] | np.ndarray]) -> None:
-        """``observe`` each of ``trees`` (a step's rows), in one vectorized pass."""
-        if not trees:
+    def observe_nodes(self, nodes: TreeNodes) -> None:
+        """``observe`` each of the trees of ``nodes`` (a step's rows), in one vectorized pass."""
+        if not nodes.trees:
             return
-        nodes = _Nodes(trees, accepted, len(self.sources), "tree")
         proposed = nodes.probs > 0  # [n, S]
-        first = self._firsts(nodes, proposed)  # [trees, S]: proposed a root child
-        cell = self._cells(nodes)  # [trees, S]
-        shape = (len(trees), len(self.sources))
-        accepted_by = np.zeros(shape, np.int64)
-        np.add.at(accepted_by, nodes.accepted_owner, proposed[nodes.accepted])
-        verified_by = np.zeros(shape, np.int64)
-        np.add.at(verified_by, nodes.owner, proposed)
-        first_accepted = np.zeros(shape, bool)  # the first accepted node's sources
+        shape = (nodes.trees, len(self.sources))
+        accepted = np.zeros(shape, np.int64)
+        np.add.at(accepted, nodes.accepted_owner, proposed[nodes.accepted])
+        verified = np.zeros(shape, np.int64)
+        np.add.at(verified, nodes.owner, proposed)
+        first_accepted = np.zeros(shape, bool)  # the sources of each tree's first accepted node
         some = nodes.accepted_count > 0
-        first_accepted[some] = proposed[
-            nodes.accepted[np.cumsum(nodes.accepted_count)[some] - nodes.accepted_count[some]]
-        ]
-        self._add(self.steps, cell, first, 1)
-        self._add(self.first_accepted, cell, first, first_accepted)
-        self._add(self.accepted, cell, first, accepted_by)
-        self._add(self.verified, cell, first, verified_by)
+        first_accepted[some] = proposed[nodes.accepted[nodes.accepted_start[some]]]
+        self._count(self._verified, nodes, proposed, (1, first_accepted, accepted, verified))
 
     def observe_hindsight(self, merged: MergedTree, followed: Sequence[int], accepted: int) -> None:
         """Count one merged tree against the tokens that ``followed`` its context (at least its
         depth of them), once they are known: how deep each source's part of it ran along them, and
         whether deeper than the ``accepted`` tokens of the part that was verified (0 where none was)."""
-        self.observe_hindsight_all([merged], [merged.accepted_nodes(followed)], [accepted])
+        self.observe_hindsight_nodes(
+            TreeNodes([merged], [merged.accepted_nodes(followed)], len(self.sources)), [accepted]
+        )
 
-    def observe_hindsight_all(
-        self, merged: Sequence[MergedTree], paths: Sequence[np.ndarray], accepted: Sequence[int]
-    ) -> None:
-        """``observe_hindsight`` for each merged tree, given the nodes ``paths`` of each that what
-        followed it ran along (``DraftTree.accepted_nodes``), in one vectorized pass."""
-        if not merged:
+    def observe_hindsight_nodes(self, nodes: TreeNodes, accepted: Sequence[int]) -> None:
+        """``observe_hindsight`` for each merged tree of ``nodes``, whose accepted nodes are the
+        path what followed it ran along (``DraftTree.accepted_nodes``), ``accepted`` the tokens its
+        verified part got accepted; in one vectorized pass."""
+        if not nodes.trees:
             return
-        nodes = _Nodes(merged, paths, len(self.sources), "merged")
         # each source's part of the path from the root (a source proposes a node's parent too):
         # the path's length, or the place of its first node the source did not propose
         held = np.repeat(nodes.accepted_count[:, None], len(self.sources), axis=1)
-        place = np.arange(nodes.accepted.size) - np.repeat(
-            np.cumsum(nodes.accepted_count) - nodes.accepted_count, nodes.accepted_count
-        )
+        place = np.arange(nodes.accepted.size) - np.repeat(nodes.accepted_start, nodes.accepted_count)
         step, source = np.nonzero(nodes.probs[nodes.accepted] <= 0)
         np.minimum.at(held, (nodes.accepted_owner[step], source), place[step])
-        first = self._firsts(nodes, nodes.probs > 0)
-        cell = self._cells(nodes)
         verified = np.asarray(accepted, dtype=np.int64)[:, None]
-        self._add(self.offered, cell, first, 1)
-        self._add(self.held, cell, first, held)
-        self._add(self.passed_over, cell, first, held > verified)
-        self.tree_steps += len(merged)
-        self.tree_held += int(nodes.accepted_count.sum())
+        self._count(self._hindsight, nodes, nodes.probs > 0, (1, held, held > verified))
+        self.tree_steps += nodes.trees
+        self.tree_held += nodes.accepted.size
         self.tree_accepted += int(verified.sum())
 
-    @staticmethod
-    def _firsts(nodes: _Nodes, proposed: np.ndarray) -> np.ndarray:
-        """bool [trees, S]: which sources proposed a root child of each tree."""
+    def _count(self, counts: np.ndarray, nodes: TreeNodes, proposed: np.ndarray, values: tuple) -> None:
+        """Add ``values`` (each [trees, S], or one number) to the ``counts`` stack, in each tree's
+        (source, match-length class) cell, for the sources that proposed a root child of it."""
         roots = np.flatnonzero(nodes.parents == -1)
-        first = np.zeros((nodes.match_len.shape[0], proposed.shape[1]), bool)
+        first = np.zeros((nodes.trees, len(self.sources)), bool)
         np.logical_or.at(first, nodes.owner[roots], proposed[roots])
-        return first
-
-    def _cells(self, nodes: _Nodes) -> np.ndarray:
-        """int [trees, S]: each tree's (source, match-length class) cell, flat."""
-        return np.arange(len(self.sources)) * len(MATCH_LENGTH_EDGES) + length_class(nodes.match_len)
-
-    @staticmethod
-    def _add(counts: np.ndarray, cell: np.ndarray, where: np.ndarray, values: np.ndarray | int) -> None:
-        """Add ``values`` [trees, S] (or one value) to the cells ``cell`` where ``where``."""
-        values = np.broadcast_to(values, cell.shape)[where]
-        counts.reshape(-1)[...] += np.bincount(cell[where], weights=values, minlength=counts.size).astype(np.int64)
+        tree, source = np.nonzero(first)
+        cell = source * len(MATCH_LENGTH_EDGES) + length_class(nodes.match_len[tree, source])
+        stacked = np.stack([np.broadcast_to(value, first.shape)[tree, source] for value in values])
+        np.add.at(counts.reshape(len(values), -1), (slice(None), cell), stacked)
 
     def report(self) -> list[dict]:
         """One dict per cell with steps or offers: source, match lengths ("4-5", "16+"), the
