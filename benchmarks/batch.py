@@ -6,7 +6,7 @@
 The same prompts are decoded at every batch size B, in consecutive batches of B, greedily: first by
 plain ``model.generate`` on left-padded batches, then by the REST loop drafting from the index (raw index trees of ``--budget`` nodes; with
 ``--adaptive``, ``AdaptiveDrafter`` over the index, the request's text and the outputs, each row's
-tree and the batch's block sized by the measured cost, ``cost.select_batch_trees``). Per
+tree and the batch's block sized by the measured cost, ``selection.select_batch_trees``). Per
 batch size: tokens/s (all new tokens / wall time of all batches, median over ``--repeats``), the
 ratio REST / plain, mean accepted length per row (its new tokens / the steps it took part in), and
 whether every REST row equals its plain row. Prints a table on stderr and one JSON object (config,

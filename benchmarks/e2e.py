@@ -73,9 +73,11 @@ from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
 from rest_spec.datastore.format import read_manifest
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
-from rest_spec.drafter.core.cost import CorrectedCost, VerifyCost, select_chain
+from rest_spec.drafter.core.corrected_cost import CorrectedCost
+from rest_spec.drafter.core.cost import VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.protocol import Drafter
+from rest_spec.drafter.core.selection import select_chain
 from rest_spec.drafter.hf.generate import GenerationResult, generate
 from rest_spec.drafter.hf.measure import load_or_measure
 from rest_spec.drafter.hf.model import load_model

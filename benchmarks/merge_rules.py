@@ -21,7 +21,7 @@ the store of past outputs (each drafter its own store, fed with each output afte
   (the index's path probability for the last two context tokens; x100 where present, 1 where not,
   as ``common_ngram_cache_draft`` weighs them);
 - ``ours sized`` and ``ours+suffixes sized``: the same two, each step's tree cut to what pays
-  on this hardware (``drafter.core.cost.select_tree`` with the measured cost, as the tradeoff
+  on this hardware (``drafter.core.selection.select_tree`` with the measured cost, as the tradeoff
   benchmark's ``adaptive`` row);
 - ``paper``: the index alone (REST's semantics in our engine);
 - ``rest``: REST's own engine (``benchmarks.common.DraftRetriever``, ``--budget`` paths).

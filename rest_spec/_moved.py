@@ -2,7 +2,8 @@
 
 A moved module is the same module object under its old name (``import``, ``from ... import`` and
 ``python -m`` alike), found by a finder that ``rest_spec`` installs on import; a name that moved out
-of a module that became a package is resolved by that package's ``__getattr__`` (``moved_name``).
+of a module that became a package, or of a module split, is resolved by that module's ``__getattr__``
+(``moved_name``).
 Each use of an old name warns once (``DeprecationWarning``) with the name to use instead.
 """
 
@@ -58,18 +59,26 @@ MOVED_MODULES = {
     "rest_spec.datastore.tokenizer": "rest_spec.common.tokenizer",
 }
 
-# package that was a module -> the module its public names live in now
-MOVED_NAMES = {
+# package that was a module, or a module split -> the module its public names live in now (several:
+# each name from the first that has it)
+MOVED_NAMES: dict[str, str | tuple[str, ...]] = {
     "rest_spec.drafter.vllm": "rest_spec.drafter.vllm.proposer",
     "rest_spec.drafter.hf": "rest_spec.drafter.hf.plugin",
     "rest_spec.drafter.llamacpp": "rest_spec.drafter.llamacpp.draft_model",
     # a module split: the contract stayed, the step helpers moved
     "rest_spec.drafter.core.protocol": "rest_spec.drafter.core.steps",
+    # a module split by concern: the measured table stayed, the rest moved to one module each
+    "rest_spec.drafter.core.cost": (
+        "rest_spec.drafter.core.corrected_cost",
+        "rest_spec.drafter.core.selection",
+        "rest_spec.drafter.core.batch_cost",
+        "rest_spec.drafter.core.worth",
+    ),
 }
 
 
-def _warn(old: str, new: str) -> None:
-    warnings.warn(f"{old} moved to {new}; the old name is an alias", DeprecationWarning, stacklevel=3)
+def _warn(old: str, new: str, stacklevel: int = 3) -> None:
+    warnings.warn(f"{old} moved to {new}; the old name is an alias", DeprecationWarning, stacklevel=stacklevel)
 
 
 class _Alias(importlib.abc.Loader):
@@ -105,9 +114,9 @@ def install() -> None:
 
 
 def moved_name(package: str, name: str):
-    """``name`` of ``package`` (a module that became a package, or one split in two) from where it
-    lives now; for the module's ``__getattr__``."""
-    home = MOVED_NAMES[package]
+    """``name`` of ``package`` (a module that became a package, or one split) from where it lives
+    now; for the module's ``__getattr__``."""
+    homes = MOVED_NAMES[package]
     if name.startswith("__"):
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     # ``from package import submodule`` asks for the attribute before it imports the submodule:
@@ -115,8 +124,9 @@ def moved_name(package: str, name: str):
     is_package = "__path__" in vars(sys.modules[package])  # not hasattr: that would ask __getattr__ again
     if is_package and importlib.util.find_spec(f"{package}.{name}") is not None:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name, None)
-    if value is None:
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    _warn(f"{package}.{name}", f"{home}.{name}")
-    return value
+    for home in (homes,) if isinstance(homes, str) else homes:
+        value = getattr(importlib.import_module(home), name, None)
+        if value is not None:
+            _warn(f"{package}.{name}", f"{home}.{name}", stacklevel=4)  # the line that used the old name
+            return value
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -7,17 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rest_spec.drafter.core.cost import (
-    FORGET_AFTER,
-    HALF_LIFE,
-    MAX_SKIP,
-    PROVISIONAL_SLOPE,
-    BatchCost,
-    CostKey,
-    DraftingWorth,
-    VerifyCost,
-    select_batch_chains,
-)
+from rest_spec.drafter.core.batch_cost import FORGET_AFTER, HALF_LIFE, PROVISIONAL_SLOPE, BatchCost
+from rest_spec.drafter.core.cost import CostKey, VerifyCost
+from rest_spec.drafter.core.selection import select_batch_chains
+from rest_spec.drafter.core.worth import MAX_SKIP, DraftingWorth
 from tests.helpers import scored_chain
 
 KEY = CostKey("m", "r", 1, "cpu", "float32")

@@ -13,8 +13,9 @@ from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.bigram import SEP, BigramIndex
 from rest_spec.datastore.trie import counted_tree
 from rest_spec.drafter.core.batch_step import merge_rows
-from rest_spec.drafter.core.cost import CostKey, VerifyCost, select_chain
+from rest_spec.drafter.core.cost import CostKey, VerifyCost
 from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, TreeNodes, merge_trees
+from rest_spec.drafter.core.selection import select_chain
 from tests.test_merge import source_trees
 from tests.tiers import examples
 

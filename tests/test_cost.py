@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftTree
-from rest_spec.drafter.core.cost import BlockShape, CostKey, VerifyCost, select_batch_trees, select_chain, select_tree
+from rest_spec.drafter.core.cost import BlockShape, CostKey, VerifyCost
+from rest_spec.drafter.core.selection import select_batch_trees, select_chain, select_tree
 from tests.tiers import examples
 
 KEY = CostKey(model="synthetic", revision="", parameters=0, device="none", dtype="float32")
@@ -230,7 +231,9 @@ def test_every_cost_answers_the_step_cost_interface():
     """``StepCost``: a one-row table prices one row's tree (a chain by the chain times) and a batch
     by its block padded to the widest row; ``BatchCost`` by rows and draft tokens; a corrected table
     learns from one-row steps only, at the shape it runs them; a table learns nothing."""
-    from rest_spec.drafter.core.cost import BatchCost, CorrectedCost, StepCost
+    from rest_spec.drafter.core.batch_cost import BatchCost
+    from rest_spec.drafter.core.corrected_cost import CorrectedCost
+    from rest_spec.drafter.core.cost import StepCost
     from tests.helpers import scored_chain, tree_from_paths
 
     table = cost_curve([1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2], chain_seconds=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6])

@@ -10,19 +10,16 @@ import pytest
 from benchmarks.common import humaneval_inputs
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
-from rest_spec.drafter.core.cost import (
+from rest_spec.drafter.core.corrected_cost import (
     OBSERVED_MIN,
     OBSERVED_WINDOW,
-    BlockShape,
     CorrectedCost,
-    CostKey,
     StepShape,
-    VerifyCost,
     corrected_cost,
-    select_tree,
-    shape_problems,
 )
+from rest_spec.drafter.core.cost import BlockShape, CostKey, VerifyCost, shape_problems
 from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.selection import select_tree
 from rest_spec.drafter.hf.generate import generate
 
 KEY = CostKey("synthetic", "", 0, "test", "float32")

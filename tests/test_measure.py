@@ -16,7 +16,8 @@ import torch
 from rest_spec.common.cache import cache_dir
 from rest_spec.common.types import DraftTree
 from rest_spec.drafter.cli.measure_cost import main as measure_main
-from rest_spec.drafter.core.cost import StepShape, VerifyCost
+from rest_spec.drafter.core.corrected_cost import StepShape
+from rest_spec.drafter.core.cost import VerifyCost
 from rest_spec.drafter.hf.measure import (
     DEFAULT_ROUNDS,
     EXTRA_ROUNDS,

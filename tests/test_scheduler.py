@@ -8,17 +8,13 @@ import pytest
 
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
-from rest_spec.drafter.core.cost import (
-    BatchCost,
-    BlockShape,
-    CostKey,
-    DraftingWorth,
-    VerifyCost,
-    select_batch_chains,
-)
+from rest_spec.drafter.core.batch_cost import BatchCost
+from rest_spec.drafter.core.cost import BlockShape, CostKey, VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftScheduler
+from rest_spec.drafter.core.selection import select_batch_chains
 from rest_spec.drafter.core.steps import draft_step
+from rest_spec.drafter.core.worth import DraftingWorth
 from tests.helpers import MODEL_VOCAB, write_index
 
 # a CPU-like cost: 1.9x t(1) at 8 tokens, 4x at 64

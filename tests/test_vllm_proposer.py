@@ -10,7 +10,9 @@ import types
 import pytest
 import torch
 
-from rest_spec.drafter.core.cost import BatchCost, CostKey, select_batch_chains, select_chain
+from rest_spec.drafter.core.batch_cost import BatchCost
+from rest_spec.drafter.core.cost import CostKey
+from rest_spec.drafter.core.selection import select_batch_chains, select_chain
 from rest_spec.drafter.vllm.proposer import OPTIONS, RestOptions, cached_sizes, finished_output, overlap_default
 from rest_spec.drafter.vllm.shim import check_version, expand_is_broken, expand_kernel_impl
 from tests.helpers import scored_chain

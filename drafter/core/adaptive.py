@@ -6,7 +6,7 @@ its last few tokens too, each a source) and from the request's own text (``Reque
 merges them into one tree scored by estimated acceptance (``drafter.core.merge``: per-source path
 probabilities, weights calibrated per source and sample size, noisy-OR) and keeps the part that
 maximizes expected tokens per second of verification, (1 + sum of kept scores) / t(1 + kept)
-(``drafter.core.cost.select_tree``, Sequoia's hardware-aware size). Where verifying many tokens costs
+(``drafter.core.selection.select_tree``, Sequoia's hardware-aware size). Where verifying many tokens costs
 several 1-token steps, as on a CPU, that is a small tree, or none at all.
 
 It implements the per-step protocol (``drafter.core.protocol.StepDrafter``) that the scheduler
@@ -36,10 +36,12 @@ import numpy as np
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.core.batch_step import merge_rows
-from rest_spec.drafter.core.cost import CorrectedCost, StepCost, VerifyCost, select_tree
+from rest_spec.drafter.core.corrected_cost import CorrectedCost
+from rest_spec.drafter.core.cost import StepCost, VerifyCost
 from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, TreeNodes
 from rest_spec.drafter.core.protocol import Drafter, Pending, SourceDrafter
 from rest_spec.drafter.core.request_matcher import RequestMatcher
+from rest_spec.drafter.core.selection import select_tree
 from rest_spec.drafter.core.steps import Deferred, Mark, as_source, draft_step, token_list
 
 SOURCES = ("index", "request", "outputs")
@@ -117,7 +119,7 @@ class AdaptiveDrafter:
     calibration  per-source, per-sample-class weights, learned from what followed each merged tree;
                  default: prior 1 everywhere. Shared by all rows and requests.
     chains       verify a chain, never a branching tree: the root path that pays most under the
-                 cost's chain times (``drafter.core.cost.select_chain``; needs a ``cost``), for engines
+                 cost's chain times (``drafter.core.selection.select_chain``; needs a ``cost``), for engines
                  that verify chains only (llama.cpp, ``drafter.llamacpp.draft_model``)
 
     ``draft(context, config)``: the loop's ``config`` caps the verified tree (``budget`` nodes,

@@ -4,7 +4,7 @@ At 16 rows a step, REST's drafting was Python per row and phase (a merge call, a
 subset, each building arrays and trees: 0.1 ms a row for these two phases alone). Here the rows'
 source trees go to the kernel as one set of flat arrays, and it merges each row's sources
 (``drafter.core.merge._merge``, the same kernel a single merge runs) and, for engines that verify
-chains, picks the root path that pays most (``best_chain``, which ``drafter.core.cost.select_chain``
+chains, picks the root path that pays most (``best_chain``, which ``drafter.core.selection.select_chain``
 runs too). Python only slices the flat results into each row's trees.
 """
 

@@ -4,7 +4,7 @@ Every source (the static index, the request itself, past outputs) answers its ow
 source, a node's probability is the product along its path of child count / parent count (=
 count / root count; SuffixDecoding), and the expected number of tokens a tree yields is the sum
 of its nodes' path probabilities (Sequoia) -- so nodes are selected by that score, and
-``drafter.core.cost.select_tree`` sizes the tree from it.
+``drafter.core.selection.select_tree`` sizes the tree from it.
 
 Sources are not equally trustworthy, and neither is every ratio: a suffix that occurred once
 claims certainty it has not earned (on held-out chat text, index nodes with ratio 1 from a single

@@ -31,7 +31,7 @@ no step waits for; the first probe answered in time closes the breaker. Verifica
 whatever tree it gets, so output never changes.
 
 Whether a step drafts at all is decided here too, by the one rule every engine follows
-(``cost.DraftingWorth``, where the drafter has a cost to price a step by): a step that drafted is
+(``worth.DraftingWorth``, where the drafter has a cost to price a step by): a step that drafted is
 weighed by its trees' expected gain against their verification and the drafting's own time, and
 where drafting does not pay at a batch size the next steps at that size skip it. A skipped step
 means one thing for every engine: its rows decode on without drafts; the trees recorded for them
@@ -59,9 +59,10 @@ import numpy as np
 
 from rest_spec.common.types import MAX_BUDGET, MAX_DEPTH, DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.core.breaker import Admission, CircuitBreaker
-from rest_spec.drafter.core.cost import DraftingWorth, StepCost
+from rest_spec.drafter.core.cost import StepCost
 from rest_spec.drafter.core.protocol import BatchRule, Drafter, Pending
 from rest_spec.drafter.core.steps import SUFFIX_CUTS, Mark, finish_step, steps_for
+from rest_spec.drafter.core.worth import DraftingWorth
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class DraftingStats:
     fresh         row-steps answered after the forward (an outcome not foreseen, no overlap, or a
                   step that skipped drafting)
     skipped       steps that drafted nothing without asking: drafting did not pay at that batch
-                  size (``cost.DraftingWorth``)
+                  size (``worth.DraftingWorth``)
     fallbacks     row-steps drafted without the datastore's sources: its reply late or failed, or
                   its circuit breaker open
     cancelled     datastore calls given up (stale speculation, or past the deadline)

@@ -139,7 +139,7 @@ def finish_step(
 ) -> list[DraftTree]:
     """The end of a step once each row has its shared trees: merged with the request's own,
     selected (what pays for one row), admitted (what pays for the batch: the engine's rule,
-    ``cost.select_batch_chains``, ``cost.select_batch_trees``), recorded."""
+    ``selection.select_batch_chains``, ``selection.select_batch_trees``), recorded."""
     trees, merged = steps.draft_rows(sessions, shared, config)
     if admit is not None:
         trees = admit(trees)

@@ -27,9 +27,11 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.streamers import BaseStreamer
 
 from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.core.cost import CorrectedCost, VerifyCost, select_batch_trees
+from rest_spec.drafter.core.corrected_cost import CorrectedCost
+from rest_spec.drafter.core.cost import VerifyCost
 from rest_spec.drafter.core.protocol import Drafter
 from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftingStats, DraftScheduler, OverlapConfig
+from rest_spec.drafter.core.selection import select_batch_trees
 from rest_spec.drafter.hf import internals as hf_internals
 from rest_spec.drafter.hf.kv_cache import CacheRows, compact_cache, new_cache, select_rows
 from rest_spec.drafter.hf.sampling import TokenChooser, prepare_generation_config

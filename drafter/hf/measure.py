@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rest_spec.common.types import DraftTree
-from rest_spec.drafter.core.cost import BlockShape, CostKey, StepShape, VerifyCost, check_sizes, shape_problems
+from rest_spec.drafter.core.corrected_cost import StepShape
+from rest_spec.drafter.core.cost import BlockShape, CostKey, VerifyCost, check_sizes, shape_problems
 from rest_spec.drafter.core.cost_cache import cached_cost, check_timing, note_unsettled, read_cost
 
 if TYPE_CHECKING:
@@ -155,7 +156,7 @@ def measure_verify_cost(
     rounds of their own, for at most about ``RETIME_SHARE`` of the first rounds' time (on a machine
     that stays busy, more rounds only make the first run longer). Sizes still unsettled are left
     ``unconfirmed`` with a line at INFO: the table is provisional, and the decoding loop corrects it
-    (``drafter.core.cost.CorrectedCost``), so nothing is asked of the user.
+    (``drafter.core.corrected_cost.CorrectedCost``), so nothing is asked of the user.
 
     ``timer`` times one step (``StepTimer``); default: one run of ``verify_timer``'s.
     """

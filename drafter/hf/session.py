@@ -107,7 +107,7 @@ def no_draft_cost(model):
     """The cached verify-cost table's fastest one-token block for decoding without drafts (the same
     output, faster), corrected by the steps' times as ``--adaptive``'s is; None where no table is
     cached (only ``--adaptive`` measures one: its drafter holds it)."""
-    from rest_spec.drafter.core.cost import CorrectedCost
+    from rest_spec.drafter.core.corrected_cost import CorrectedCost
     from rest_spec.drafter.hf.measure import load_cached
 
     table = load_cached(model)

@@ -45,7 +45,8 @@ import numpy as np
 
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.adaptive import SOURCES, AdaptiveDrafter
-from rest_spec.drafter.core.cost import CorrectedCost, CostKey, VerifyCost, check_sizes
+from rest_spec.drafter.core.corrected_cost import CorrectedCost
+from rest_spec.drafter.core.cost import CostKey, VerifyCost, check_sizes
 from rest_spec.drafter.core.cost_cache import cached_cost, check_timing
 from rest_spec.drafter.core.protocol import Drafter
 from rest_spec.drafter.core.scheduler import DraftScheduler, OverlapConfig
@@ -239,7 +240,7 @@ class RestDraftModel(LlamaDraftModel):
         """One evaluation of ``tokens`` tokens (a pending token and the first ``tokens - 1`` of the
         chain last drafted) took ``seconds``: the scheduler feeds it to the cost (the table is timed
         on one context length, with caches warm, and real steps run on other contexts, between other
-        work: ``drafter.core.cost.CorrectedCost``) and the datastore's deadlines."""
+        work: ``drafter.core.corrected_cost.CorrectedCost``) and the datastore's deadlines."""
         if self.scheduler is not None:
             verified = self._last_tree.subset(np.arange(min(tokens - 1, len(self._last_tree))))
             self.scheduler.verified(seconds, [verified])

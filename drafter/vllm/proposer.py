@@ -24,14 +24,14 @@ text and the store of outputs, merged and scored (``AdaptiveDrafter``), fetched 
 call for the whole batch, with deadlines and a circuit breaker (``DraftScheduler``; with
 ``overlap``, the next step's sources are fetched while vLLM runs this one). vLLM verifies chains:
 each row offers its likeliest chain, and the batch admits draft tokens in order of expected
-acceptance while they raise its expected tokens per second (``cost.select_batch_chains``), so a
+acceptance while they raise its expected tokens per second (``selection.select_batch_chains``), so a
 step where nothing pays drafts nothing. Prices are vLLM's own, by rows and draft tokens
-(``cost.BatchCost``): the time between two calls is one engine step without the drafting,
+(``batch_cost.BatchCost``): the time between two calls is one engine step without the drafting,
 observed for every step of decode rows, from the first step on (a cached table from an earlier
 engine, per model, vLLM version, dtype and threads, is only the prior). Where the drafting itself
 (the drafter's own time) costs more than its expected gain at a batch size, drafting is skipped at
 that size for a while, twice as long each time it still does not pay: the scheduler decides that,
-by the rule every engine follows (``DraftScheduler.step``, ``cost.DraftingWorth``).
+by the rule every engine follows (``DraftScheduler.step``, ``worth.DraftingWorth``).
 
 vLLM hands the proposer batch rows, not requests. The runner that built it has each row's request
 id, and its hook for removed requests tells which ended: a finished request's output goes to the
@@ -60,8 +60,10 @@ import numpy as np
 
 from rest_spec.common.types import MAX_DEPTH, DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
-from rest_spec.drafter.core.cost import BatchCost, CostKey, select_batch_chains
+from rest_spec.drafter.core.batch_cost import BatchCost
+from rest_spec.drafter.core.cost import CostKey
 from rest_spec.drafter.core.scheduler import DraftScheduler, OverlapConfig
+from rest_spec.drafter.core.selection import select_batch_chains
 from rest_spec.drafter.core.sources import open_datastore
 from rest_spec.drafter.core.steps import DraftSource
 from rest_spec.drafter.core.uploads import OutputUploader, UploadStats

@@ -1,0 +1,53 @@
+"""Whether drafting pays for itself at all, per batch size (``DraftingWorth``): the one rule every
+engine's scheduler follows for when not to draft."""
+
+from __future__ import annotations
+
+from collections import deque
+
+WORTH_WINDOW = 16  # recent drafting steps per batch size whose expected gain and cost are weighed
+MAX_SKIP = 16  # the most steps drafting is skipped at a batch size before it is weighed again
+
+
+class DraftingWorth:
+    """Whether drafting pays for itself at a batch size: every engine's one rule for when not to
+    draft at all (the sizing rules of ``drafter.core.selection`` decide how much, once it does),
+    applied by the scheduler for every engine (``drafter.core.scheduler.DraftScheduler.step``).
+
+    After each step that drafted, the scheduler says what it expected to gain (the kept scores:
+    tokens beyond the one a plain step makes, over all rows) and what the step cost beyond a plain
+    one (the draft tokens' verification by the engine's cost, and the drafting's own time). Over
+    the recent such steps at that batch size, drafting pays where the extra tokens per row
+    outweigh the extra time per plain step; where it does not, the next 1, then 2, 4 ... up to
+    ``MAX_SKIP`` steps at that size skip drafting (no datastore call, no merge), then it is weighed
+    again. An empty draft expects nothing and costs its drafting time, so a source that keeps
+    finding nothing is asked less and less often."""
+
+    def __init__(self) -> None:
+        self._recent: dict[int, deque[tuple[float, float]]] = {}  # rows -> (expected tokens, extra seconds)
+        self._skip: dict[int, tuple[int, int]] = {}  # rows -> (steps still skipped, the next skip's length)
+
+    def drafts(self, rows: int = 1) -> bool:
+        """Whether a step of ``rows`` rows drafts (counts a skipped step)."""
+        left, length = self._skip.get(rows, (0, 1))
+        if left:
+            self._skip[rows] = (left - 1, length)
+            return False
+        return True
+
+    def weigh(self, rows: int, expected: float, extra: float, plain: float) -> None:
+        """A step of ``rows`` rows drafted, expecting ``expected`` extra tokens for ``extra``
+        seconds beyond a plain step of ``plain`` seconds."""
+        recent = self._recent.setdefault(rows, deque(maxlen=WORTH_WINDOW))
+        recent.append((expected, extra))
+        gained, spent = (sum(values) for values in zip(*recent))
+        _, length = self._skip.get(rows, (0, 1))
+        if gained / rows >= spent / plain:
+            self._skip[rows] = (0, 1)
+        else:
+            self._skip[rows] = (length, min(2 * length, MAX_SKIP))
+
+    def reset(self) -> None:
+        """Start over (a new request where an engine runs one at a time): draft at once."""
+        self._recent.clear()
+        self._skip.clear()
