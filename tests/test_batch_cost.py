@@ -121,6 +121,27 @@ def test_drafting_that_does_not_pay_is_skipped_longer_each_time_until_it_pays():
     assert worth.drafts(4)
 
 
+def test_a_stalled_step_does_not_stop_drafting_that_pays():
+    """A drafting step that stalled for a second (a cold index's page faults) among steps that
+    pay skips a step or two while it is most of what is known, then nothing while it stays in the
+    window; a step priced before the cost knew a plain step (0 s) is not weighed."""
+    worth = DraftingWorth()
+    worth.weigh(8, 0.0, 0.003, 0.0)  # the cost knows nothing yet: not weighed
+    assert worth.drafts(8)
+    worth.weigh(8, 12.0, 1.3, 0.025)  # stalled: 52 plain steps of extra time
+    skipped = []
+    for step_number in range(40):
+        if worth.drafts(8):
+            worth.weigh(8, 12.0, 0.018, 0.025)  # 1.5 tokens a row for 0.7 of a plain step
+        else:
+            skipped.append(step_number)
+    assert skipped == [0, 2, 3]  # then the median is a paying step's, and the sum would still be the stall's
+    slow = DraftingWorth()  # drafting that is slow at every step is skipped
+    for _ in range(4):
+        slow.weigh(8, 12.0, 0.060, 0.025)
+    assert not slow.drafts(8)
+
+
 def test_a_reset_drafts_at_once():
     worth = DraftingWorth()
     worth.weigh(1, 0.0, 0.001, 0.040)
