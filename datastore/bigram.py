@@ -25,7 +25,7 @@ import numpy as np
 from rest_spec.common.cache import numba_cached
 from rest_spec.common.types import MAX_DEPTH, DraftConfig, DraftTree
 from rest_spec.datastore import format as fmt
-from rest_spec.datastore.trie import counted_tree
+from rest_spec.datastore.trie import _put_tree, _tree_buffers, trees_from_buffers
 
 SEP = fmt.separator(np.dtype(np.uint32))  # the index's separator of uint32 tokens, as top_c_tree needs
 numba = numba_cached()
@@ -96,27 +96,54 @@ class BigramIndex:
             self._tail_len = 0
 
     def draft(self, query: np.ndarray, config: DraftConfig, first: int, max_candidates: int) -> DraftTree:
-        """The draft for the context whose last tokens, newest first, are ``query`` (uint32),
-        counting only occurrences that end at position ``first`` or later. Above ``max_candidates``
-        occurrences the most recent ones are counted (recent text is the most relevant here).
-        The match and the gathering of continuations are one compiled pass (``_continuations``):
-        two sources draft this way per row and step."""
-        if query.size < 2:
-            return DraftTree.empty()
-        rows, match_len, num_matches = _continuations(
-            self.tokens,
-            self._keys,
-            self._ends,
-            self._tail_keys[: self._tail_len],
-            self._tail_ends[: self._tail_len],
-            np.ascontiguousarray(query, dtype=np.uint32),
-            first,
-            config.max_depth,
-            max_candidates,
+        """The draft for the context whose last tokens, newest first, are ``query``, counting only
+        occurrences that end at position ``first`` or later. Above ``max_candidates`` occurrences
+        the most recent ones are counted (recent text is the most relevant here)."""
+        queries = np.asarray(query, dtype=np.int64)[None]
+        return self.draft_batch(queries, np.array([queries.shape[1]], np.int64), config, first, max_candidates)[0]
+
+    def draft_batch(
+        self, queries: np.ndarray, lengths: np.ndarray, config: DraftConfig, first: int, max_candidates: int
+    ) -> list[DraftTree]:
+        """``draft`` of every row of ``queries`` (int64 [R, n], row i's first ``lengths[i]`` tokens
+        newest first: ``datastore.index.query_matrix``), in one compiled pass: the match and the
+        continuations (``_continuations``) and the trie, with no Python between rows."""
+        return trees_from_buffers(
+            _draft_rows(
+                self.tokens,
+                self._keys,
+                self._ends,
+                self._tail_keys[: self._tail_len],
+                self._tail_ends[: self._tail_len],
+                np.ascontiguousarray(queries, dtype=np.int64),
+                np.ascontiguousarray(lengths, dtype=np.int64),
+                first,
+                config.n_min,
+                config.max_depth,
+                config.budget,
+                max_candidates,
+            )
         )
-        if match_len == 0 or match_len < config.n_min:
-            return DraftTree.empty()
-        return counted_tree(rows, SEP, config.budget, match_len, num_matches)
+
+
+@numba.njit(nogil=True, cache=True)
+def _draft_rows(
+    tokens, keys, ends, tail_keys, tail_ends, queries, lengths, first, n_min, max_depth, budget, max_candidates
+):
+    """``BigramIndex.draft_batch``'s pass: each row's match (``_continuations``), its tree put
+    in the batch's ``_tree_buffers``."""
+    buffers = _tree_buffers(queries.shape[0], budget)
+    offsets = buffers[4]
+    for r in range(queries.shape[0]):
+        offsets[r + 1] = offsets[r]
+        if lengths[r] < 2:
+            continue
+        rows, match_len, num_matches = _continuations(
+            tokens, keys, ends, tail_keys, tail_ends, queries[r, : lengths[r]], first, max_depth, max_candidates
+        )
+        if match_len > 0 and match_len >= n_min:
+            _put_tree(buffers, r, rows, np.uint32(SEP), budget, match_len, num_matches)
+    return buffers
 
 
 @numba.njit(nogil=True, cache=True)

@@ -40,7 +40,6 @@ import hashlib
 import json
 import logging
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,7 @@ import numpy as np
 from rest_spec.common.cache import numba_cached
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, ShardInfo, token_ids
 from rest_spec.datastore import format as fmt
-from rest_spec.datastore.trie import counted_tree, top_c_tree
+from rest_spec.datastore.trie import _put_tree, _tree_buffers, counted_tree, top_c_tree, trees_from_buffers
 
 numba = numba_cached()
 
@@ -183,6 +182,26 @@ class _Shard:
         if status < 0:
             raise self._corrupt(status, fault)
 
+    def draft_rows(
+        self,
+        queries: np.ndarray,
+        lengths: np.ndarray,
+        config: DraftConfig,
+        max_candidates: int,
+        sep: int,
+        vocab_size: int,
+    ) -> list[DraftTree]:
+        """The draft of every row of ``queries`` (``query_matrix``) on this shard alone, in one
+        compiled pass (``_draft_rows``)."""
+        fault = np.empty(2, dtype=np.int64)
+        status, buffers = _draft_rows(
+            self.tokens, self.sa, self.single_token_ranges, queries, lengths, config.n_min, max_candidates,
+            config.max_depth, config.budget, self.tokens.dtype.type(sep), vocab_size, fault,
+        )  # fmt: skip
+        if status < 0:
+            raise self._corrupt(status, fault)
+        return trees_from_buffers(buffers)
+
     def _corrupt(self, status: int, fault: np.ndarray) -> fmt.IndexCorruptError:
         where, value = fault.tolist()
         if status == _BAD_TOKEN:
@@ -243,6 +262,35 @@ def query_tokens(context: Sequence[int] | np.ndarray, n_max: int, vocab_size: in
     return tail[::-1].astype(np.int64)
 
 
+def query_matrix(
+    contexts: Sequence[Sequence[int] | np.ndarray], n_max: int, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``query_tokens`` of every context at once: (int64 [R, n_max], row i the last tokens of
+    context i newest first, padded; int64 [R] their counts), checked in one vectorized pass. A
+    context that fails the check is named by ``query_tokens``'s own error."""
+    tails = [context[-n_max:] for context in contexts]
+    lengths = np.fromiter(map(len, tails), np.int64, len(tails))
+    try:
+        flat = np.concatenate(tails) if tails else np.zeros(0, np.int64)
+    except ValueError:  # a context that is not 1-D
+        flat = None
+    if (
+        flat is None
+        or flat.ndim != 1
+        or not np.issubdtype(flat.dtype, np.integer)
+        or (lengths == 0).any()
+        or (flat.size and (flat.min() < 0 or flat.max() >= vocab_size))
+    ):
+        for context in contexts:
+            query_tokens(context, n_max, vocab_size)  # raises, naming the problem
+        raise ValueError("contexts must be non-empty 1-D sequences of token ids")
+    rows = np.repeat(np.arange(lengths.size), lengths)
+    within = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    queries = np.zeros((lengths.size, n_max), np.int64)
+    queries[rows, np.repeat(lengths, lengths) - 1 - within] = flat
+    return queries, lengths
+
+
 def longest_matches(matches: Iterable[ShardMatch]) -> list[ShardMatch]:
     """The matches of the longest length (the only ones that can count), in manifest order."""
     matches = list(matches)
@@ -267,13 +315,66 @@ def plan_draft(matches: Iterable[ShardMatch], query: np.ndarray, n_min: int, max
 
 def sample(num_matches: int, matched_reversed: np.ndarray, max_candidates: int) -> np.ndarray:
     """Indices into the concatenated match ranges to count: all of them, or a uniform sample
-    of ``max_candidates`` seeded by the matched tokens (same query, same sample)."""
+    of ``max_candidates`` seeded by the matched tokens (same query, same sample), ascending."""
+    return _sample(num_matches, np.ascontiguousarray(matched_reversed, dtype=np.int64), max_candidates)
+
+
+@numba.njit(nogil=True, cache=True)
+def _sample(num_matches, matched_reversed, max_candidates):
+    """``sample``'s kernel, also called inside ``_draft_rows``: Floyd's draw of ``max_candidates``
+    distinct indices below ``num_matches`` from splitmix64 seeded by the FNV-1a hash of the
+    matched tokens (a modulo bias below 2^-24 for any index that fits in memory)."""
     if num_matches <= max_candidates:
-        return np.arange(num_matches, dtype=np.int64)
-    seed = zlib.crc32(matched_reversed.tobytes())
-    picked = np.random.default_rng(seed).choice(num_matches, max_candidates, replace=False)
+        return np.arange(num_matches)
+    state = np.uint64(0xCBF29CE484222325)
+    for token in matched_reversed:
+        state = (state ^ np.uint64(token)) * np.uint64(0x100000001B3)
+    chosen = {np.int64(-1)}
+    chosen.discard(np.int64(-1))
+    picked = np.empty(max_candidates, np.int64)
+    for i in range(max_candidates):
+        j = num_matches - max_candidates + i
+        state += np.uint64(0x9E3779B97F4A7C15)
+        z = state
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+        t = np.int64(z % np.uint64(j + 1))
+        if t in chosen:
+            t = j
+        chosen.add(t)
+        picked[i] = t
     picked.sort()
     return picked
+
+
+@numba.njit(nogil=True, cache=True)
+def _draft_rows(
+    tokens, sa, single_token_ranges, queries, lengths, n_min, max_candidates, max_depth, budget, sep, vocab_size, fault
+):
+    """``Datastore.draft`` of every query row on one shard in one pass -- ``_match_ranges``, the
+    plan's ``_sample``, ``_continuations`` and the trie -- as ``plan_draft`` and ``tree_from_rows``
+    compose them for several shards, with no Python between rows. Returns (status, the trees'
+    ``_tree_buffers``); status < 0: corruption, with the fault in ``fault``."""
+    num_rows = queries.shape[0]
+    buffers = _tree_buffers(num_rows, budget)
+    offsets = buffers[4]
+    ranges = np.empty((queries.shape[1], 2), np.int64)
+    rows = np.empty((max_candidates, max_depth), tokens.dtype)
+    for r in range(num_rows):
+        query = queries[r, : lengths[r]]
+        matched = _match_ranges(tokens, sa, single_token_ranges, query, ranges, fault)
+        if matched < 0:
+            return matched, buffers
+        offsets[r + 1] = offsets[r]
+        if matched > 0 and matched >= n_min:
+            lo, hi = ranges[matched - 1, 0], ranges[matched - 1, 1]
+            ranks = _sample(hi - lo, query[:matched], max_candidates) + lo
+            status = _continuations(tokens, sa, ranks, sep, vocab_size, rows[: ranks.shape[0]], fault)
+            if status < 0:
+                return status, buffers
+            _put_tree(buffers, r, rows[: ranks.shape[0]], sep, budget, matched, hi - lo)
+    return 0, buffers
 
 
 def tree_from_rows(rows: np.ndarray, sep: int, budget: int, plan: DraftPlan) -> DraftTree:
@@ -520,9 +621,22 @@ class Datastore:
 
     def draft(self, context: Sequence[int] | np.ndarray, config: DraftConfig = DraftConfig()) -> DraftTree:
         """The draft tree continuing ``context`` (token ids; only the last ``n_max`` are used)."""
+        return self.draft_batch([context], config)[0]
+
+    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig = DraftConfig()) -> list[DraftTree]:
+        """The trees of ``contexts``, in order. One shard (an index built whole, or a shard
+        server's part): one compiled pass over all of them. Several: the three steps per context."""
         if self._closed:
             raise RuntimeError("datastore is closed")
-        query = query_tokens(context, config.n_max, self.vocab_size)
+        if len(self._shards) == 1:
+            (shard,) = self._shards.values()
+            queries, lengths = query_matrix(contexts, config.n_max, self.vocab_size)
+            return shard.draft_rows(queries, lengths, config, self.max_candidates, self._sep, self.vocab_size)
+        return [
+            self._planned_draft(query_tokens(context, config.n_max, self.vocab_size), config) for context in contexts
+        ]
+
+    def _planned_draft(self, query: np.ndarray, config: DraftConfig) -> DraftTree:
         plan = plan_draft(self.match(query, config.n_min), query, config.n_min, self.max_candidates)
         if plan is None:
             return DraftTree.empty()
@@ -539,9 +653,6 @@ class Datastore:
         draft is local work, with no other server to wait for)."""
         for context in contexts:
             yield self.draft(context, config)
-
-    def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig = DraftConfig()) -> list[DraftTree]:
-        return list(self.drafts(contexts, config))
 
     def close(self) -> None:
         """Drop the memory maps (the OS unmaps once no array refers to them)."""
@@ -565,6 +676,8 @@ def _warm_up_shard(shard: _Shard, sep: int, vocab_size: int) -> None:
     """Call every kernel a draft calls on ``shard``, through the same wrappers (so with the same
     argument types: numba compiles one specialization per type, read-only arrays included)."""
     shard.match_ranges(np.zeros(1, dtype=np.int64))  # token 0 is in every vocabulary
+    shard.draft_rows(*query_matrix([[0]], 1, vocab_size), DraftConfig(n_min=1), 1, sep, vocab_size)
+    sample(2, np.zeros(1, np.int64), 1)
     shard.continuations(np.zeros(0, dtype=np.int64), sep, vocab_size, np.empty((0, 1), shard.tokens.dtype))
     warm_up_top_c_tree(shard.tokens.dtype)
 

@@ -134,6 +134,12 @@ class OutputsMirror:
         """The copy's tree for ``context`` (``OutputStore.draft``): no call to the server."""
         return self.store.draft(context, config)
 
+    def draft_batch(
+        self, contexts: Sequence[Sequence[int] | np.ndarray], config: DraftConfig = DraftConfig()
+    ) -> list[DraftTree]:
+        """``draft`` of every context in one pass (``OutputStore.draft_batch``)."""
+        return self.store.draft_batch(contexts, config)
+
     def add(self, tokens: Sequence[int] | np.ndarray) -> int:
         """Store ``tokens`` on the server (so every replica drafts from them) and in the copy at
         once; returns the server's sequence number. Errors as ``DatastoreClient.add_output``."""

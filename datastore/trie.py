@@ -49,6 +49,46 @@ def counted_tree(continuations: np.ndarray, sep: int, budget: int, match_len: in
 
 
 @numba.njit(nogil=True, cache=True)
+def _tree_buffers(num_rows, budget):
+    """Room for ``num_rows`` trees of at most ``budget`` nodes laid end to end (``_put_tree``):
+    tokens, parents, counts, depths, offsets [num_rows + 1] and stats [num_rows, 3] (match_len,
+    0 for no tree; num_matches; num_sampled)."""
+    size = num_rows * budget
+    return (
+        np.empty(size, np.int32),
+        np.empty(size, np.int32),
+        np.empty(size, np.int64),
+        np.empty(size, np.int32),
+        np.zeros(num_rows + 1, np.int64),
+        np.zeros((num_rows, 3), np.int64),
+    )
+
+
+@numba.njit(nogil=True, cache=True)
+def _put_tree(buffers, row, continuations, sep, budget, match_len, num_matches):
+    """The ``budget`` heaviest trie nodes of ``continuations`` as tree ``row`` of ``buffers``
+    (rows are put in order; ``offsets[row]`` is where this one starts)."""
+    tokens, parents, counts, depths, offsets, stats = buffers
+    start = offsets[row]
+    t, p, c, d = _top_c_tree(continuations, sep, budget)
+    stop = start + t.shape[0]
+    tokens[start:stop], parents[start:stop], counts[start:stop], depths[start:stop] = t, p, c, d
+    offsets[row + 1] = stop
+    stats[row, 0], stats[row, 1], stats[row, 2] = match_len, num_matches, continuations.shape[0]
+
+
+def trees_from_buffers(buffers) -> list[DraftTree]:
+    """The trees a batch kernel put in ``buffers`` (``_tree_buffers``), the empty tree where a
+    row had no match."""
+    tokens, parents, counts, depths, offsets, stats = buffers
+    bounds = offsets.tolist()
+    return [
+        DraftTree.counted(tokens[a:b], parents[a:b], counts[a:b], depths[a:b], *row) if row[0] else DraftTree.empty()
+        for a, b, row in zip(bounds[:-1], bounds[1:], stats.tolist())
+    ]
+
+
+@numba.njit(nogil=True, cache=True)
 def _group_children(rows, perm, depth, start, stop, sep, heap, span):
     """Sort ``perm[start:stop]`` by the token in column ``depth`` and push one heap key per group
     of equal real tokens: the children of the node whose rows these are."""

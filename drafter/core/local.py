@@ -93,7 +93,10 @@ class LocalDrafter(DraftSource):
         return SourceTrees(self.datastore.draft(context, config), outputs)
 
     def draft_sources_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[SourceTrees]:
-        return [self.draft_sources(context, config) for context in contexts]
+        trees = self.datastore.draft_batch(contexts, config)
+        if self.outputs is None:
+            return [SourceTrees(tree, DraftTree.empty()) for tree in trees]
+        return [SourceTrees(*both) for both in zip(trees, self.outputs.draft_batch(contexts, config))]
 
     def add_output(self, tokens: Sequence[int]) -> int:
         if self.outputs is None:
