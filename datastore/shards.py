@@ -26,7 +26,7 @@ import numpy as np
 from rest_spec.common.types import MAX_SUFFIX, DraftConfig
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore import wire
-from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES, Datastore, ShardMatch, index_id, query_tokens
+from rest_spec.datastore.index import Datastore, ShardMatch, index_id, query_tokens
 from rest_spec.datastore.rpc import (
     BoundedServicer,
     CallRefused,
@@ -41,7 +41,7 @@ SERVICE = spb.DESCRIPTOR.services_by_name["ShardService"]
 SERVICE_NAME = SERVICE.full_name  # "rest.shard.v1.ShardService"
 
 # The most rows one hit inlines or one Gather item asks for: a router's candidate cap is at most this.
-MAX_ROWS = DEFAULT_MAX_CANDIDATES
+MAX_ROWS = 1024
 _HIT_BYTES = 40  # a ShardHit without rows, framing included, at most
 _SPEC_PART = re.compile(r"(\d+)(?:-(\d+))?")
 

@@ -1,21 +1,24 @@
 """The compiled batch step (``drafter.core.batch_step``) against the per-row Python path it
-replaced: ``merge_trees`` per row, ``select_chain`` on each merged tree; and the growing sources'
-compiled match against the numpy one it replaced."""
+replaced: ``merge_trees`` per row, ``select_chain`` on each merged tree; the growing sources'
+compiled match against the numpy one it replaced; and the index's compiled batch draft against
+the three steps a router composes."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.bigram import SEP, BigramIndex
+from rest_spec.datastore.index import Datastore, plan_draft, query_matrix, query_tokens, tree_from_rows
 from rest_spec.datastore.trie import counted_tree
 from rest_spec.drafter.core.batch_step import merge_rows
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
 from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, TreeNodes, merge_trees
 from rest_spec.drafter.core.selection import select_chain
+from tests.helpers import write_index
 from tests.test_merge import source_trees
 from tests.tiers import examples
 
@@ -96,20 +99,60 @@ def reference_draft(index: BigramIndex, query: np.ndarray, config: DraftConfig, 
 @given(
     documents=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=1, max_size=6),
     appended=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=20), max_size=3),
-    query=st.lists(st.integers(0, 4), min_size=0, max_size=10),
+    queries=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=10), min_size=1, max_size=6),
     first=st.integers(0, 40),
     cap=st.integers(1, 8),
     n_min=st.integers(1, 4),
     max_depth=st.integers(1, 8),
 )
-def test_compiled_bigram_match_equals_the_numpy_one(documents, appended, query, first, cap, n_min, max_depth):
+def test_compiled_bigram_match_equals_the_numpy_one(documents, appended, queries, first, cap, n_min, max_depth):
+    """Each query alone (``draft``), and all of them in one batch, as the numpy reference drafts each."""
     joined = [token for document in documents for token in (*document, SEP)][:-1]
     index = BigramIndex(np.array(joined, np.uint32))
     for tokens in appended:  # the newest positions sit in the unsorted tail
         index.append(np.array(tokens, np.uint32))
     config = DraftConfig(n_min=n_min, max_depth=max_depth, budget=16)
-    query = np.array(query, np.uint32)
-    assert index.draft(query, config, first, cap) == reference_draft(index, query, config, first, cap)
+    expected = [reference_draft(index, np.array(q, np.uint32), config, first, cap) for q in queries]
+    assert [index.draft(np.array(q, np.uint32), config, first, cap) for q in queries] == expected
+    matrix, lengths = query_matrix([q[::-1] for q in queries], 10, SEP)  # contexts: oldest first
+    assert index.draft_batch(matrix, lengths, config, first, cap) == expected
+
+
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    docs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=60), min_size=1, max_size=10),
+    contexts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=1, max_size=6),
+    cap=st.integers(1, 6),
+    budget=st.integers(1, 20),
+    n_min=st.integers(1, 3),
+)
+def test_one_shards_compiled_batch_draft_equals_the_three_steps(tmp_path, docs, contexts, cap, budget, n_min):
+    """``Datastore.draft_batch`` on one shard (one compiled pass over the rows) answers, row by row,
+    what ``match``, ``plan_draft`` (its seeded sample above the cap) and ``tree_from_rows`` do: what
+    a router and an index of several shards compute."""
+    write_index(tmp_path / "idx", docs, vocab_size=4)
+    config = DraftConfig(budget=budget, max_depth=5, n_max=6, n_min=n_min)
+    with Datastore.open(tmp_path / "idx", max_candidates=cap) as store:
+        expected = []
+        for context in contexts:
+            query = query_tokens(context, config.n_max, store.vocab_size)
+            plan = plan_draft(store.match(query, n_min), query, n_min, cap)
+            if plan is None:
+                expected.append(DraftTree.empty())
+                continue
+            rows = plan.rows(lambda m, ranks: store.rows(m.shard, ranks, 5), 5, np.dtype(store.manifest.token_dtype))
+            expected.append(tree_from_rows(rows, store.manifest.separator, budget, plan))
+        assert store.draft_batch(contexts, config) == expected
+        assert [store.draft(context, config) for context in contexts] == expected
+
+
+def test_a_bad_context_in_a_batch_is_named():
+    with pytest.raises(ValueError, match=r"context\[1\] = 9 is outside the vocabulary \[0, 5\)"):
+        query_matrix([[1, 2], [3, 9]], 4, 5)
+    with pytest.raises(ValueError, match="non-empty"):
+        query_matrix([[1, 2], []], 4, 5)
+    with pytest.raises(ValueError, match="integer"):
+        query_matrix([[1, 2], [1.5]], 4, 5)
 
 
 def with_match_len(tree: DraftTree, match_len: int) -> DraftTree:
