@@ -56,24 +56,32 @@ def timed_step(drafter: AdaptiveDrafter, rows: list[list[int]], requests: list[i
 
 
 def replay_rows(drafter: AdaptiveDrafter, examples, rows: int, k: int) -> list[dict[str, float]]:
-    """The examples (prompt, greedy output) decoded ``rows`` at a time; the phase times of every
-    step where all ``rows`` rows drafted."""
+    """The examples (prompt, greedy output) decoded ``rows`` at a time, each row's context handed
+    as vLLM hands it (a view of an int32 token buffer, ``token_ids_cpu``); the phase times of
+    every step where all ``rows`` rows drafted."""
     config, steps = DraftConfig(max_depth=k), []
     for first in range(0, len(examples) - rows + 1, rows):
         group = list(range(first, first + rows))
-        context = {i: list(examples[i][0]) + examples[i][1][:1] for i in group}  # the prefill's token
-        position = dict.fromkeys(group, 1)
+        width = max(len(examples[i][0]) + len(examples[i][1]) for i in group)
+        buffer = np.zeros((len(group), width), np.int32)
+        length, position = {}, dict.fromkeys(group, 1)
+        for j, i in enumerate(group):
+            prompt = list(examples[i][0]) + examples[i][1][:1]  # the prefill's token
+            buffer[j, : len(prompt)], length[i] = prompt, len(prompt)
         while True:
-            live = [i for i in group if position[i] < len(examples[i][1])]
+            live = [j for j, i in enumerate(group) if position[i] < len(examples[i][1])]
             if not live:
                 break
-            chains, phases = timed_step(drafter, [context[i] for i in live], live, config)
+            requests = [group[j] for j in live]
+            contexts = [buffer[j, : length[i]] for j, i in zip(live, requests)]
+            chains, phases = timed_step(drafter, contexts, requests, config)
             if len(live) == rows:
                 steps.append(phases)
-            for i, chain in zip(live, chains):
+            for j, i, chain in zip(live, requests, chains):
                 output = examples[i][1]
                 take = min(accepted_length(chain.tokens.tolist(), output[position[i] :]) + 1, len(output) - position[i])
-                context[i] += output[position[i] : position[i] + take]
+                buffer[j, length[i] : length[i] + take] = output[position[i] : position[i] + take]
+                length[i] += take
                 position[i] += take
         drafter.finish(group)
     return steps

@@ -294,6 +294,22 @@ class DraftTree:
             scores=self.scores[path],
         )
 
+    def first(self, n: int) -> DraftTree:
+        """The tree of the first ``n`` nodes: ``subset(arange(n))`` without its checks, which BFS
+        order passes by construction (every node's parent comes before it); a chain's prefix."""
+        if n >= len(self):
+            return self
+        keep = np.arange(max(n, 0))
+        return self._take(
+            keep,
+            self.parents[: keep.size],
+            self.depths[: keep.size],
+            match_len=self.match_len,
+            num_matches=self.num_matches,
+            num_sampled=self.num_sampled,
+            scores=self.scores[: keep.size],
+        )
+
     def accepted_nodes(self, appended: Sequence[int]) -> np.ndarray:
         """int64 [k]: the nodes on the longest path from the root that ``appended`` (the tokens
         committed since this tree was drafted) follows, root first: the nodes the verifier

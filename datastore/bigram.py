@@ -60,33 +60,31 @@ class BigramIndex:
 
     def append(self, tokens: np.ndarray) -> None:
         """Append ``tokens`` (uint32, no ``SEP``) to the last document and index the positions
-        that now have a successor."""
+        that now have a successor (one compiled pass: a request's matcher appends every step)."""
         start, stop = self.size, self.size + tokens.size
         if stop + MAX_DEPTH >= self.tokens.size:
             grown = np.full(2 * (stop + MAX_DEPTH), SEP, np.uint32)
             grown[:start] = self.tokens[:start]
             self.tokens = grown
-        self.tokens[start:stop] = tokens
+        self._reserve_tail(tokens.size + 1)
+        self._tail_len = _append(self.tokens, start, tokens, self._tail_keys, self._tail_ends, self._tail_len)
         self.size = stop
-        ends = np.arange(max(start - 1, 1), stop - 1)  # the previous last token gained a successor
-        real = (self.tokens[ends - 1] != SEP) & (self.tokens[ends] != SEP)
-        ends = ends[real]
-        self._add_to_tail(_bigram_keys(self.tokens[ends - 1], self.tokens[ends]), ends)
+        self._merge_tail_if_long()
 
     def end_document(self) -> None:
         self.size += 1  # the slot already holds SEP
 
-    def _add_to_tail(self, keys: np.ndarray, ends: np.ndarray) -> None:
-        used = self._tail_len + keys.size
-        if used > self._tail_keys.size:  # double the capacity
-            spare = max(self._tail_keys.size, keys.size)
+    def _reserve_tail(self, entries: int) -> None:
+        """Room for ``entries`` more tail entries (the capacity doubles)."""
+        if self._tail_len + entries > self._tail_keys.size:
+            spare = max(self._tail_keys.size, entries)
             self._tail_keys = np.concatenate((self._tail_keys, np.zeros(spare, np.uint64)))
             self._tail_ends = np.concatenate((self._tail_ends, np.zeros(spare, np.int64)))
-        self._tail_keys[self._tail_len : used] = keys
-        self._tail_ends[self._tail_len : used] = ends
-        self._tail_len = used
+
+    def _merge_tail_if_long(self) -> None:
         # A lookup scans the tail linearly and a merge moves the whole table: a tail of
         # ~sqrt(N) balances the two (O(sqrt N) per lookup and per appended token, amortized).
+        used = self._tail_len
         if used > max(_MIN_TAIL, 8 * math.isqrt(self._keys.size)):
             keys, ends = self._tail_keys[:used], self._tail_ends[:used]
             order = np.argsort(keys, kind="stable")
@@ -124,6 +122,21 @@ class BigramIndex:
                 max_candidates,
             )
         )
+
+
+@numba.njit(nogil=True, cache=True)
+def _append(buffer, start, tokens, tail_keys, tail_ends, tail_len):
+    """``BigramIndex.append``'s pass: ``tokens`` written at ``start`` (the buffer has room), and
+    every position from ``start - 1`` on that now has a successor, under its bigram, added to the
+    tail (room for ``tokens.size + 1`` entries); returns the tail's new length."""
+    sep = np.uint32(SEP)
+    buffer[start : start + tokens.shape[0]] = tokens
+    for end in range(max(start - 1, 1), start + tokens.shape[0] - 1):
+        if buffer[end - 1] != sep and buffer[end] != sep:
+            tail_keys[tail_len] = (np.uint64(buffer[end - 1]) << np.uint64(32)) | np.uint64(buffer[end])
+            tail_ends[tail_len] = end
+            tail_len += 1
+    return tail_len
 
 
 @numba.njit(nogil=True, cache=True)
@@ -195,5 +208,7 @@ def compile_kernels() -> float:
     """Compile ``BigramIndex.draft``'s kernels into numba's on-disk cache (``drafter.core.kernels``);
     returns the seconds it took."""
     start = time.perf_counter()
-    BigramIndex(np.array([5, 6, 7, 5, 6, 8], np.uint32)).draft(np.array([6, 5], np.uint32), DraftConfig(), 1, 64)
+    index = BigramIndex(np.array([5, 6, 7, 5, 6, 8], np.uint32))
+    index.append(np.array([5, 6], np.uint32))
+    index.draft(np.array([6, 5], np.uint32), DraftConfig(), 1, 64)
     return time.perf_counter() - start

@@ -61,6 +61,7 @@ class BatchCost:
         self.per_token = self.prior_slope
         self._rows = np.ones(1)
         self._bases = np.ones(1)
+        self._fitted_rows: set[int] = set()  # the row counts of the cells the last fit saw
 
     def observe(self, rows: int, drafted: int, seconds: float) -> None:
         """A step of ``rows`` rows and ``drafted`` draft tokens took ``seconds``."""
@@ -69,7 +70,9 @@ class BatchCost:
         cell.last_seen = self.steps
         self.steps += 1
         self._since_fit += 1
-        if self._since_fit >= REFIT_EVERY or len(cell.times) == 1:
+        # a row count never seen is priced at once (its base would be a neighbour's); a new cell of
+        # a known row count waits for the next refit (under load nearly every step is a new cell)
+        if self._since_fit >= REFIT_EVERY or (len(cell.times) == 1 and rows not in self._fitted_rows):
             self.fit()
 
     def fit(self) -> None:
@@ -96,6 +99,7 @@ class BatchCost:
         )
         self.per_token = max(float(slope), 0.0)
         self._rows, self._bases = rows, np.maximum(mean_t - self.per_token * mean_d, 1e-9)
+        self._fitted_rows = set(rows.astype(int).tolist())
 
     @property
     def largest_rows(self) -> int:

@@ -89,14 +89,15 @@ def select_batch_chains(chains: Sequence[DraftTree], cost: BatchCost, rows: int)
     nothing that pays drafts nothing. The same rule at every batch size, one row included."""
     if not chains:
         return []
-    scores = np.concatenate([np.asarray(chain.scores, np.float64) for chain in chains])
-    owners = np.repeat(np.arange(len(chains)), [len(chain) for chain in chains])
-    depths = np.concatenate([np.arange(len(chain)) for chain in chains])
+    scores = np.concatenate([chain.scores for chain in chains])
+    sizes = np.fromiter(map(len, chains), np.int64, len(chains))
+    owners = np.repeat(np.arange(len(chains)), sizes)
+    depths = np.arange(scores.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     order = np.lexsort((depths, -scores))  # within a row scores never grow: every cut keeps prefixes
     gain = rows + np.concatenate(([0.0], np.cumsum(scores[order])))
     rate = gain / cost.seconds(rows, np.arange(order.size + 1))
-    kept = np.bincount(owners[order[: int(np.argmax(rate))]], minlength=len(chains))
-    return [chain if n == len(chain) else chain.subset(np.arange(n)) for chain, n in zip(chains, kept)]
+    kept = np.bincount(owners[order[: int(np.argmax(rate))]], minlength=len(chains)).tolist()
+    return [chain.first(n) for chain, n in zip(chains, kept)]
 
 
 def select_batch_trees(trees: Sequence[DraftTree], cost: VerifyCost | CorrectedCost) -> list[DraftTree]:

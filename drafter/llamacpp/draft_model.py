@@ -242,7 +242,7 @@ class RestDraftModel(LlamaDraftModel):
         on one context length, with caches warm, and real steps run on other contexts, between other
         work: ``drafter.core.corrected_cost.CorrectedCost``) and the datastore's deadlines."""
         if self.scheduler is not None:
-            verified = self._last_tree.subset(np.arange(min(tokens - 1, len(self._last_tree))))
+            verified = self._last_tree.first(tokens - 1)
             self.scheduler.verified(seconds, [verified])
 
     def attach(self, llm: Llama, *, check: bool = True, remeasure: bool = False) -> VerifyCost:

@@ -56,8 +56,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from rest_spec.common.types import MAX_DEPTH, DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.batch_cost import BatchCost
@@ -343,7 +341,7 @@ class RestProposer:
         def admit(chains):
             """The batch's chains that pay (``select_batch_chains``), cut to each row's room."""
             kept = select_batch_chains(chains, self.cost, rows)
-            return [chain if len(chain) <= n else chain.subset(np.arange(n)) for chain, n in zip(kept, room)]
+            return [chain.first(n) for chain, n in zip(kept, room)]
 
         chains = self.scheduler.step(
             contexts, [batch[i][0] for i in eligible], batch=rows, step_seconds=seconds, admit=admit
