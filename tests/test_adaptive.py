@@ -84,6 +84,32 @@ class FirstToken(AdaptiveDrafter):
         return first, merged
 
 
+def test_trees_counted_in_batches_equal_them_counted_every_step(base, monkeypatch):
+    """The counting waits for ``COUNT_EVERY`` trees; what is read then (attribution, calibration)
+    equals counting each step as it came, and the weights drafted by lag at most that many trees."""
+    import rest_spec.drafter.core.adaptive as adaptive
+
+    def run(count_every: int) -> AdaptiveDrafter:
+        monkeypatch.setattr(adaptive, "COUNT_EVERY", count_every)
+        drafter = AdaptiveDrafter(base, cost=None, config=CONFIG)
+        contexts = {0: [30, 1, 2], 1: [20, 21, 22]}
+        for step in range(12):
+            trees = drafter.draft_batch(list(contexts.values()), CONFIG, list(contexts))
+            for request, tree in zip(contexts, trees):  # accept the first branch's first token, then a miss
+                contexts[request] += [int(tree.tokens[0]) if len(tree) else 50 + step, 61]
+        waiting = len(drafter._verified[0]) + len(drafter._matured[0])
+        assert waiting < count_every
+        return drafter
+
+    each, batched = run(1), run(1000)
+    assert batched._verified[0] and batched._matured[0]  # nothing counted while drafting
+    assert batched.attribution.counts() == each.attribution.counts()
+    assert not batched._verified[0] and not batched._matured[0]  # reading counted it all
+    np.testing.assert_allclose(batched.calibration.observed, each.calibration.observed)
+    np.testing.assert_allclose(batched.calibration.predicted, each.calibration.predicted)
+    assert each.calibration.observed.any()
+
+
 def test_hindsight_waits_for_the_tokens_after_a_tree_and_counts_what_selection_passed_over(base):
     """The verified part of a merged tree is its first token only (a chain cut short); the tokens
     that follow show the merged tree held three: counted once the context has grown by its depth."""
