@@ -208,6 +208,47 @@ class DraftTree:
         )
 
     @classmethod
+    def counted_batch(
+        cls,
+        tokens: np.ndarray,
+        parents: np.ndarray,
+        counts: np.ndarray,
+        depths: np.ndarray,
+        offsets: Sequence[int],
+        stats: Sequence[Sequence[int]],
+    ) -> list[DraftTree]:
+        """``counted`` of each of several kernel-built trees laid end to end (tree i: nodes
+        ``offsets[i]:offsets[i + 1]``, ``stats[i]`` its match_len (0: no match, the empty tree),
+        num_matches and num_sampled), as views of the four arrays: they are frozen once and the
+        scores computed in one pass, not per tree (a batch kernel answers every row of a step)."""
+        end = offsets[-1]
+        tokens, parents, counts, depths = tokens[:end], parents[:end], counts[:end], depths[:end]
+        sampled = np.repeat(
+            np.array([max(row[2], 1) for row in stats], np.float64), np.diff(np.asarray(offsets, np.int64))
+        )
+        scores = counts / sampled
+        for array in (tokens, parents, counts, depths, scores):
+            array.setflags(write=False)
+        trees = []
+        for start, stop, (match_len, num_matches, num_sampled) in zip(offsets[:-1], offsets[1:], stats):
+            if not match_len:
+                trees.append(_EMPTY_TREE)
+                continue
+            tree = object.__new__(cls)
+            tree.__dict__.update(
+                tokens=tokens[start:stop],
+                parents=parents[start:stop],
+                counts=counts[start:stop],
+                depths=depths[start:stop],
+                match_len=match_len,
+                num_matches=num_matches,
+                num_sampled=num_sampled,
+                scores=scores[start:stop],
+            )
+            trees.append(tree)
+        return trees
+
+    @classmethod
     def _derived(cls, **values) -> DraftTree:
         """An instance of ``cls`` holding ``values`` (every field, arrays of the field's dtype)
         without ``__post_init__``'s checks: only for parts of a tree already checked."""

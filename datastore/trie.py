@@ -81,11 +81,7 @@ def trees_from_buffers(buffers) -> list[DraftTree]:
     """The trees a batch kernel put in ``buffers`` (``_tree_buffers``), the empty tree where a
     row had no match."""
     tokens, parents, counts, depths, offsets, stats = buffers
-    bounds = offsets.tolist()
-    return [
-        DraftTree.counted(tokens[a:b], parents[a:b], counts[a:b], depths[a:b], *row) if row[0] else DraftTree.empty()
-        for a, b, row in zip(bounds[:-1], bounds[1:], stats.tolist())
-    ]
+    return DraftTree.counted_batch(tokens, parents, counts, depths, offsets.tolist(), stats.tolist())
 
 
 @numba.njit(nogil=True, cache=True)
