@@ -223,10 +223,11 @@ class DraftTree:
         scores computed in one pass, not per tree (a batch kernel answers every row of a step)."""
         end = offsets[-1]
         tokens, parents, counts, depths = tokens[:end], parents[:end], counts[:end], depths[:end]
-        sampled = np.repeat(
-            np.array([max(row[2], 1) for row in stats], np.float64), np.diff(np.asarray(offsets, np.int64))
-        )
-        scores = counts / sampled
+        if len(stats) == 1:  # one tree (a request's own text, one row): no per-tree repeat
+            scores = counts / float(max(stats[0][2], 1))
+        else:
+            sampled = np.array([max(row[2], 1) for row in stats], np.float64)
+            scores = counts / np.repeat(sampled, np.diff(np.asarray(offsets, np.int64)))
         for array in (tokens, parents, counts, depths, scores):
             array.setflags(write=False)
         trees = []
