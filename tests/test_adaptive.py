@@ -75,6 +75,30 @@ def test_calibration_observes_the_nodes_the_verifier_accepted(base):
     assert drafter.attribution.hindsight() == {"steps": 1, "held_per_step": 3.0, "accepted_per_step": 3.0}
 
 
+def test_the_engines_committed_tokens_are_what_is_credited_and_a_disagreement_is_counted(base, caplog):
+    """Where the engine reports the tokens it committed (vLLM's sampled token ids, the transformers
+    loop's), they are what the verifier accepted; a report that disagrees with the context's growth
+    is credited as reported, counted and logged once."""
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("index",))
+    (tree,) = drafter.draft_batch([[30, 1, 2]], CONFIG, ["a"])
+    assert {(3, 4, 6), (7, 8)} <= set(tree.paths())
+    drafter.advance([[30, 1, 2, 3, 4, 6, 11]], ["a"], accepted=[[3, 4, 6, 11]])  # as the context says
+    assert drafter.accepted_mismatches == 0
+    assert drafter.attribution.report()[0]["accepted"] == 3
+
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("index",))
+    drafter.draft_batch([[30, 1, 2]], CONFIG, ["a"])
+    with caplog.at_level("WARNING"):
+        drafter.advance([[30, 1, 2, 3, 4, 6, 11]], ["a"], accepted=[[7, 8, 12, 13]])
+        drafter.advance([[30, 1, 2, 3, 4, 6, 11, 5]], ["a"], accepted=[[9]])
+    assert drafter.accepted_mismatches == 2
+    assert [r.message.count("the engine reports committing") for r in caplog.records] == [1]
+    assert drafter.attribution.report()[0]["accepted"] == 2  # 7 8: the engine's word, not the context's
+    # a report that does not cover all the context gained (a row that skipped steps) is not used
+    drafter.advance([[30, 1, 2, 3, 4, 6, 11, 5, 6, 7]], ["a"], accepted=[[7]])
+    assert drafter.accepted_mismatches == 2
+
+
 class FirstToken(AdaptiveDrafter):
     """Verifies the first token of each merged tree only (a chain cut short)."""
 

@@ -28,6 +28,7 @@ by whoever finished a generation.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 
@@ -43,6 +44,8 @@ from rest_spec.drafter.core.protocol import Drafter, Pending, SourceDrafter
 from rest_spec.drafter.core.request_matcher import RequestMatcher
 from rest_spec.drafter.core.selection import select_tree
 from rest_spec.drafter.core.steps import Deferred, Mark, as_source, draft_step, token_list
+
+log = logging.getLogger(__name__)
 
 SOURCES = ("index", "request", "outputs")
 MAX_SESSIONS = 4096  # sessions kept at most; past it the longest unseen goes (an engine that never says "ended")
@@ -171,6 +174,7 @@ class AdaptiveDrafter:
         # trees verified (tree, accepted nodes) and matured (tree, nodes followed, tokens accepted), not counted yet
         self._verified: tuple[list[MergedTree], list[np.ndarray]] = ([], [])
         self._matured: tuple[list[MergedTree], list[np.ndarray], list[int]] = ([], [], [])
+        self.accepted_mismatches = 0  # rows whose engine-reported tokens were not what their context gained
         self.source, self.config, self.chains = as_source(base), config, chains
         self.cost = CorrectedCost(cost) if isinstance(cost, VerifyCost) else cost
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # least recently seen first
@@ -187,15 +191,23 @@ class AdaptiveDrafter:
     # The steps of ``drafter.core.protocol.StepDrafter``: the scheduler runs the slow ones (the
     # source's call, the merges) for likely next contexts while the model verifies the current ones.
 
-    def advance(self, rows: Sequence[Sequence[int]], requests: Sequence[Hashable]) -> list[_Session]:
+    def advance(
+        self,
+        rows: Sequence[Sequence[int]],
+        requests: Sequence[Hashable],
+        accepted: Sequence[Sequence[int]] | None = None,
+    ) -> list[_Session]:
         """Each row's session: its request's, crediting what the verifier accepted of the tree
-        recorded for it (the tokens its context gained; the calibration learns from the merged
-        trees in hindsight, ``_look_back``), or a new one for a request not seen
-        before or a context that does not continue its session. Reads each context's new tokens
-        and tail only."""
+        recorded for it (the calibration learns from the merged trees in hindsight,
+        ``_look_back``), or a new one for a request not seen before or a context that does not
+        continue its session. What was accepted: the engine's own tokens (``accepted``) where it
+        reports them for all the context gained, else what the context gained; a report that
+        disagrees with the context is counted (``accepted_mismatches``) and logged once, since
+        it means the engine's adapter hands contexts that are not what the engine committed.
+        Reads each context's new tokens and tail only."""
         self._rows = []
         verified, matured = self._verified, self._matured
-        for row, request in zip(rows, requests):
+        for i, (row, request) in enumerate(zip(rows, requests)):
             session = self._sessions.get(request)
             if session is None or not session.mark.continued_by(row):
                 session = self._sessions[request] = _Session(RequestMatcher() if "request" in self.sources else None)
@@ -204,6 +216,8 @@ class AdaptiveDrafter:
             else:
                 self._sessions.move_to_end(request)
                 gained = session.mark.gained(row)
+                if accepted is not None and len(accepted[i]) == len(gained):
+                    gained = self._engines_tokens(accepted[i], gained)
                 if gained:
                     accepted = session.tree.accepted_nodes(gained)  # none of an empty tree
                     if len(session.tree):
@@ -219,6 +233,20 @@ class AdaptiveDrafter:
         if len(verified[0]) + len(matured[0]) >= COUNT_EVERY:
             self._count()
         return self._rows
+
+    def _engines_tokens(self, told: Sequence[int], gained: list[int]) -> list[int]:
+        """The engine's committed tokens of a row, checked against what its context gained."""
+        told = [int(token) for token in told]
+        if told != gained:
+            self.accepted_mismatches += 1
+            if self.accepted_mismatches == 1:
+                log.warning(
+                    "the engine reports committing %s but the context gained %s: its adapter hands contexts "
+                    "that are not what it committed (crediting the engine's tokens)",
+                    told,
+                    gained,
+                )
+        return told
 
     @property
     def attribution(self) -> Attribution:

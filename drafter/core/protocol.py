@@ -102,9 +102,16 @@ class StepDrafter(Protocol):
     source: DraftSource
     cost: StepCost | None
 
-    def advance(self, rows: Sequence[Sequence[int]], requests: Sequence[Hashable]) -> list[Any]:
+    def advance(
+        self,
+        rows: Sequence[Sequence[int]],
+        requests: Sequence[Hashable],
+        accepted: Sequence[Sequence[int]] | None = None,
+    ) -> list[Any]:
         """Each row's request session, given its live context (read now, not kept: the engine
-        may change it after the call) and the name of its request."""
+        may change it after the call), the name of its request and, where the engine reports
+        them, ``accepted``: the tokens it committed for the row at its last step (the draft
+        tokens it accepted and its own); None: what each context gained tells."""
         ...
 
     def finish(self, requests: Sequence[Hashable]) -> None:

@@ -283,11 +283,14 @@ class DraftScheduler:
         step_seconds: float | None = None,
         ended: Sequence[Hashable] = (),
         admit: BatchRule | None = None,
+        accepted: Sequence[Sequence[int]] | None = None,
     ) -> list[DraftTree]:
         """One tree per row to verify at the engine's next step (empty trees where the step does
         not draft), given what the engine knows: ``rows``, the live contexts of the rows that may
         draft (read now, not kept; what each gained since the last step is what the verifier
-        accepted), named by ``request_ids`` (default: their positions); ``batch``, the rows the
+        accepted), named by ``request_ids`` (default: their positions); ``accepted``, per row, the
+        tokens the engine committed at its last step, where it reports them (its accepted draft
+        tokens and its own: ``StepDrafter.advance``); ``batch``, the rows the
         step runs (default: ``len(rows)``; rows that cannot draft still cost); ``step_seconds``,
         what the step that verified the last call's trees took (None: not timed; else as
         ``verified``); ``ended``, requests that ended since the last step; ``admit``, the engine's
@@ -300,12 +303,17 @@ class DraftScheduler:
         if ended:
             self.finish(ended)
         size = len(rows) if batch is None else batch
-        trees = self._step(rows, request_ids, size, admit)
+        trees = self._step(rows, request_ids, size, admit, accepted)
         self._handed = (trees, size)
         return trees
 
     def _step(
-        self, rows: Sequence[Sequence[int]], request_ids: Sequence[Hashable] | None, size: int, admit: BatchRule | None
+        self,
+        rows: Sequence[Sequence[int]],
+        request_ids: Sequence[Hashable] | None,
+        size: int,
+        admit: BatchRule | None,
+        accepted: Sequence[Sequence[int]] | None,
     ) -> list[DraftTree]:
         if self.sources is None:
             return [DraftTree.empty()] * len(rows)
@@ -316,9 +324,9 @@ class DraftScheduler:
         self._live = set(requests)
         cost = self.cost
         if cost is not None and not self.worth.drafts(size):
-            self._skip(rows, requests, start)
+            self._skip(rows, requests, start, accepted)
             return [DraftTree.empty()] * len(rows)
-        trees = self.trees(rows, requests, admit)
+        trees = self.trees(rows, requests, admit, accepted)
         self.speculate(trees)
         if cost is not None:
             plain, drafted = cost.step_seconds([], size), cost.step_seconds(trees, size)
@@ -326,11 +334,17 @@ class DraftScheduler:
             self.worth.weigh(size, expected, drafted - plain + time.perf_counter() - start, plain)
         return trees
 
-    def _skip(self, rows: Sequence[Sequence[int]], requests: Sequence[Hashable], start: float) -> None:
+    def _skip(
+        self,
+        rows: Sequence[Sequence[int]],
+        requests: Sequence[Hashable],
+        start: float,
+        accepted: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         """A step that does not draft: the rows decode on without drafts. The trees recorded for
         them were verified by the step that just ran: ``advance`` credits them, and leaves nothing
         recorded to credit for this step."""
-        self.sources.advance(rows, requests)
+        self.sources.advance(rows, requests, accepted)
         self.stats.steps += 1
         self.stats.skipped += 1
         self.stats.fresh += len(rows)
@@ -343,6 +357,7 @@ class DraftScheduler:
         contexts: Sequence[Sequence[int]],
         requests: Sequence[Hashable] | None = None,
         admit: BatchRule | None = None,
+        accepted: Sequence[Sequence[int]] | None = None,
     ) -> list[DraftTree]:
         """One tree per live context (read now, not kept), its request named by ``requests``
         (default: the row's position): from the sources fetched ahead where the outcome was
@@ -361,7 +376,7 @@ class DraftScheduler:
         if ahead is not None:
             remote_ok = self._collect(ahead, contexts, rows, shared)
         self._rows = rows
-        sessions = self.sources.advance(contexts, requests)  # the background job has finished: safe
+        sessions = self.sources.advance(contexts, requests, accepted)  # the background job has finished: safe
         missing = [i for i, trees in enumerate(shared) if trees is None]
         if missing:
             # read within this call, before the engine writes on (a probe's answer only tells the breaker)

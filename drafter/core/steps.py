@@ -200,7 +200,12 @@ class PlainSteps:
     def __init__(self, drafter: Drafter) -> None:
         self.source = as_source(drafter)
 
-    def advance(self, rows: Sequence[Sequence[int]], requests: Sequence[Hashable]) -> list[None]:
+    def advance(
+        self,
+        rows: Sequence[Sequence[int]],
+        requests: Sequence[Hashable],
+        accepted: Sequence[Sequence[int]] | None = None,
+    ) -> list[None]:
         return [None] * len(rows)
 
     def finish(self, requests: Sequence[Hashable]) -> None:

@@ -262,12 +262,14 @@ def decode(
     # rows verified together pay for the widest row's block: the batch's width by its cost
     admit = None if cost is None else lambda trees: select_batch_trees(trees, cost)
     ended: list[int] = []  # rows that finished at the last step
+    committed: list[list[int]] | None = None  # each row's tokens of the last step (none before the first)
     try:
         while active:
             t0 = time.perf_counter()
             live = [contexts[row] for row in active]  # read by the drafter now, not kept
+            told = None if committed is None else [committed[row] for row in active]
             # each row's request: its prompt's number; the next step's drafts start during this forward
-            trees = drafting.step(live, active, ended=ended, admit=admit)
+            trees = drafting.step(live, active, ended=ended, admit=admit, accepted=told)
             t1 = time.perf_counter()
             shape = None if cost is None else cost.block_shape(trees)
             verdicts = verify_trees(model, cache, rows, live, trees, chooser, shape)
@@ -278,7 +280,7 @@ def decode(
             draft_seconds += t1 - t0
             steps += 1
 
-            committed: list[list[int]] = [[] for _ in prompts]
+            committed = [[] for _ in prompts]
             unfinished = []  # indices into ``active``
             for index, (row, verdict) in enumerate(zip(active, verdicts)):
                 accepted[row].append(len(verdict.accepted_tokens))

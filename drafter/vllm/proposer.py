@@ -344,7 +344,12 @@ class RestProposer:
             return [chain.first(n) for chain, n in zip(kept, room)]
 
         chains = self.scheduler.step(
-            contexts, [batch[i][0] for i in eligible], batch=rows, step_seconds=seconds, admit=admit
+            contexts,
+            [batch[i][0] for i in eligible],
+            batch=rows,
+            step_seconds=seconds,
+            admit=admit,
+            accepted=[sampled_token_ids[i] for i in eligible],  # what vLLM committed: accepted drafts + its own
         )  # the scheduler feeds the step's time to the cost
         if seconds is not None:
             self._learned()
