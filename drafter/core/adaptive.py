@@ -219,12 +219,12 @@ class AdaptiveDrafter:
                 if accepted is not None and len(accepted[i]) == len(gained):
                     gained = self._engines_tokens(accepted[i], gained)
                 if gained:
-                    accepted = session.tree.accepted_nodes(gained)  # none of an empty tree
+                    nodes = session.tree.accepted_nodes(gained)  # none of an empty tree
                     if len(session.tree):
                         verified[0].append(session.tree)
-                        verified[1].append(accepted)
+                        verified[1].append(nodes)
                     if isinstance(session.merged, MergedTree):
-                        session.hindsight.append((session.mark.length, session.merged, len(accepted)))
+                        session.hindsight.append((session.mark.length, session.merged, len(nodes)))
                 self._look_back(session, row, matured)
             session.mark, session.tree, session.merged = Mark.of(row), DraftTree.empty(), DraftTree.empty()
             if session.matcher is not None:
