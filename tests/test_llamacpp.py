@@ -155,7 +155,12 @@ def test_greedy_output_is_llama_cpps_own_with_drafts_over_grpc(index, prompts, r
             llm = rest(drafter, cheap_cost(cost))
             results = [llama_generate(llm, ids, NEW_TOKENS) for ids in prompts]
     assert [r.output_ids for r in results] == references
-    assert sum(r.steps for r in results) < sum(map(len, references)) / 2
+    steps, tokens = sum(r.steps for r in results), sum(map(len, references))
+    if llm.draft_model.scheduler.stats.fallbacks == 0:
+        assert steps < tokens / 2  # long drafts from the server were accepted
+    else:  # a loaded machine (CI's two workers): replies later than the deadline's 5 ms floor were not
+        # waited for, and those steps drafted from the request's own text: still drafting, outputs unchanged
+        assert steps < tokens and llm.draft_model.stats.drafted > 0
 
 
 @pytest.mark.skipif(not EXACT_BATCHES, reason="llama.cpp built with llamafile kernels: batches round differently")
