@@ -182,32 +182,6 @@ class DraftTree:
         )
 
     @classmethod
-    def counted(
-        cls,
-        tokens: np.ndarray,
-        parents: np.ndarray,
-        counts: np.ndarray,
-        depths: np.ndarray,
-        match_len: int,
-        num_matches: int,
-        num_sampled: int,
-    ) -> DraftTree:
-        """The tree ``datastore.trie.counted_tree``'s kernel built (int32 tokens, parents and depths,
-        int64 counts, BFS order by construction), scored counts / ``num_sampled``, without the
-        checks: they cost as much as drafting the tree, and every source drafts one every step."""
-        scores = counts / float(num_sampled) if num_sampled else np.zeros(counts.shape[0])
-        return cls._derived(
-            tokens=tokens,
-            parents=parents,
-            counts=counts,
-            depths=depths,
-            match_len=match_len,
-            num_matches=num_matches,
-            num_sampled=num_sampled,
-            scores=scores,
-        )
-
-    @classmethod
     def counted_batch(
         cls,
         tokens: np.ndarray,
@@ -217,10 +191,13 @@ class DraftTree:
         offsets: Sequence[int],
         stats: Sequence[Sequence[int]],
     ) -> list[DraftTree]:
-        """``counted`` of each of several kernel-built trees laid end to end (tree i: nodes
-        ``offsets[i]:offsets[i + 1]``, ``stats[i]`` its match_len (0: no match, the empty tree),
-        num_matches and num_sampled), as views of the four arrays: they are frozen once and the
-        scores computed in one pass, not per tree (a batch kernel answers every row of a step)."""
+        """The trees a trie kernel built (``datastore.trie``: int32 tokens, parents and depths, int64
+        counts, BFS order by construction), laid end to end: tree i is nodes ``offsets[i]:offsets[i
+        + 1]`` with ``stats[i]`` = (match_len, num_matches, num_sampled), the empty tree where
+        nothing was sampled; each scored counts / num_sampled. Without the checks: they cost as much
+        as drafting the tree, and every source drafts one every step. The trees are views of the
+        four arrays, frozen once and scored in one pass, not per tree (a batch kernel answers
+        every row of a step)."""
         end = offsets[-1]
         tokens, parents, counts, depths = tokens[:end], parents[:end], counts[:end], depths[:end]
         if len(stats) == 1:  # one tree (a request's own text, one row): no per-tree repeat
@@ -232,7 +209,7 @@ class DraftTree:
             array.setflags(write=False)
         trees = []
         for start, stop, (match_len, num_matches, num_sampled) in zip(offsets[:-1], offsets[1:], stats):
-            if not match_len:
+            if not num_sampled:
                 trees.append(_EMPTY_TREE)
                 continue
             tree = object.__new__(cls)

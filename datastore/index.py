@@ -29,9 +29,10 @@ any one index of all their documents answers, since the trie counts the multiset
 The binary searches, the continuation gather and the trie (``datastore.trie``) are numba-compiled
 kernels that release the GIL: a draft costs a few Python-level calls, and a server's threads
 draft in parallel on every core. On one shard, ``draft_batch`` runs the three steps for all of an
-engine step's rows in one compiled pass (``_draft_rows``, composed of the same kernels). They bounds-check every value read from disk, so a damaged index
-answers ``IndexCorruptError`` instead of crashing the process; ``Datastore.warm_up`` compiles them
-(or loads them from numba's on-disk cache) before a server reports ready.
+engine step's rows in one compiled pass (``_draft_rows``, composed of the same kernels). They
+bounds-check every value read from disk, so a damaged index answers ``IndexCorruptError`` instead
+of crashing the process; ``Datastore.warm_up`` compiles them (or loads them from numba's on-disk
+cache) before a server reports ready.
 """
 
 from __future__ import annotations

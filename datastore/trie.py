@@ -45,7 +45,7 @@ def counted_tree(continuations: np.ndarray, sep: int, budget: int, match_len: in
     if k == 0 or m == 0 or budget <= 0:
         return DraftTree(*top_c_tree(continuations, sep, budget), match_len, num_matches, k)
     tokens, parents, counts, depths = _top_c_tree(np.ascontiguousarray(continuations), sep, budget)
-    return DraftTree.counted(tokens, parents, counts, depths, match_len, num_matches, k)
+    return DraftTree.counted_batch(tokens, parents, counts, depths, [0, tokens.size], [(match_len, num_matches, k)])[0]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -79,7 +79,7 @@ def _put_tree(buffers, row, continuations, sep, budget, match_len, num_matches):
 
 def trees_from_buffers(buffers) -> list[DraftTree]:
     """The trees a batch kernel put in ``buffers`` (``_tree_buffers``), the empty tree where a
-    row had no match."""
+    row had no match (nothing sampled)."""
     tokens, parents, counts, depths, offsets, stats = buffers
     return DraftTree.counted_batch(tokens, parents, counts, depths, offsets.tolist(), stats.tolist())
 

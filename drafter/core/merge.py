@@ -163,7 +163,7 @@ def merge_trees(trees: Sequence[DraftTree], weights: Sequence[float] | np.ndarra
         budget,
     )
     # built as the kernel laid it out (BFS order, monotone scores, depths): not checked again, as
-    # ``DraftTree.counted`` -- the checks would cost a third of the merge, every row and step
+    # ``DraftTree.counted_batch`` -- the checks would cost a third of the merge, every row and step
     return MergedTree._derived(
         tokens=tokens,
         parents=parents,
