@@ -31,6 +31,11 @@ per step and accepted tokens per step of each drafter,
 their lift over no history, and for the REST drafters their attribution in hindsight per source
 (``drafter.core.merge.Attribution``: tokens each source held of what followed, tokens accepted).
 
+``--price p`` prices a draft token at p of a row's plain step (vLLM on this CPU: about 0.04 at one
+row, 0.5 at 16): REST's chains are sized by it, and every drafter's speed against plain is modeled as
+tokens / (steps + p x draft tokens), drafting's own time left out -- what a drafter's chains can
+reach under load, without the noise of timed runs.
+
 ``--tune M`` replays a tuning split instead, so the drafting core's choices are made without the
 held-out sets: the held-out requests are the last M of the warm-up stream (drawn max(N) + M long,
 their outputs cached with the warm-up's) and the warm-up the requests before them. It never decodes:
@@ -108,8 +113,8 @@ def greedy_outputs(prompts: list[list[int]], args: argparse.Namespace, *, cached
 
 def tuning_split(warm: list[list[int]], tune: int) -> tuple[list[list[int]], list[list[int]]]:
     """(warm-up, held-out) of ``--tune``: the last ``tune`` requests of the warm-up stream held out."""
-    if not 0 < tune < len(warm):
-        raise ValueError(f"--tune {tune} needs a longer warm-up stream than {len(warm)} requests")
+    if not 0 < tune <= len(warm):
+        raise ValueError(f"--tune {tune} needs a warm-up stream of at least that many requests, got {len(warm)}")
     return warm[:-tune], warm[-tune:]
 
 
@@ -145,12 +150,14 @@ class SuffixReplay:
 class RestReplay:
     """A replica's REST proposer: the adaptive drafter vLLM's proposer runs (``sources``) over
     ``base`` (the index and the fleet's one store of outputs), choosing the chain of most expected
-    tokens, at most k long."""
+    tokens per step time, at most k long, a draft token costing ``price`` of a plain step (0: flat,
+    the chain of most expected tokens)."""
 
-    def __init__(self, k: int, base: LocalDrafter, sources: Sequence[str]) -> None:
-        flat = VerifyCost(CostKey("flat", "", 1, "cpu", "float32"), 256, tuple(range(1, k + 2)), (1.0,) * (k + 1))
+    def __init__(self, k: int, base: LocalDrafter, sources: Sequence[str], price: float = 0.0) -> None:
+        seconds = tuple(1.0 + price * n for n in range(k + 1))
+        priced = VerifyCost(CostKey("priced", "", 1, "cpu", "float32"), 256, tuple(range(1, k + 2)), seconds)
         self.k, self.base = k, base
-        self.adaptive = AdaptiveDrafter(base, cost=flat, sources=sources, chains=True)
+        self.adaptive = AdaptiveDrafter(base, cost=priced, sources=sources, chains=True)
 
     def serve(self, rid: str, prompt: list[int], output: list[int]) -> None:
         self.base.add_output(output)
@@ -177,9 +184,13 @@ class Tally:
     accepted: int = 0
     per_prompt: list[float] = dataclasses.field(default_factory=list)
 
-    def figures(self) -> dict:
+    def figures(self, price: float = 0.0) -> dict:
+        """Tokens per step, and the speed against plain of a step that costs 1 + ``price`` per
+        draft token (a plain step: 1): the engine's throughput where a draft token costs that
+        share of a row's plain step, drafting's own time left out."""
         return {
             "steps": self.steps,
+            "modeled_speed_vs_plain": round(self.tokens / (self.steps + price * self.drafted), 4),
             "tokens_per_step": round(self.tokens / self.steps, 4),
             "tokens_per_step_median": round(statistics.median(self.per_prompt), 4),
             "accepted_per_step": round(self.accepted / self.steps, 4),
@@ -218,7 +229,13 @@ def replay(drafter, held_out: list[tuple[int, Example]], tally: Tally) -> None:
 
 
 def run_fleet(
-    name: str, k: int, index: Path | list[Path], warm: list[Example], held_out: list[Example], replicas: int
+    name: str,
+    k: int,
+    index: Path | list[Path],
+    warm: list[Example],
+    held_out: list[Example],
+    replicas: int,
+    price: float = 0.0,
 ) -> dict:
     """Drafter ``name`` in a fleet of ``replicas``, each having served its share (round-robin) of
     ``warm``, then its share of ``held_out``, one replica after another: suffix's replicas keep a
@@ -233,14 +250,14 @@ def run_fleet(
             for i, (prompt, output) in enumerate(warm[r::replicas]):
                 suffix.serve(f"warm-{i}", prompt, output)
             replay(suffix, numbered[r::replicas], tally)
-        return tally.figures()
+        return tally.figures(price)
     base = LocalDrafter.open(index, outputs_max_tokens=50_000_000)
     try:
         for _, output in warm:
             base.add_output(output)
         attribution = Attribution(REST_SOURCES[name])
         for r in range(replicas):
-            rest = RestReplay(k, base, REST_SOURCES[name])
+            rest = RestReplay(k, base, REST_SOURCES[name], price)
             replay(rest, numbered[r::replicas], tally)
             for count in Attribution.COUNTS:
                 getattr(attribution, count)[...] += getattr(rest.adaptive.attribution, count)
@@ -250,7 +267,7 @@ def run_fleet(
 
     cells = attribution.report()
     return {
-        **tally.figures(),
+        **tally.figures(price),
         "hindsight": attribution.hindsight(),
         "by_source": hindsight_per_source(cells),
         "attribution": cells,
@@ -268,6 +285,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=40, help="held-out prompts per set (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=8, help="draft tokens per step at most (default: %(default)s)")
+    p.add_argument(
+        "--price",
+        type=float,
+        default=0.0,
+        help="a draft token's cost as a share of a row's plain step: REST's chains are sized by it, and every "
+        "drafter's modeled speed priced by it (vLLM on this CPU: about 0.05 at 1 row, 0.5 at 16; "
+        "default: %(default)s, flat)",
+    )
     p.add_argument("--warmup-concurrency", type=int, default=32, help="requests at once decoding outputs")
     p.add_argument("--drafters", default=",".join(DRAFTERS[:-1]), help="comma-separated (default: %(default)s)")
     p.add_argument(
@@ -294,6 +319,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--sets: code,chat; --drafters: {','.join(DRAFTERS)}")
     if "rest-own" in args.drafters and set(args.sets) - set(args.own_index):
         p.error("the rest-own drafter needs --own-index SET=DIR for every set")
+    if args.price < 0:
+        p.error("--price must be >= 0")
     if min(args.warmup) < 0 or min(args.replicas) < 1 or args.prompts < max(args.replicas):
         p.error("--warmup >= 0, --replicas >= 1, --prompts at least the largest --replicas")
     if args.tune < 0 or 0 < args.tune < max(args.replicas):
@@ -327,7 +354,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             for f in args.replicas:
                 row = {
                     d: run_fleet(
-                        d, args.k, [index, Path(args.own_index[name])] if d == "rest-own" else index, warm, held_out, f
+                        d,
+                        args.k,
+                        [index, Path(args.own_index[name])] if d == "rest-own" else index,
+                        warm,
+                        held_out,
+                        f,
+                        args.price,
                     )
                     for d in args.drafters
                 }
@@ -335,8 +368,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 for d, figures in row.items():
                     figures["lift_over_cold"] = round(figures["tokens_per_step"] / cold[d]["tokens_per_step"], 4)
                 result["fleets"][f"F={f} N={n}"] = row
-                line = ", ".join(f"{d} {r['tokens_per_step']:.3f}" for d, r in row.items())
-                print(f"{name} F={f} N={n}: tokens/step {line}", file=sys.stderr)
+                line = ", ".join(
+                    f"{d} {r['tokens_per_step']:.3f} ({r['modeled_speed_vs_plain']:.3f}x)" for d, r in row.items()
+                )
+                print(f"{name} F={f} N={n}: tokens/step (modeled speed at price {args.price}) {line}", file=sys.stderr)
                 save_report(report, args.out, echo=False)  # what is measured so far, should a later N fail
     save_report(report, args.out)
 

@@ -173,3 +173,28 @@ def test_vllm_benchmark_remeasure_reaches_every_rest_engine():
         spec = bench.mode_job("rest", [[1, 2, 3]], args, 8, Path("/indexes/stdlib"), [[4]])
         assert spec["rest"] == {"datastore": "/indexes/stdlib", **extra}
         assert bench.rest_options("127.0.0.1:50051", args) == {"datastore": "127.0.0.1:50051", **extra}
+
+
+def test_history_replay_sizes_rest_chains_by_the_price_of_a_draft_token(tmp_path):
+    """``benchmarks.history --price``: REST's chains shrink as a draft token costs more of a plain
+    step, none pays at five plain steps a token, and the modeled speed is the tokens over the steps
+    plus the price of every draft token."""
+    from benchmarks.history import RestReplay, Tally, replay, tuning_split
+    from rest_spec.drafter.core.local import LocalDrafter
+    from tests.helpers import CORPUS_VOCAB, synthetic_corpus
+
+    docs = synthetic_corpus()
+    index = write_index(tmp_path / "index", docs, CORPUS_VOCAB)
+    examples = [(doc[:10], doc[10:60]) for doc in docs if len(doc) >= 60][:12]
+    figures = {}
+    for price in (0.0, 0.3, 5.0):
+        with LocalDrafter.open(index) as base:
+            tally = Tally()
+            replay(RestReplay(8, base, ("index", "request", "outputs"), price), list(enumerate(examples)), tally)
+        figures[price] = tally.figures(price)
+        modeled = tally.tokens / (tally.steps + price * tally.drafted)
+        assert figures[price]["modeled_speed_vs_plain"] == round(modeled, 4)
+    drafted = [figures[price]["drafted_per_step"] for price in (0.0, 0.3, 5.0)]
+    assert drafted[0] > drafted[1] > drafted[2] == 0
+    assert figures[0.0]["accepted_per_step"] > figures[5.0]["accepted_per_step"] == 0
+    assert tuning_split([[1], [2]], 2) == ([], [[1], [2]])  # every request held out, the warm-up empty
