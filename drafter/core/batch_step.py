@@ -47,7 +47,8 @@ def _merge_rows(tokens, parents, counts, scores, sizes, num_sampled, weights, bu
     """``_merge`` per row over the rows' source trees concatenated (row-major, sources in order;
     ``sizes`` and ``num_sampled`` [R, S], ``weights`` [R, S, D, K]), then, with ``prices``, the best
     chain of each merged tree. Returns the merged trees' columns concatenated, ``offsets`` [R + 1]
-    into them, and per row the chain's last node (-1: no chain pays, or no ``prices``)."""
+    into them, and the chains' nodes (indices into those columns, root first) concatenated with
+    ``chain_offsets`` [R + 1] into them (a row without a chain that pays, or without ``prices``: none)."""
     rows, num_sources = sizes.shape
     capacity = rows * budget
     out_tokens = np.empty(capacity, np.int32)
@@ -58,8 +59,9 @@ def _merge_rows(tokens, parents, counts, scores, sizes, num_sampled, weights, bu
     out_samples = np.empty((capacity, num_sources), np.int64)
     out_depths = np.empty(capacity, np.int32)
     offsets = np.zeros(rows + 1, np.int64)
-    chain_end = np.full(rows, -1, np.int64)
-    start, used = 0, 0
+    chain_nodes = np.empty(rows * max(prices.shape[0] - 1, 0), np.int64)
+    chain_offsets = np.zeros(rows + 1, np.int64)
+    start, used, chained = 0, 0, 0
     for r in range(rows):
         stop = start + sizes[r].sum()
         if stop > start:
@@ -84,9 +86,14 @@ def _merge_rows(tokens, parents, counts, scores, sizes, num_sampled, weights, bu
             if prices.shape[0] > 1 and n > 0:
                 end, rate = best_chain(p, s, d, prices)
                 if end >= 0 and rate > _CHAIN_MARGIN / prices[0]:
-                    chain_end[r] = end
+                    depth = d[end]
+                    for i in range(depth - 1, -1, -1):  # the root path, written leaf first
+                        chain_nodes[chained + i] = used + end
+                        end = p[end]
+                    chained += depth
             used += n
         offsets[r + 1] = used
+        chain_offsets[r + 1] = chained
         start = stop
     return (
         out_tokens[:used],
@@ -97,7 +104,8 @@ def _merge_rows(tokens, parents, counts, scores, sizes, num_sampled, weights, bu
         out_samples[:used],
         out_depths[:used],
         offsets,
-        chain_end,
+        chain_nodes[:chained],
+        chain_offsets,
     )
 
 
@@ -130,30 +138,56 @@ def merge_rows(
         budget,
         _NO_CHAIN if prices is None else np.asarray(prices, np.float64),
     )
-    tokens, parents, counts, scores, probs, samples, depths, offsets, chain_end = columns
-    merged, chains = [], []
-    for r, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+    *columns, offsets, chain_nodes, chain_offsets = columns
+    stats = (
+        match_len,
+        match_len.max(axis=1).tolist(),
+        num_matches.sum(axis=1).tolist(),
+        num_sampled.sum(axis=1).tolist(),
+    )
+    match_len.setflags(write=False)
+    merged = _views(columns, offsets.tolist(), stats)
+    if prices is None:
+        return merged, None
+    tokens, _, counts, scores, probs, samples, _ = columns
+    lengths = np.diff(chain_offsets)
+    depths = (np.arange(chain_nodes.size) - np.repeat(chain_offsets[:-1], lengths)).astype(np.int32)  # 0-based
+    chain_columns = (tokens[chain_nodes], depths - 1, counts[chain_nodes], scores[chain_nodes])
+    chain_columns += (probs[chain_nodes], samples[chain_nodes], depths + 1)
+    return merged, _views(chain_columns, chain_offsets.tolist(), stats)
+
+
+def _views(columns: Sequence[np.ndarray], bounds: list[int], stats: tuple) -> list[DraftTree]:
+    """One ``MergedTree`` per row, each a view of ``columns`` (tokens, parents, counts, scores,
+    source probabilities and samples, depths; frozen here, once) from ``bounds[r]`` to ``bounds[r +
+    1]``, with the row's match statistics ``stats`` (source match lengths [R, S], then per row the
+    longest, the matches and the samples); the empty tree where a row has no nodes. Unchecked: the
+    kernel built them valid (BFS order, scores that never grow down a path)."""
+    for column in columns:
+        column.setflags(write=False)
+    tokens, parents, counts, scores, probs, samples, depths = columns
+    source_match_len, longest, num_matches, num_sampled = stats
+    trees = []
+    for r, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         if lo == hi:
-            merged.append(DraftTree.empty())
-            chains.append(DraftTree.empty())
+            trees.append(DraftTree.empty())
             continue
-        tree = MergedTree._derived(
+        tree = object.__new__(MergedTree)
+        tree.__dict__.update(
             tokens=tokens[lo:hi],
             parents=parents[lo:hi],
             counts=counts[lo:hi],
             depths=depths[lo:hi],
-            match_len=int(match_len[r].max()),
-            num_matches=int(num_matches[r].sum()),
-            num_sampled=int(num_sampled[r].sum()),
+            match_len=longest[r],
+            num_matches=num_matches[r],
+            num_sampled=num_sampled[r],
             scores=scores[lo:hi],
             source_probs=probs[lo:hi],
             source_samples=samples[lo:hi],
-            source_match_len=match_len[r],
+            source_match_len=source_match_len[r],
         )
-        merged.append(tree)
-        end = int(chain_end[r])
-        chains.append(DraftTree.empty() if end < 0 else tree.chain_to(end))
-    return merged, None if prices is None else chains
+        trees.append(tree)
+    return trees
 
 
 def compile_kernels() -> float:
