@@ -527,6 +527,8 @@ def _npy_header(f) -> dict:
     if length > _NPY_MAX_HEADER:
         raise ValueError(f"a header of {length} bytes is longer than np.save writes")
     text = f.read(length)
+    if b"\\" in text:  # np.save writes none; Python would warn of an invalid escape before refusing it
+        raise ValueError("the header holds a backslash, which np.save never writes")
     try:
         header = ast.literal_eval(text.decode("latin-1"))
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:

@@ -400,12 +400,14 @@ def rewrite_header(file: Path, old: bytes, new: bytes) -> None:
         ("bad-magic", "not a valid .npy array: not a .npy file of format 1.0 or 2.0"),
         ("garbage-header", "not a valid .npy array: the header is not a Python literal"),
         ("unterminated-string", "not a valid .npy array: the header is not a Python literal"),  # numpy: TokenError
+        ("escape", "not a valid .npy array: the header holds a backslash"),  # Python: a DeprecationWarning first
         ("long-header", "not a valid .npy array: a header of 65535 bytes is longer than np.save writes"),
     ],
 )
+@pytest.mark.filterwarnings("error")
 def test_npy_header_must_describe_exactly_the_file(tmp_path, damage, message):
     """Resealed so the digests agree: the header itself is checked, and the file must be that
-    header plus exactly that data."""
+    header plus exactly that data; parsing it warns of nothing."""
     path = small_index(tmp_path)
     file = path / fmt.shard_file(0, "tokens")
     if damage == "trailing-bytes":
@@ -424,6 +426,8 @@ def test_npy_header_must_describe_exactly_the_file(tmp_path, damage, message):
         rewrite_header(file, b"'descr'", b"'descr(")
     elif damage == "unterminated-string":
         rewrite_header(file, b"'<u2'", b"'<u2 ")
+    elif damage == "escape":
+        rewrite_header(file, b"'<u2'", b"'\\o2'")
     else:
         rewrite_header(file, b"NUMPY\x01\x00v\x00", b"NUMPY\x01\x00\xff\xff")
     reseal(path)
