@@ -48,7 +48,7 @@ NEW_TOKENS = 48
 GREEDY = {"temperature": 0.0, "max_tokens": NEW_TOKENS}
 IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 SAMPLES = 240
-SAMPLING_CONCURRENCY = 4
+SAMPLING_CONCURRENCY = 8
 SAMPLED_TOKENS = 6
 # temperature, top-k and top-p all go through the expand kernel at drafted positions
 SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.95, "max_tokens": SAMPLED_TOKENS}
@@ -99,8 +99,9 @@ def greedy_runs(prompts):
 
 
 def sampling_run(prompt):
-    """4 at a time: where drafting pays even on a loaded machine (at 16 rows a draft token costs half
-    a row's step, and a busy CI machine's step times made the proposer skip every sampled step)."""
+    """8 at a time, the busy run's row count, whose step cost the proposer has learned: there drafting
+    pays even on a loaded machine (at 16 rows a draft token costs half a row's step, and a busy
+    machine's step times made the proposer skip every sampled step; 8 passes beside two CPU burners)."""
     return {"prompts": [prompt] * SAMPLES, "concurrency": SAMPLING_CONCURRENCY, "sampling": SAMPLING, "seeds": True}
 
 
@@ -110,7 +111,7 @@ def job(checkpoint, method="rest", runs=(), **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def plain(checkpoint, prompts, busy_run):
-    """vLLM without speculation: greedy outputs, 1 and 4 at a time, sampled ones (4 at a time), and 8 at a time."""
+    """vLLM without speculation: greedy outputs, 1 and 4 at a time, sampled ones (8 at a time), and 8 at a time."""
     return run_job(job(checkpoint, "plain", [*greedy_runs(prompts), sampling_run(prompts[0]), busy_run]))
 
 
@@ -118,7 +119,7 @@ def plain(checkpoint, prompts, busy_run):
 def rest_local(checkpoint, prompts, busy_run, stdlib_index):
     """The proposer with the index opened in the worker, drafting the next step's sources during
     each forward (``overlap``; off by default there) and no cached cost (``remeasure``): 8 requests
-    at once from its first step, then greedy 1 and 4 at a time, then sampled (4 at a time)."""
+    at once from its first step, then greedy 1 and 4 at a time, then sampled (8 at a time)."""
     rest = {"datastore": str(stdlib_index), "outputs_max_tokens": 0, "remeasure": True, "overlap": True}
     return run_job(job(checkpoint, runs=[busy_run, *greedy_runs(prompts), sampling_run(prompts[0])], rest=rest))
 
