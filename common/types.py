@@ -212,8 +212,7 @@ class DraftTree:
             if not num_sampled:
                 trees.append(_EMPTY_TREE)
                 continue
-            tree = object.__new__(cls)
-            tree.__dict__.update(
+            tree = cls._frozen_view(
                 tokens=tokens[start:stop],
                 parents=parents[start:stop],
                 counts=counts[start:stop],
@@ -225,6 +224,14 @@ class DraftTree:
             )
             trees.append(tree)
         return trees
+
+    @classmethod
+    def _frozen_view(cls, **values) -> DraftTree:
+        """``_derived`` for arrays that are views of arrays frozen once already (a batch kernel's
+        buffers, set read-only once per step): nothing set per array of every tree."""
+        tree = object.__new__(cls)
+        tree.__dict__.update(values)
+        return tree
 
     @classmethod
     def _derived(cls, **values) -> DraftTree:

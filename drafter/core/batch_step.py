@@ -150,10 +150,11 @@ def merge_rows(
     if prices is None:
         return merged, None
     tokens, _, counts, scores, probs, samples, _ = columns
-    lengths = np.diff(chain_offsets)
-    depths = (np.arange(chain_nodes.size) - np.repeat(chain_offsets[:-1], lengths)).astype(np.int32)  # 0-based
-    chain_columns = (tokens[chain_nodes], depths - 1, counts[chain_nodes], scores[chain_nodes])
-    chain_columns += (probs[chain_nodes], samples[chain_nodes], depths + 1)
+    # a chain's node at position i (from 0) has parent i - 1 and depth i + 1
+    position = np.arange(chain_nodes.size) - np.repeat(chain_offsets[:-1], np.diff(chain_offsets))
+    position = position.astype(np.int32)
+    chain_columns = (tokens[chain_nodes], position - 1, counts[chain_nodes], scores[chain_nodes])
+    chain_columns += (probs[chain_nodes], samples[chain_nodes], position + 1)
     return merged, _views(chain_columns, chain_offsets.tolist(), stats)
 
 
@@ -172,8 +173,7 @@ def _views(columns: Sequence[np.ndarray], bounds: list[int], stats: tuple) -> li
         if lo == hi:
             trees.append(DraftTree.empty())
             continue
-        tree = object.__new__(MergedTree)
-        tree.__dict__.update(
+        tree = MergedTree._frozen_view(
             tokens=tokens[lo:hi],
             parents=parents[lo:hi],
             counts=counts[lo:hi],
