@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import CancelledError
+import threading
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,28 @@ def test_this_projects_sources_declare_what_the_scheduler_may_use(index, server)
         assert cancelled.cancel()
         with pytest.raises(CancelledError):
             cancelled.result()
+
+
+def test_in_process_work_under_way_is_not_cancelled_and_its_result_stands():
+    """A ``Deferred``'s work running in one thread (the scheduler's speculation) cannot be stopped
+    by a cancel from another (the decoding thread giving up on it): the cancel says False, the
+    result stands, and a second caller waits for it rather than reading nothing."""
+    started, release = threading.Event(), threading.Event()
+
+    def work():
+        started.set()
+        release.wait(5)
+        return [7]
+
+    pending = Deferred(work)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(pending.result)
+        assert started.wait(5)
+        assert pending.cancel() is False
+        second = pool.submit(pending.result)
+        release.set()
+        assert first.result(5) == second.result(5) == [7]
+    assert pending.cancel() is False  # done: nothing left to stop
 
 
 def test_the_adaptive_drafter_and_the_scheduler_run_one_sequence(index):

@@ -8,6 +8,7 @@ runs after its speculation); what a draft source declares to a scheduler, with d
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
@@ -48,25 +49,34 @@ V = TypeVar("V")
 
 class Deferred(Generic[V]):
     """A ``Pending`` for work that runs where it is collected (an in-process index: nothing to
-    wait for, so the work runs in whichever thread asks for the result, once)."""
+    wait for, so the work runs in whichever thread asks for the result, once). Work under way
+    cannot be stopped: ``cancel`` then says so (False), and the result stands."""
 
     def __init__(self, work: Callable[[], V]) -> None:
         self._work: Callable[[], V] | None = work
         self._value: V | None = None
         self._cancelled = False
+        self._lock = threading.Lock()  # held while the work runs: a second caller waits for it
 
     def result(self, timeout: float | None = None) -> V:
-        if self._cancelled:
-            raise CancelledError("the draft was cancelled")
-        if self._work is not None:
-            self._value, self._work = self._work(), None
-        return self._value  # type: ignore[return-value]
+        with self._lock:
+            if self._cancelled:
+                raise CancelledError("the draft was cancelled")
+            if self._work is not None:
+                work, self._work = self._work, None
+                self._value = work()
+            return self._value  # type: ignore[return-value]
 
     def cancel(self) -> bool:
-        if self._work is None:
-            return False
-        self._cancelled, self._work = True, None
-        return True
+        if not self._lock.acquire(blocking=False):
+            return False  # the work is running
+        try:
+            if self._work is None:
+                return False
+            self._cancelled, self._work = True, None
+            return True
+        finally:
+            self._lock.release()
 
 
 def drafter_trees(drafter: Drafter, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[DraftTree]:
