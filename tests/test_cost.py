@@ -256,5 +256,7 @@ def test_every_cost_answers_the_step_cost_interface():
     for _ in range(4):
         corrected.observe_step([tree], 3.2)
     assert corrected.seen(corrected.block_shape([tree]), chain=False) == 4 and corrected.step_seconds([tree]) == 3.2
+    batch.observe_step([chain], 0.5, rows=3)  # the engine's first step of 5 tokens: its set-up, not counted
+    assert batch.steps == 0
     batch.observe_step([chain], 0.5, rows=3)
     assert batch.steps == 1 and batch.base(3) == pytest.approx(0.5 - 2 * batch.per_token)
