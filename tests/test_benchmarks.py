@@ -198,3 +198,32 @@ def test_history_replay_sizes_rest_chains_by_the_price_of_a_draft_token(tmp_path
     assert drafted[0] > drafted[1] > drafted[2] == 0
     assert figures[0.0]["accepted_per_step"] > figures[5.0]["accepted_per_step"] == 0
     assert tuning_split([[1], [2]], 2) == ([], [[1], [2]])  # every request held out, the warm-up empty
+
+
+def test_cost_trace_tells_a_shapes_set_up_from_its_steady_price():
+    """``benchmarks.cost_trace``'s analysis on a synthetic engine: 20 ms plus 1 ms a row and 0.5 ms
+    a draft token, and 30 ms more on the first step of each token count. It measures the set-up
+    where it is (first steps of a token count, not new cells of one run before), the steady slope,
+    replays the cost as the engine learned it, and shows counting every step settle later."""
+    from benchmarks.cost_trace import analyse
+
+    rng = np.random.default_rng(3)
+    seen, trace = set(), []
+    for i in range(400):
+        rows = int(rng.choice([4, 8]))
+        drafted = int(rng.integers(0, 8 * rows + 1)) if i < 40 else int(rng.integers(0, 12))
+        seconds = 0.020 + 0.001 * rows + 0.0005 * drafted + (0.030 if rows + drafted not in seen else 0.0)
+        seen.add(rows + drafted)
+        trace.append([rows, drafted, seconds, 0.0])
+    report = analyse(trace, prior_slope=0.05)
+    assert report["steps"] == 400 and report["repeated_shapes_slope_ms"] == pytest.approx(0.5, rel=1e-6)
+    set_up = report["set_up"]
+    assert set_up["first_of_a_token_count"]["median_ms"] == pytest.approx(30.0, abs=0.01)
+    assert set_up["first_of_a_cell_of_a_token_count_run_before"]["median_ms"] == pytest.approx(0.0, abs=0.01)
+    assert set_up["the_rest"]["median_ms"] == pytest.approx(0.0, abs=0.01)
+    prices = report["per_token_ms"]
+    assert prices["replayed"]["end"] == pytest.approx(0.5, rel=0.05)
+    assert prices["replayed"]["settled_at_step"] <= 50, prices
+    # the early large drafts' set-up, counted, holds the price high: never within 25% in 400 steps
+    counted = prices["replayed_counting_every_step"]
+    assert counted["settled_at_step"] is None and counted["end"] > 1.25 * 0.5, prices
