@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rest_spec.drafter.core.batch_cost import FORGET_AFTER, HALF_LIFE, PROVISIONAL_SLOPE, BatchCost
+from rest_spec.drafter.core.batch_cost import CELL_WINDOW, FORGET_AFTER, HALF_LIFE, PROVISIONAL_SLOPE, BatchCost
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
 from rest_spec.drafter.core.selection import select_batch_chains
 from rest_spec.drafter.core.worth import MAX_SKIP, DraftingWorth
@@ -141,6 +141,41 @@ def test_drafting_that_does_not_pay_is_skipped_longer_each_time_until_it_pays():
         assert worth.drafts(4)
     worth.weigh(4, 0.0, 0.001, 0.040)  # one empty draft among paying ones skips nothing
     assert worth.drafts(4)
+
+
+def test_steps_priced_by_a_cost_that_has_since_learned_are_priced_again_before_they_skip():
+    """Eight rows, 8 draft tokens a step expecting 2.4 tokens: at a prior of 1.66 ms a token against
+    a 25 ms plain step that does not pay, at the 0.63 ms the engine learns it does. Steps weighed
+    with their pricing by the cost as it stands are priced again before they skip: drafting resumes
+    at the first step weighed after the cost learned, where numbers fixed when weighed keep skipping."""
+    cost = BatchCost()
+    for drafted in (0, 8, 0, 8, 8):  # the engine as the prior priced it, each token count's second step counted
+        cost.observe(8, drafted, 0.025 + 0.00166 * drafted)
+        cost.observe(8, drafted, 0.025 + 0.00166 * drafted)
+    cost.fit()
+    assert cost.per_token == pytest.approx(0.00166, rel=0.05)
+    trees = [scored_chain([0.5, 0.3, 0.1])] * 2 + [scored_chain([0.4, 0.2])]  # 8 draft tokens
+
+    def extra() -> float:
+        return cost.step_seconds(trees, 8) - cost.step_seconds([], 8)
+
+    repriced, fixed = DraftingWorth(), DraftingWorth()
+    for _ in range(4):  # priced out: both skip
+        for worth in (repriced, fixed):
+            worth.weigh(8, 2.4, extra(), cost.step_seconds([], 8), reprice=extra if worth is repriced else None)
+    assert not repriced.drafts(8) and not fixed.drafts(8)
+    for _ in range(CELL_WINDOW):  # the engine's steps now say 0.63 ms a token
+        for drafted in (0, 8):
+            cost.observe(8, drafted, 0.025 + 0.00063 * drafted)
+    cost.fit()
+    assert cost.per_token == pytest.approx(0.00063, rel=0.1)
+    for worth in (repriced, fixed):
+        while not worth.drafts(8):  # the skip runs out
+            pass
+    for worth in (repriced, fixed):
+        worth.weigh(8, 2.4, extra(), cost.step_seconds([], 8), reprice=extra if worth is repriced else None)
+    assert repriced.drafts(8)  # the window priced again: it pays
+    assert not fixed.drafts(8)  # four steps priced at 1.66 ms outweigh one at 0.63
 
 
 def test_a_stalled_step_does_not_stop_drafting_that_pays():

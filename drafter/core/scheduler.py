@@ -329,9 +329,14 @@ class DraftScheduler:
         trees = self.trees(rows, requests, admit, accepted)
         self.speculate(trees)
         if cost is not None:
-            plain, drafted = cost.step_seconds([], size), cost.step_seconds(trees, size)
+            own = time.perf_counter() - start
+
+            def extra() -> float:
+                """The step's seconds beyond a plain one, by the cost as it stands."""
+                return cost.step_seconds(trees, size) - cost.step_seconds([], size) + own
+
             expected = sum(float(tree.scores.sum()) for tree in trees)
-            self.worth.weigh(size, expected, drafted - plain + time.perf_counter() - start, plain)
+            self.worth.weigh(size, expected, extra(), cost.step_seconds([], size), reprice=extra)
         return trees
 
     def _skip(

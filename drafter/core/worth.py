@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 WORTH_WINDOW = 16  # recent drafting steps per batch size whose expected gain and cost are weighed
 MAX_SKIP = 16  # the most steps drafting is skipped at a batch size before it is weighed again
@@ -29,10 +30,18 @@ class DraftingWorth:
     costs, yet one stalled second summed in would outweigh sixteen steps of gains and, weighed again
     and again while it stays in the window, skip drafting at that size for a hundred steps (in vLLM,
     HumanEval at 8 requests: half the steps skipped, after a 1.3 s first step). A step priced
-    before the cost knows a plain step's time (0 s) is not weighed."""
+    before the cost knows a plain step's time (0 s) is not weighed.
+
+    A step's extra time is priced when it is weighed, by the cost as it stood then; a cost that
+    learns (vLLM's ``BatchCost``) may price the same draft tokens at a third of that a few steps
+    later. So a step weighed with ``reprice`` (its extra time by the cost as it stands) is priced
+    again before the recent steps can skip drafting: in vLLM on HumanEval at 8 requests the first
+    steps, priced by the cost's prior at 1.66 ms a draft token, skipped drafting until the 58th
+    step though the cost had learned 0.63 ms at the 14th (``benchmarks.cost_trace``)."""
 
     def __init__(self) -> None:
-        self._recent: dict[int, deque[tuple[float, float]]] = {}  # rows -> (expected tokens, extra seconds)
+        # rows -> (expected tokens, extra seconds, their pricing by the cost as it stands or None)
+        self._recent: dict[int, deque[tuple[float, float, Callable[[], float] | None]]] = {}
         self._skip: dict[int, tuple[int, int]] = {}  # rows -> (steps still skipped, the next skip's length)
 
     def drafts(self, rows: int = 1) -> bool:
@@ -43,20 +52,31 @@ class DraftingWorth:
             return False
         return True
 
-    def weigh(self, rows: int, expected: float, extra: float, plain: float) -> None:
+    def weigh(
+        self, rows: int, expected: float, extra: float, plain: float, reprice: Callable[[], float] | None = None
+    ) -> None:
         """A step of ``rows`` rows drafted, expecting ``expected`` extra tokens for ``extra``
-        seconds beyond a plain step of ``plain`` seconds."""
+        seconds beyond a plain step of ``plain`` seconds (``reprice``: those seconds by the cost
+        as it will stand, asked before the recent steps skip drafting)."""
         if plain <= 0:
             return
         recent = self._recent.setdefault(rows, deque(maxlen=WORTH_WINDOW))
-        recent.append((expected, extra))
-        gained = sum(gain for gain, _ in recent)
-        spent = statistics.median(cost for _, cost in recent) * len(recent)
+        recent.append((expected, extra, reprice))
+        pays = self._pays(recent, rows, plain)
+        if not pays and any(again is not None for _, _, again in recent):
+            repriced = [(gain, cost if again is None else again(), again) for gain, cost, again in recent]
+            recent.clear()
+            recent.extend(repriced)
+            pays = self._pays(recent, rows, plain)
         _, length = self._skip.get(rows, (0, 1))
-        if gained / rows >= spent / plain:
-            self._skip[rows] = (0, 1)
-        else:
-            self._skip[rows] = (length, min(2 * length, MAX_SKIP))
+        self._skip[rows] = (0, 1) if pays else (length, min(2 * length, MAX_SKIP))
+
+    @staticmethod
+    def _pays(recent: deque[tuple[float, float, Callable[[], float] | None]], rows: int, plain: float) -> bool:
+        """Whether the recent steps' extra tokens per row outweigh their extra time per plain step."""
+        gained = sum(gain for gain, _, _ in recent)
+        spent = statistics.median(cost for _, cost, _ in recent) * len(recent)
+        return gained / rows >= spent / plain
 
     def reset(self) -> None:
         """Start over (a new request where an engine runs one at a time): draft at once."""
