@@ -33,6 +33,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +104,11 @@ def repeated_slope(rows: np.ndarray, drafted: np.ndarray, seconds: np.ndarray, r
     return float((x * y).sum() / (x * x).sum())
 
 
+def at_checkpoints(prices: Sequence[float]) -> dict[str, float]:
+    """A run's learned prices (seconds) after each of ``CHECKPOINTS`` steps it ran, in ms."""
+    return {str(c): round(1e3 * float(prices[c - 1]), 3) for c in CHECKPOINTS if c <= len(prices)}
+
+
 def settled(prices: np.ndarray, slope: float) -> int | None:
     """The first step from which ``prices`` stay within ``WITHIN`` of ``slope`` (None: never)."""
     off = np.flatnonzero(np.abs(prices - slope) > WITHIN * slope)
@@ -155,7 +161,7 @@ def analyse(trace: list[list[float]], prior_slope: float | None) -> dict:
         },
         "per_token_ms": {
             name: {
-                **{str(c): round(1e3 * float(p[c - 1]), 3) for c in CHECKPOINTS if c <= p.size},
+                **at_checkpoints(p),
                 "end": round(1e3 * float(p[-1]), 3),
                 "settled_at_step": settled(np.nan_to_num(p, nan=np.inf), slope),
             }
@@ -216,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                     result["proposer"]["rows_drafted"] / result["proposer"]["rows"], 3
                 )
                 figures["tokens_per_second"] = round(result["tokens_per_second"], 1)
-                figures["per_token_ms_at"] = {
-                    str(c): round(1e3 * result["trace"][c - 1][3], 3) for c in CHECKPOINTS if c <= len(result["trace"])
-                }
+                figures["per_token_ms_at"] = at_checkpoints([step[3] for step in result["trace"]])
                 if repeat == 0 and not count_set_up:
                     report["sets"][name].update(analyse(result["trace"], result["prior_slope"]))
                 report["sets"][name].setdefault("engines", {}).setdefault(engine_name, []).append(figures)
