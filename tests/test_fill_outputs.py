@@ -299,10 +299,13 @@ def test_fills_the_store_with_greedy_replies_and_a_rerun_adds_nothing(expected, 
 @pytest.mark.model
 @pytest.mark.cli
 def test_a_real_sigint_resumes_to_the_full_set(expected, tmp_path, capsys):
-    records = [{"prompt": f"Question {i}: what is {i} times {i + 1}? Answer:"} for i in range(8)]
+    # replies that run to the token limit, one at a time: the run lasts seconds after its first output is
+    # stored, so the signal lands mid-run even on a loaded machine (short replies were all done within 1 s)
+    records = [{"prompt": f"Once upon a time, in a town called Number {i}, there lived"} for i in range(6)]
     prompts, outs = write_prompts(tmp_path / "p.jsonl", records), tmp_path / "outs"
-    _, replies = expected(prompts, 16)
-    args = ["--prompts", str(prompts), "--outputs-dir", str(outs), "--max-new-tokens", "16", "--batch-size", "1", "-q"]
+    _, replies = expected(prompts, 24)
+    assert min(map(len, replies)) == 24
+    args = ["--prompts", str(prompts), "--outputs-dir", str(outs), "--max-new-tokens", "24", "--batch-size", "1", "-q"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "rest_spec.drafter.cli.fill_outputs", *args],
         cwd=REPO,
@@ -319,7 +322,10 @@ def test_a_real_sigint_resumes_to_the_full_set(expected, tmp_path, capsys):
     assert proc.returncode == EXIT_INTERRUPTED, err
     done = journal_entries(outs / JOURNAL_NAME)
     assert 1 <= done < len(records)
-    assert f"interrupted: {done} output(s) stored in {outs} this run, {len(records) - done} of 8 prompt(s) left" in err
+    assert (
+        f"interrupted: {done} output(s) stored in {outs} this run, {len(records) - done} of {len(records)} prompt(s) left"
+        in err
+    )
     assert "run the same command again to resume" in err and "Traceback" not in err
     assert stored(outs) == replies[:done]
     assert main(args) == 0
