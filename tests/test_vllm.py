@@ -319,33 +319,53 @@ def causes_of_ours(output: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize(
-    "problem, layout",
-    [
-        ("unknown option", "in process"),
-        ("unreachable", "in process"),
-        ("another tokenizer", "in process"),
-        ("unreachable", "vLLM's processes"),
-        ("another tokenizer", "vLLM's processes"),
-    ],
-)
-def test_bad_configuration_fails_at_start_naming_it(checkpoint, tmp_path, problem, layout):
-    """One line naming the option, in the harness's layout (engine core in process) and in vLLM's
-    default one (engine core in a process of its own): no chained traceback of the project's."""
-    if problem == "unknown option":
-        rest, expected = {"datastore": "127.0.0.1:1", "budgets": 3}, "unknown option additional_config.rest.budgets"
-    elif problem == "unreachable":
-        port = free_port()
-        rest, expected = (
+BAD_CONFIGURATIONS = [
+    ("unknown option", "in process"),
+    ("unreachable", "in process"),
+    ("another tokenizer", "in process"),
+    ("unreachable", "vLLM's processes"),
+    ("another tokenizer", "vLLM's processes"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_configurations(checkpoint, tmp_path_factory):
+    """Each bad configuration's engine process and the line expected of it, all started at once:
+    each spends its 9-26 s importing vLLM on one core or waiting for a connection, so side by side
+    on two cores they take about half as long as one after another."""
+    port = free_port()  # nothing listens there
+    other = write_index(tmp_path_factory.mktemp("other") / "index", synthetic_corpus(), 500)  # another tokenizer's
+    problems = {
+        "unknown option": (
+            {"datastore": "127.0.0.1:1", "budgets": 3},
+            "unknown option additional_config.rest.budgets",
+        ),
+        "unreachable": (
             {"datastore": f"127.0.0.1:{port}"},
             f"cannot use additional_config.rest.datastore '127.0.0.1:{port}'",
-        )
-    else:
-        index = write_index(tmp_path / "other", synthetic_corpus(), 500)
-        rest, expected = {"datastore": str(index)}, "rebuild the index"
-    env = None if layout == "in process" else {k: v for k, v in os.environ.items() if k != IN_PROCESS}
+        ),
+        "another tokenizer": ({"datastore": str(other)}, "rebuild the index"),
+    }
+    default_layout = {k: v for k, v in os.environ.items() if k != IN_PROCESS}  # the engine core in its own process
+    started = {}
+    for problem, layout in BAD_CONFIGURATIONS:
+        rest, expected = problems[problem]
+        env = None if layout == "in process" else default_layout
+        started[problem, layout] = start_job(job(checkpoint, runs=[], rest=rest), env=env), expected
+    yield started
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.parametrize("problem, layout", BAD_CONFIGURATIONS)
+def test_bad_configuration_fails_at_start_naming_it(bad_configurations, problem, layout):
+    """One line naming the option, in the harness's layout (engine core in process) and in vLLM's
+    default one (engine core in a process of its own): no chained traceback of the project's."""
+    proc, expected = bad_configurations[problem, layout]
     with pytest.raises(EngineFailed) as failure:
-        run_job(job(checkpoint, runs=[], rest=rest), env=env, timeout=300)
+        job_result(proc, timeout=300)
     assert expected in failure.value.output
     assert causes_of_ours(failure.value.output) == []
 
