@@ -12,6 +12,8 @@ seconds) and the price of a draft token the cost holds after it. Reports, per se
   the engine had run before (per row count, one slope), for the first step of a new token count, the
   first of a new (rows, drafted) cell of a token count run before, and the rest: what a shape's
   one-time set-up costs;
+- ``by_phase``: the same slope on the steps of each phase of the run (the first 100, the next 200, the
+  rest) and the share of each phase's steps that drafted nothing: what a fresh engine pays early;
 - ``per_token_ms``: the learned price of a draft token along the run (after 25, 50, 100, 200, 400
   steps and at the end): ``live``, as the engine had it, and replayed on the same steps by
   ``BatchCost`` as it is (a token count's first step not counted) and counting every step
@@ -43,6 +45,7 @@ from benchmarks.vllm_run import ROOT, engine_env
 
 RESULTS = Path(__file__).with_name("results") / "cost_trace.json"
 CHECKPOINTS = (25, 50, 100, 200, 400)
+PHASES = (0, 100, 300)  # the run's steps from each of these to the next (the last: to its end)
 WITHIN = 0.25  # a learned price within this share of the repeated shapes' slope has settled
 # the engines run per set, one after the other: the rule, then every step counted (as before 2026-11-28)
 ENGINES = (("rule", False), ("counting_every_step", True))
@@ -104,6 +107,26 @@ def repeated_slope(rows: np.ndarray, drafted: np.ndarray, seconds: np.ndarray, r
     return float((x * y).sum() / (x * x).sum())
 
 
+def by_phase(rows: np.ndarray, drafted: np.ndarray, seconds: np.ndarray, repeated: np.ndarray) -> dict:
+    """Per phase of the run (``PHASES``): the repeated shapes' slope on that phase's steps alone
+    (None where no row count has two draft sizes there) and the share of its steps that drafted
+    nothing. A fresh engine's drafted steps can cost more than later ones; the skip rule then
+    prices drafting out, and a step that drafts nothing teaches the cost nothing."""
+    step, phases = np.arange(len(rows)), {}
+    for start, end in zip(PHASES, [*PHASES[1:], len(rows)]):
+        if start >= len(rows):
+            break
+        inside = (step >= start) & (step < end)
+        slope = None
+        if any(np.unique(drafted[inside & repeated & (rows == r)]).size > 1 for r in np.unique(rows[inside])):
+            slope = round(1e3 * repeated_slope(rows, drafted, seconds, inside & repeated), 3)
+        phases[f"{start}-{min(end, len(rows))}"] = {
+            "slope_ms": slope,
+            "drafting_nothing": round(float(np.mean(drafted[inside] == 0)), 3),
+        }
+    return phases
+
+
 def at_checkpoints(prices: Sequence[float]) -> dict[str, float]:
     """A run's learned prices (seconds) after each of ``CHECKPOINTS`` steps it ran, in ms."""
     return {str(c): round(1e3 * float(prices[c - 1]), 3) for c in CHECKPOINTS if c <= len(prices)}
@@ -154,6 +177,7 @@ def analyse(trace: list[list[float]], prior_slope: float | None) -> dict:
     return {
         "steps": len(steps),
         "repeated_shapes_slope_ms": round(1e3 * slope, 3),
+        "by_phase": by_phase(rows, drafted, seconds, ~new_total),
         "set_up": {
             "first_of_a_token_count": summary(new_total),
             "first_of_a_cell_of_a_token_count_run_before": summary(new_cell & ~new_total),

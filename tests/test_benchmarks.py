@@ -227,3 +227,22 @@ def test_cost_trace_tells_a_shapes_set_up_from_its_steady_price():
     # the early large drafts' set-up, counted, holds the price high: never within 25% in 400 steps
     counted = prices["replayed_counting_every_step"]
     assert counted["settled_at_step"] is None and counted["end"] > 1.25 * 0.5, prices
+    # one slope in every phase of a run without a warm-up
+    assert [phase["slope_ms"] for phase in report["by_phase"].values()] == pytest.approx([0.5] * 3, rel=1e-6)
+
+
+def test_cost_trace_shows_a_fresh_engines_dearer_drafts_by_phase():
+    """A synthetic engine whose draft tokens cost 1 ms each for its first 100 steps and 0.5 after,
+    and that drafts nothing on its steps 30-89 (the skip rule, priced out): the phases tell both."""
+    from benchmarks.cost_trace import analyse
+
+    rng = np.random.default_rng(4)
+    trace = []
+    for i in range(500):
+        drafted = 0 if 30 <= i < 90 else int(rng.integers(0, 12))
+        trace.append([8, drafted, 0.025 + (0.001 if i < 100 else 0.0005) * drafted, 0.0])
+    phases = analyse(trace, prior_slope=0.05)["by_phase"]
+    assert list(phases) == ["0-100", "100-300", "300-500"]
+    assert phases["0-100"]["slope_ms"] == pytest.approx(1.0, rel=1e-6)
+    assert phases["100-300"]["slope_ms"] == phases["300-500"]["slope_ms"] == pytest.approx(0.5, rel=1e-6)
+    assert phases["0-100"]["drafting_nothing"] > 0.6 > 0.2 > phases["100-300"]["drafting_nothing"]
