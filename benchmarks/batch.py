@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, comma_list, humaneval_inputs, save_report, start_run
+from benchmarks.common import RESULTS, benchmark_parser, comma_list, humaneval_inputs, save_report, start_run
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
@@ -37,8 +37,8 @@ from rest_spec.drafter.hf.model import load_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    p = benchmark_parser(
+        __doc__, prompts=8, prompts_help="first N HumanEval prompts, decoded at every batch size; a multiple of each"
     )
     p.add_argument("--index", default="indexes/python-stdlib", help="index directory (default: %(default)s)")
     p.add_argument("--model", default=None, help="model spec (default: the packaged SmolLM2-135M-Instruct)")
@@ -48,13 +48,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="1,2,4,8",
         help="comma-separated batch sizes (default: %(default)s)",
     )
-    p.add_argument(
-        "--prompts",
-        type=int,
-        default=8,
-        help="first N HumanEval prompts, decoded at every batch size; a multiple of each (default 8)",
-    )
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=64, help="draft tree size c (default 64)")
     p.add_argument("--max-depth", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per batch size and method (default 3)")

@@ -19,11 +19,10 @@ Latency is timed: run it on a quiet machine. Prints one JSON object and saves it
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import save_report, start_run
+from benchmarks.common import benchmark_parser, positive_int, save_report, start_run
 from benchmarks.history import RESULTS, greedy_outputs, run_fleet, set_streams
 from benchmarks.retrieval.engines import compare_latency, open_figures, our_engine
 from benchmarks.retrieval.service import grpc_figures
@@ -60,14 +59,12 @@ def measure(index: Path, held_out, args) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = benchmark_parser(__doc__, prompts=64, prompts_help="HumanEval prompts from the 101st")
     p.add_argument("--index", type=Path, action="append", required=True, help="an index to measure (repeat)")
-    p.add_argument("--prompts", type=int, default=64, help="HumanEval prompts from the 101st (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--k", type=positive_int, default=8, help="draft tokens per step at most (default: %(default)s)")
     p.add_argument("--queries", type=int, default=1000, help="latency queries per index (default: %(default)s)")
     p.add_argument("--seconds", type=float, default=5.0, help="gRPC measuring time (default: %(default)s)")
-    p.add_argument("--warmup-concurrency", type=int, default=32, help="requests at once decoding outputs")
+    p.add_argument("--warmup-concurrency", type=positive_int, default=32, help="requests at once decoding outputs")
     p.add_argument("--skip-latency", action="store_true", help="the replay only (no timing)")
     p.add_argument("--out", type=Path, default=RESULTS / "code_scale.json")
     args = p.parse_args(argv)

@@ -83,6 +83,46 @@ def start_run(
     return report_header(benchmark, argv)
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, not {value}")
+    return value
+
+
+def benchmark_parser(
+    doc: str | None,
+    *,
+    prompts: int | None = 40,
+    prompts_help: str = "prompts per set",
+    sets: Sequence[str] | None = None,
+    default_sets: Sequence[str] | None = None,
+    sets_help: str | None = None,
+) -> argparse.ArgumentParser:
+    """Every benchmark's parser, with the options they all spell alike: the module docstring's first
+    paragraph as its description, ``--max-new-tokens``, ``--prompts`` (unless ``prompts`` is None),
+    and, given ``sets`` (the choices), ``--sets``: a comma-separated subset, ``default_sets`` (all of
+    them) unless given. Counts are positive."""
+    p = argparse.ArgumentParser(
+        description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    if prompts is not None:
+        p.add_argument("--prompts", type=positive_int, default=prompts, help=f"{prompts_help} (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per reply (default: %(default)s)")
+    if sets is not None:
+        p.add_argument(
+            "--sets",
+            type=comma_list(sets),
+            default=",".join(default_sets or sets),
+            help=f"{sets_help or 'comma-separated'}, of {','.join(sets)} (default: %(default)s)",
+        )
+    return p
+
+
 def comma_list(choices: Sequence[str] | None = None, *, item: Callable[[str], object] = str, empty: bool = False):
     """An argparse ``type`` for a comma-separated list (``--sets humaneval,sharegpt``,
     ``--concurrency 1,8``): a list of ``item(part)``, each part one of ``choices`` where given, at

@@ -43,7 +43,17 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, RESULTS, comma_list, ensure_index, humaneval_inputs, save_report, start_run
+from benchmarks.common import (
+    REPO,
+    RESULTS,
+    benchmark_parser,
+    comma_list,
+    ensure_index,
+    humaneval_inputs,
+    positive_int,
+    save_report,
+    start_run,
+)
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
@@ -251,10 +261,10 @@ def run_tables(model, tokenizer, index: Path, directories: dict[str, Path], args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=10, help="HumanEval prompts (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--busy", type=int, default=2, help="CPU-bound processes beside the busy measurement (default: 2)")
+    p = benchmark_parser(__doc__, prompts=10, prompts_help="HumanEval prompts")
+    p.add_argument(
+        "--busy", type=positive_int, default=2, help="CPU-bound processes beside the busy measurement (default: 2)"
+    )
     p.add_argument(
         "--sizes",
         type=comma_list(item=int),
@@ -264,8 +274,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--index", type=Path, default=REPO / "indexes/python-stdlib")
     p.add_argument("--out", type=Path, default=RESULTS / "cost_noise.json")
     args = p.parse_args(argv)
-    if args.prompts < 1 or args.max_new_tokens < 1 or args.busy < 1:
-        p.error("--prompts, --max-new-tokens and --busy must be positive")
     sizes = tuple(args.sizes)
     header = start_run("cost_noise", argv)
     logging.getLogger("rest_spec").setLevel(logging.WARNING)  # the measurements' per-size lines

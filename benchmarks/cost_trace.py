@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import comma_list, save_report, start_run
+from benchmarks.common import benchmark_parser, positive_int, save_report, start_run
 from benchmarks.vllm_run import ROOT, engine_env
 
 RESULTS = Path(__file__).with_name("results") / "cost_trace.json"
@@ -212,14 +212,17 @@ def run_engine(job: dict, job_file: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = benchmark_parser(
+        __doc__,
+        prompts=64,
+        prompts_help="held-out prompts per set",
+        sets=("code", "chat"),
+        default_sets=("chat", "code"),
     )
-    parser.add_argument("--sets", type=comma_list(("code", "chat")), default="chat,code", help="default: chat,code")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests at a time (default 8)")
-    parser.add_argument("--prompts", type=int, default=64, help="held-out prompts per set (default 64)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
-    parser.add_argument("--repeats", type=int, default=2, help="engines of each kind per set, alternating (default 2)")
+    parser.add_argument("--concurrency", type=positive_int, default=8, help="requests at a time (default 8)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=2, help="engines of each kind per set, alternating (default 2)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"default {RESULTS.relative_to(ROOT)}")
     parser.add_argument("--engine", type=Path, help=argparse.SUPPRESS)  # the engine's process: its job file
     args = parser.parse_args(argv)

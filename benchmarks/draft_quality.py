@@ -18,12 +18,11 @@ Prints one JSON object and saves it under benchmarks/results/.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS, DraftRetriever, humaneval_inputs, report_header, save_report
+from benchmarks.common import RESULTS, DraftRetriever, benchmark_parser, humaneval_inputs, report_header, save_report
 from benchmarks.replay import Example, greedy_outputs, replay
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
@@ -43,10 +42,8 @@ def quality(examples: list[Example], drafter, config: DraftConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = benchmark_parser(__doc__, prompts=10, prompts_help="HumanEval prompts")
     p.add_argument("--index", required=True)
-    p.add_argument("--prompts", type=int, default=10)
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="render prompts with the chat template")
     p.add_argument("--n-max", type=int, nargs="+", default=[1, 2, 3, 4, 6, 16])

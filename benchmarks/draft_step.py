@@ -17,7 +17,6 @@ Timed: run it alone on a quiet machine. Prints one JSON object and saves it.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import comma_list, save_report, start_run
+from benchmarks.common import benchmark_parser, comma_list, positive_int, save_report, start_run
 from benchmarks.history import RESULTS, accepted_length, greedy_outputs, set_streams
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
@@ -100,14 +99,13 @@ def summarize(steps: list[dict[str, float]], rows: int) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sets", type=comma_list(("code", "chat")), default="code,chat", help="(default: %(default)s)")
-    p.add_argument("--rows", type=comma_list(item=int), default="1,4,8,16", help="(default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=64, help="held-out prompts per set, at most (default: %(default)s)")
+    p = benchmark_parser(__doc__, prompts=64, prompts_help="held-out prompts per set, at most", sets=("code", "chat"))
+    p.add_argument("--rows", type=comma_list(item=positive_int), default="1,4,8,16", help="(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2000, help="warm-up outputs in the store (default: %(default)s)")
-    p.add_argument("--k", type=int, default=8, help="draft tokens per row at most (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--warmup-concurrency", type=int, default=32, help="requests at once decoding missing outputs")
+    p.add_argument("--k", type=positive_int, default=8, help="draft tokens per row at most (default: %(default)s)")
+    p.add_argument(
+        "--warmup-concurrency", type=positive_int, default=32, help="requests at once decoding missing outputs"
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "draft_step.json")
     args = p.parse_args(argv)
     report = start_run("draft_step", argv)

@@ -55,6 +55,7 @@ import torch
 from benchmarks.common import (
     REPO,
     RESULTS,
+    benchmark_parser,
     chat_prompt,
     check,
     comma_list,
@@ -159,17 +160,7 @@ def set_index(name: str, args: argparse.Namespace) -> Path:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument(
-        "--sets",
-        type=comma_list(SETS),
-        default=",".join(DEFAULT_SETS),
-        help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)",
-    )
+    p = benchmark_parser(__doc__, sets=SETS, default_sets=DEFAULT_SETS)
     p.add_argument(
         "--modes",
         type=comma_list(MODES),
@@ -189,8 +180,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.plot = args.plot or args.out.with_suffix(".png")
     args.modes = [m for m in MODES if m in args.modes or m == "plain"]  # plain is the reference
-    if args.prompts < 1 or args.max_new_tokens < 1:
-        p.error("--prompts and --max-new-tokens must be positive")
     return args
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from benchmarks.common import (
     REPO,
     RESULTS,
+    benchmark_parser,
     check,
     comma_list,
     ensure_index,
@@ -66,11 +67,7 @@ WORKERS = 2
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=10, help="HumanEval prompts (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p = benchmark_parser(__doc__, prompts=10, prompts_help="HumanEval prompts")
     p.add_argument(
         "--modes", type=comma_list(MODES), default=",".join(MODES), help="comma-separated (default: %(default)s)"
     )
@@ -89,8 +86,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if "no-draft" not in args.modes:
         p.error(f"--modes must be a comma-separated subset of {','.join(MODES)}, no-draft included")
-    if args.prompts < 1 or args.max_new_tokens < 1 or min(args.fault_at, args.freeze_at, args.hold) < 0:
-        p.error("--prompts and --max-new-tokens must be positive, the times non-negative")
+    if min(args.fault_at, args.freeze_at, args.hold) < 0:
+        p.error("--fault-at, --freeze-at and --hold must be non-negative")
     return args
 
 

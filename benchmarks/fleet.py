@@ -80,7 +80,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, comma_list, compile_kernels, save_report, start_run
+from benchmarks.common import (
+    RESULTS,
+    benchmark_parser,
+    comma_list,
+    compile_kernels,
+    positive_int,
+    save_report,
+    start_run,
+)
 from benchmarks.e2e import add_set_arguments, set_index, set_prompts, sharegpt_prompt
 from benchmarks.load import start_datastore
 from benchmarks.overlap import stop
@@ -130,12 +138,7 @@ DEFAULT_OUTPUTS_MAX_TOKENS = 1_000_000  # rest-datastore serve's default store o
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--sets", type=comma_list(tuple(STREAMS)), default="code,chat", help="comma-separated (default: %(default)s)"
-    )
+    p = benchmark_parser(__doc__, prompts_help="held-out prompts per stream", sets=tuple(STREAMS))
     p.add_argument(
         "--replicas",
         type=comma_list(item=int),
@@ -148,15 +151,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="0,500,2000",
         help="comma-separated warm-up requests N (default: %(default)s)",
     )
-    p.add_argument("--prompts", type=int, default=40, help="held-out prompts per stream (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
     p.add_argument(
         "--concurrency",
         type=comma_list(item=int),
         default="1,8",
         help="comma-separated requests at once (default: %(default)s)",
     )
-    p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
+    p.add_argument(
+        "--k", type=positive_int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)"
+    )
     p.add_argument(
         "--methods",
         type=comma_list(METHODS),
@@ -165,7 +168,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--warmup-concurrency",
-        type=int,
+        type=positive_int,
         default=32,
         help="requests at once while plain vLLM decodes the warm-up's outputs (default: %(default)s)",
     )
@@ -189,8 +192,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.warmup = sorted(set(args.warmup))
     if min(args.replicas) < 1 or min(args.concurrency) < 1 or min(args.warmup) < 0:
         p.error("every --replicas and --concurrency must be positive, every --warmup >= 0")
-    if args.prompts < max(args.replicas) or args.max_new_tokens < 1 or args.k < 1 or args.warmup_concurrency < 1:
-        p.error("--prompts must be at least the largest --replicas; --max-new-tokens, --k, --warmup-concurrency >= 1")
+    if args.prompts < max(args.replicas):
+        p.error("--prompts must be at least the largest --replicas")
     if args.skip_prompts:
         p.error(
             "the fleet's held-out prompts are fixed (HumanEval 101-164, ShareGPT held-out 41-80): no --skip-prompts"

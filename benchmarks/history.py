@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ensure_index, report_header, save_report
+from benchmarks.common import benchmark_parser, comma_list, ensure_index, positive_int, report_header, save_report
 from benchmarks.e2e import INDEXES, set_prompts
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
@@ -278,13 +278,20 @@ def run_fleet(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sets", default="code,chat", help="comma-separated, of code,chat (default: %(default)s)")
-    p.add_argument("--warmup", default="0,500,2000", help="warm-up sizes N, comma-separated (default: %(default)s)")
-    p.add_argument("--replicas", default="1,4", help="fleet sizes F, comma-separated (default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=40, help="held-out prompts per set (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--k", type=int, default=8, help="draft tokens per step at most (default: %(default)s)")
+    p = benchmark_parser(__doc__, prompts_help="held-out prompts per set", sets=("code", "chat"))
+    p.add_argument(
+        "--warmup",
+        type=comma_list(item=int),
+        default="0,500,2000",
+        help="warm-up sizes N, comma-separated (default: %(default)s)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=comma_list(item=int),
+        default="1,4",
+        help="fleet sizes F, comma-separated (default: %(default)s)",
+    )
+    p.add_argument("--k", type=positive_int, default=8, help="draft tokens per step at most (default: %(default)s)")
     p.add_argument(
         "--price",
         type=float,
@@ -293,8 +300,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "drafter's modeled speed priced by it (vLLM on this CPU: about 0.05 at 1 row, 0.5 at 16; "
         "default: %(default)s, flat)",
     )
-    p.add_argument("--warmup-concurrency", type=int, default=32, help="requests at once decoding outputs")
-    p.add_argument("--drafters", default=",".join(DRAFTERS[:-1]), help="comma-separated (default: %(default)s)")
+    p.add_argument("--warmup-concurrency", type=positive_int, default=32, help="requests at once decoding outputs")
+    p.add_argument(
+        "--drafters",
+        type=comma_list(DRAFTERS),
+        default=",".join(DRAFTERS[:-1]),
+        help=f"comma-separated, of {','.join(DRAFTERS)} (default: %(default)s)",
+    )
     p.add_argument(
         "--own-index",
         action="append",
@@ -312,11 +324,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS / "history.json")
     args = p.parse_args(argv)
     args.own_index = dict(item.split("=", 1) for item in args.own_index)
-    args.sets, args.drafters = args.sets.split(","), args.drafters.split(",")
-    args.warmup = sorted(int(n) for n in args.warmup.split(","))
-    args.replicas = sorted(int(n) for n in args.replicas.split(","))
-    if set(args.sets) - {"code", "chat"} or set(args.drafters) - set(DRAFTERS):
-        p.error(f"--sets: code,chat; --drafters: {','.join(DRAFTERS)}")
+    args.warmup, args.replicas = sorted(args.warmup), sorted(args.replicas)
     if "rest-own" in args.drafters and set(args.sets) - set(args.own_index):
         p.error("the rest-own drafter needs --own-index SET=DIR for every set")
     if args.price < 0:

@@ -44,6 +44,7 @@ import numpy as np
 
 from benchmarks.common import (
     RESULTS,
+    benchmark_parser,
     check,
     comma_list,
     load_targets,
@@ -86,17 +87,7 @@ PROMPT_LOOKUP_TOKENS = 10
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument(
-        "--sets",
-        type=comma_list(("humaneval", "sharegpt")),
-        default="humaneval,sharegpt",
-        help="comma-separated, of humaneval,sharegpt",
-    )
+    p = benchmark_parser(__doc__, sets=("humaneval", "sharegpt"))
     p.add_argument(
         "--modes",
         type=comma_list(MODES),

@@ -33,7 +33,6 @@ benchmarks/results/merge_rules.json.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import tempfile
@@ -42,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, DraftRetriever, comma_list, save_report, start_run
+from benchmarks.common import RESULTS, DraftRetriever, benchmark_parser, save_report, start_run
 from benchmarks.e2e import DEFAULT_SETS, SETS
 from benchmarks.replay import Drafts, Example, replay
 from benchmarks.tradeoff import set_examples
@@ -186,21 +185,12 @@ def run_set(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument(
-        "--sets", type=comma_list(SETS), default=",".join(DEFAULT_SETS), help=f"comma-separated, of {','.join(SETS)}"
-    )
+    p = benchmark_parser(__doc__, sets=SETS, default_sets=DEFAULT_SETS)
     p.add_argument("--budget", type=int, default=64, help="nodes per step for every drafter (default: %(default)s)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="as in benchmarks.e2e (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS / "merge_rules.json")
     args = p.parse_args(argv)
     sets = args.sets
-    if args.prompts < 1 or args.max_new_tokens < 1:
-        p.error("--prompts and --max-new-tokens must be positive")
     header = start_run("merge_rules", argv)
     model, tokenizer = load_model(None), load_tokenizer(None)
     config, cost = DraftConfig(budget=args.budget), load_or_measure(model)

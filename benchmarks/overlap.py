@@ -41,7 +41,17 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria
 
-from benchmarks.common import REPO, RESULTS, comma_list, ensure_index, pyplot, save_figure, save_report, start_run
+from benchmarks.common import (
+    REPO,
+    RESULTS,
+    benchmark_parser,
+    comma_list,
+    ensure_index,
+    pyplot,
+    save_figure,
+    save_report,
+    start_run,
+)
 from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
 from benchmarks.load import start_server
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
@@ -57,14 +67,7 @@ log = logging.getLogger("benchmarks.overlap")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument(
-        "--sets", type=comma_list(SETS), default=",".join(DEFAULT_SETS), help="comma-separated (default: %(default)s)"
-    )
+    p = benchmark_parser(__doc__, sets=SETS, default_sets=DEFAULT_SETS)
     p.add_argument(
         "--rtts", type=comma_list(item=float), default="0,1,2,5", help="added round trips in ms (default: %(default)s)"
     )
@@ -74,8 +77,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS / "overlap.json")
     p.add_argument("--plot", type=Path, default=RESULTS / "overlap.png")
     args = p.parse_args(argv)
-    if args.prompts < 1 or args.max_new_tokens < 1 or min(args.rtts) < 0:
-        p.error("--prompts and --max-new-tokens must be positive, --rtts non-negative")
+    if min(args.rtts) < 0:
+        p.error("--rtts must be non-negative")
     return args
 
 

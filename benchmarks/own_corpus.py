@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import REPO, comma_list, report_header, save_report
+from benchmarks.common import REPO, benchmark_parser, positive_int, report_header, save_report
 from benchmarks.history import RESULTS, greedy_outputs, set_streams
 from benchmarks.vllm_run import engine_env
 from rest_spec.common.tokenizer import load_tokenizer
@@ -99,15 +99,8 @@ def build_set(name: str, count: int, args: argparse.Namespace, tokenizer) -> dic
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--sets",
-        type=comma_list(("code", "chat")),
-        default="code,chat",
-        help="comma-separated, of code,chat (default: %(default)s)",
-    )
-    p.add_argument("--count", type=int, default=2000, help="prompts per set (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p = benchmark_parser(__doc__, prompts=None, sets=("code", "chat"))
+    p.add_argument("--count", type=positive_int, default=2000, help="prompts per set (default: %(default)s)")
     p.add_argument(
         "--fill",
         type=int,

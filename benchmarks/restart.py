@@ -29,7 +29,15 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, comma_list, compile_kernels, save_report, start_run
+from benchmarks.common import (
+    RESULTS,
+    benchmark_parser,
+    comma_list,
+    compile_kernels,
+    positive_int,
+    save_report,
+    start_run,
+)
 from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
 from benchmarks.vllm import ENGINE_MODEL, ENGINE_TIMEOUT, job, summarize
 from benchmarks.vllm_run import VLLM_ENV, run_job
@@ -42,13 +50,11 @@ RUNS = ("day 1, new", "day 1, repeated", "day 2, repeated")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=20, help="prompts, each decoded three times (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p = benchmark_parser(__doc__, prompts=20, prompts_help="prompts, each decoded three times")
     p.add_argument("--set", default="humaneval", choices=SETS, help="the prompts and index (default: %(default)s)")
-    p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
+    p.add_argument(
+        "--k", type=positive_int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)"
+    )
     p.add_argument(
         "--methods",
         type=comma_list(("rest", "suffix")),
@@ -57,10 +63,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     add_set_arguments(p)
     p.add_argument("--out", type=Path, default=RESULTS / "restart.json", help="the report (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
-        p.error("--prompts, --max-new-tokens and --k must be positive")
-    return args
+    return p.parse_args(argv)
 
 
 def days(method: str, prompts: list[list[int]], args: argparse.Namespace, **fields) -> list[dict]:

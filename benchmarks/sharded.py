@@ -47,7 +47,16 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, check, comma_list, ensure_index, load_targets, save_report, start_run
+from benchmarks.common import (
+    RESULTS,
+    benchmark_parser,
+    check,
+    comma_list,
+    ensure_index,
+    load_targets,
+    save_report,
+    start_run,
+)
 from benchmarks.e2e import INDEXES, set_prompts
 from benchmarks.load import draft_requests, drive, start_datastore
 from benchmarks.overlap import record, stop, summarize
@@ -313,9 +322,7 @@ def summary_lines(report: dict) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = benchmark_parser(__doc__, prompts_help="held-out ShareGPT prompts to generate from")
     p.add_argument(
         "--index",
         type=Path,
@@ -323,12 +330,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"a sharded index built with --skip-last (default: %(default)s, built when missing with build_index {' '.join(BUILD_ARGS)})",
     )
     p.add_argument(
-        "--prompts", type=int, default=40, help="held-out ShareGPT prompts to generate from (default: %(default)s)"
-    )
-    p.add_argument(
         "--contexts", type=int, default=5000, help="held-out contexts to compare and time (default: %(default)s)"
     )
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts (default: %(default)s)")
     p.add_argument(
         "--budget",
@@ -384,7 +387,7 @@ def finish_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpars
     """``args`` checked and the draft parameters made (``p.error`` on a bad value)."""
     if min(args.routers) < 1 or min(args.clients) < 1:
         p.error("--routers and --clients must be positive")
-    for name in ("prompts", "contexts", "max_new_tokens", "max_prompt_tokens", "batch", "workers", "seconds"):
+    for name in ("contexts", "max_prompt_tokens", "batch", "workers", "seconds"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.warmup < 0:

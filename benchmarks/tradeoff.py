@@ -31,6 +31,7 @@ from pathlib import Path
 from benchmarks.common import (
     RESULTS,
     DraftRetriever,
+    benchmark_parser,
     check,
     comma_list,
     ensure_index,
@@ -50,17 +51,7 @@ from rest_spec.drafter.hf.model import load_model
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument(
-        "--sets",
-        type=comma_list(SETS),
-        default=",".join(DEFAULT_SETS),
-        help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)",
-    )
+    p = benchmark_parser(__doc__, sets=SETS, default_sets=DEFAULT_SETS)
     p.add_argument(
         "--sizes",
         type=comma_list(item=int),
@@ -77,8 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="as in benchmarks.e2e (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS / "tradeoff.json")
     args = p.parse_args(argv)
-    if args.prompts < 1 or args.max_new_tokens < 1 or min(args.sizes) < 1 or max(args.sizes) > args.budget:
-        p.error("--prompts and --max-new-tokens must be positive, and --sizes in [1, --budget]")
+    if min(args.sizes) < 1 or max(args.sizes) > args.budget:
+        p.error("--sizes must be in [1, --budget]")
     return args
 
 

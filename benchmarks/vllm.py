@@ -59,7 +59,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, comma_list, compile_kernels, save_report, start_run
+from benchmarks.common import RESULTS, benchmark_parser, comma_list, compile_kernels, save_report, start_run
 from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
@@ -79,17 +79,7 @@ ENGINE_TIMEOUT = 3600  # seconds one engine may take, startup and every run
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--prompts", type=int, default=40, help="prompts per set (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    p.add_argument(
-        "--sets",
-        type=comma_list(SETS),
-        default=",".join(DEFAULT_SETS),
-        help=f"comma-separated, of {','.join(SETS)} (default: %(default)s)",
-    )
+    p = benchmark_parser(__doc__, sets=SETS, default_sets=DEFAULT_SETS)
     p.add_argument(
         "--concurrency",
         type=comma_list(item=int),
@@ -147,8 +137,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS / "vllm.json", help="the report (default: %(default)s)")
     args = p.parse_args(argv)
     args.modes = [m for m in MODES if m in args.modes or m == "plain"]  # plain is the reference
-    if min(args.concurrency) < 1 or args.prompts < 1 or args.max_new_tokens < 1 or args.k < 1:
-        p.error("--prompts, --max-new-tokens, --k and every --concurrency must be positive")
+    if min(args.concurrency) < 1 or args.k < 1:
+        p.error("--k and every --concurrency must be positive")
     if args.tune_prompts < 0:
         p.error("--tune-prompts must be >= 0")
     return args
