@@ -326,6 +326,17 @@ def request_oracle(
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def as_from_a_terminal() -> None:
+    """A ``preexec_fn`` that starts a child with the stop signals at their defaults, as a terminal
+    would: a child inherits ignored signals (a test runner started in the background without job
+    control ignores SIGINT, one under nohup SIGHUP), and Python, and the commands, keep ignoring them."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _stopped(pid: int) -> bool:
     """Whether every thread of ``pid`` is stopped (state T in ``/proc``; True where there is no
     ``/proc``, or the process is gone)."""

@@ -23,6 +23,7 @@ import pytest
 
 from rest_spec.build_index.writer import IndexWriter
 from rest_spec.datastore import format as fmt
+from tests.helpers import STOP_SIGNALS, as_from_a_terminal
 from tests.test_build_cli import (  # noqa: F401 (tiny, tiny_tokenizer: fixtures)
     CLI_ENV,
     assert_holds,
@@ -34,8 +35,6 @@ from tests.test_build_cli import (  # noqa: F401 (tiny, tiny_tokenizer: fixtures
     tiny,
     tiny_tokenizer,
 )
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def snapshot(root: Path) -> dict[str, object]:
@@ -338,11 +337,8 @@ def test_a_stop_signal_stops_the_workers_and_leaves_the_previous_index(
     out = shutil.copytree(previous_index, tmp_path / "idx")
     before = snapshot(out)
     args = ["--corpus", "sharegpt", "--tokenizer", tiny_tokenizer, "--out", out, "--overwrite", "--workers", 2]
-    # A child inherits ignored signals (a test runner started in the background ignores SIGINT, one
-    # under nohup SIGHUP), and build_index keeps ignoring them: start it as a terminal would.
     proc = subprocess.Popen(cli_command(*args), cwd=tmp_path, env=CLI_ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in STOP_SIGNALS])  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)  # fmt: skip
     workers = []
     try:
         deadline = time.monotonic() + 120

@@ -35,7 +35,7 @@ from rest_spec.drafter.outputs_corpus import (
     open_store,
     pending_prompts,
 )
-from tests.helpers import ONE_THREAD
+from tests.helpers import ONE_THREAD, as_from_a_terminal
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 12
@@ -312,9 +312,7 @@ def test_a_real_sigint_resumes_to_the_full_set(expected, tmp_path, capsys):
         env={**os.environ, **ONE_THREAD},
         stderr=subprocess.PIPE,
         text=True,
-        # a child inherits an ignored SIGINT (a test runner started in the background without job control
-        # ignores it, and Python then keeps ignoring it): start it as a terminal would
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=as_from_a_terminal,
     )
     deadline = time.monotonic() + 120
     while journal_entries(outs / JOURNAL_NAME) < 1:  # the first output acknowledged and recorded
