@@ -20,7 +20,7 @@ and plain decoding (the reference output) run prompt by prompt, interleaved. Eac
 its calibration, output store (its own) and corrected cost from prompt to prompt, as
 ``rest-generate`` does.
 Reported per table: median tokens/s, the ratios of the busy and planted medians to the quiet one
-(target: at least 0.95) and the median of their per-prompt ratios, the first prompt's ratios (the correction heals within it), whether every
+(target: at least 0.97) and the median of their per-prompt ratios, the first prompt's ratios (the correction heals within it), whether every
 output equals plain decoding, the table as loaded, the shapes the loop observed and the cost it
 ended with. The busy measurement is also taken as this project measured before its noise checks
 (every size's runs back to back, the median of 5 after 2 warm-up runs), beside the same load, and
@@ -74,7 +74,7 @@ log = logging.getLogger("benchmarks.cost_noise")
 
 TABLES = ("quiet", "busy", "planted")
 PLANTED_MS = {1: 78.0, 2: 150.0, 8: 47.0}  # a noisy table found in the cache of a user's first run
-TARGET_RATIO = 0.95  # busy and planted medians against quiet's
+TARGET_RATIO = 0.97  # busy and planted medians against quiet's
 
 
 @contextlib.contextmanager

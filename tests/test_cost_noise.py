@@ -129,6 +129,26 @@ def test_block_shape_checks_the_padding_and_layout_claims_the_loop_acts_on():
     assert cost.block_shape(batch) == cost.current.block_shape(batch)
 
 
+def test_a_layout_whose_first_step_is_clearly_dearer_is_not_run_again():
+    """The layout check at an unconfirmed size stops after one step of the other layout where that
+    step took ``CLEARLY_DEARER`` times the table's layout's typical step (the planted table of
+    ``benchmarks.cost_noise``: 72-87 ms against 27-32 ms at 2-3 tokens), and runs its
+    ``OBSERVED_MIN`` steps where it did not; either way the prices follow what ran."""
+    claims = table({1: 10.0, 2: 20.0, 4: 15.0, 8: 30.0}, transposed=(False, True, True, False), unconfirmed=(4,))
+    three_nodes = [DraftTree(np.array([7, 8, 9]), np.full(3, -1), np.ones(3))]
+    for other_ms, other_steps in ((0.031, 1), (0.029, OBSERVED_MIN), (0.020, OBSERVED_MIN)):
+        cost = CorrectedCost(claims)
+        for _ in range(OBSERVED_MIN):
+            assert cost.block_shape(three_nodes) == BlockShape(4, True)
+            cost.observe(BlockShape(4, True), False, 0.015)
+        for _ in range(other_steps):
+            assert cost.block_shape(three_nodes) == BlockShape(4, False)
+            cost.observe(BlockShape(4, False), False, other_ms)
+        faster = other_ms < 0.015
+        assert all(cost.block_shape(three_nodes) == BlockShape(4, not faster) for _ in range(2 * OBSERVED_MIN))
+        assert cost.current.transposed_at(4) is not faster
+
+
 def test_sizes_the_table_does_not_vouch_for_are_run_a_few_times_then_priced_as_run():
     """The issue's noisy table prices t(2) at 3.2x t(8): selection pads every small tree to 8 and
     would never run 2. So it runs its top node alone ``OBSERVED_MIN`` times (t(2) is implausible),

@@ -116,6 +116,7 @@ def corrected_cost(
 OBSERVED_MIN = 4  # steps of a shape before its own times price it
 OBSERVED_WINDOW = 16  # a shape's recent steps, whose median prices it
 OBSERVED_REFRESH = 16  # steps between re-pricings, besides a shape's OBSERVED_MIN-th
+CLEARLY_DEARER = 2.0  # a layout whose first step took this many times the other's typical step is not run again
 
 
 class CorrectedCost:
@@ -136,7 +137,7 @@ class CorrectedCost:
     running the alternative -- that padding a block to a larger size is cheaper than running it as
     is (a size noise made dear is exactly one padding avoids), and, at sizes the measurement did not
     confirm (``VerifyCost.unconfirmed``, ``shape_problems``), that the other layout of the linear
-    layers is slower. The shape a step runs at never changes its output. ``pads`` False: for engines
+    layers is slower (settled by one step where that step is ``CLEARLY_DEARER``). The shape a step runs at never changes its output. ``pads`` False: for engines
     that run exactly the tokens given (llama.cpp; see ``corrected_cost``), which check nothing.
     """
 
@@ -177,9 +178,21 @@ class CorrectedCost:
                 return as_is
         if self.table.transposed and self.table.measured_at(shape.size) in self.untrusted:
             other = BlockShape(shape.size, not shape.transposed)
-            if self.seen(shape, chain) >= OBSERVED_MIN > self.seen(other, chain):
+            if self.seen(shape, chain) >= OBSERVED_MIN and not self._layout_checked(shape, other, chain):
                 return other
         return shape
+
+    def _layout_checked(self, shape: BlockShape, other: BlockShape, chain: bool) -> bool:
+        """Whether the claim that ``shape`` is the faster layout at its size has been checked
+        against ``other``: ``OBSERVED_MIN`` steps of ``other``, or fewer whose fastest already took
+        ``CLEARLY_DEARER`` times ``shape``'s typical step. (Small blocks in the slower layout cost
+        2-3x on some CPUs: four such steps each cost more than a step saves.) A stall can only
+        make ``other`` look dearer, and then the table's layout, which ran as priced, stays."""
+        times = self._times.get(StepShape(other.size, chain, other.transposed), ())
+        if len(times) >= OBSERVED_MIN:
+            return True
+        own = self._times[StepShape(shape.size, chain, shape.transposed)]
+        return bool(times) and min(times) >= CLEARLY_DEARER * statistics.median(own)
 
     def unchecked_below(self, size: int) -> int | None:
         """The smallest measured size below ``size`` that the table does not vouch for (unconfirmed,
