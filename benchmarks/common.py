@@ -123,6 +123,23 @@ def benchmark_parser(
     return p
 
 
+def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
+    """The fleet's two dimensions, as ``benchmarks.fleet`` runs them and ``benchmarks.history``
+    replays them: ``--replicas`` (fleet sizes F) and ``--warmup`` (warm-up requests N), comma lists."""
+    p.add_argument(
+        "--replicas",
+        type=comma_list(item=int),
+        default="1,4",
+        help="comma-separated fleet sizes F (default: %(default)s)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=comma_list(item=int),
+        default="0,500,2000",
+        help="comma-separated warm-up requests N (default: %(default)s)",
+    )
+
+
 def comma_list(choices: Sequence[str] | None = None, *, item: Callable[[str], object] = str, empty: bool = False):
     """An argparse ``type`` for a comma-separated list (``--sets humaneval,sharegpt``,
     ``--concurrency 1,8``): a list of ``item(part)``, each part one of ``choices`` where given, at

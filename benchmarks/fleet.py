@@ -82,6 +82,7 @@ import numpy as np
 
 from benchmarks.common import (
     RESULTS,
+    add_fleet_arguments,
     benchmark_parser,
     comma_list,
     compile_kernels,
@@ -139,18 +140,7 @@ DEFAULT_OUTPUTS_MAX_TOKENS = 1_000_000  # rest-datastore serve's default store o
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = benchmark_parser(__doc__, prompts_help="held-out prompts per stream", sets=tuple(STREAMS))
-    p.add_argument(
-        "--replicas",
-        type=comma_list(item=int),
-        default="1,4",
-        help="comma-separated fleet sizes F (default: %(default)s)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=comma_list(item=int),
-        default="0,500,2000",
-        help="comma-separated warm-up requests N (default: %(default)s)",
-    )
+    add_fleet_arguments(p)
     p.add_argument(
         "--concurrency",
         type=comma_list(item=int),

@@ -55,7 +55,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import benchmark_parser, comma_list, ensure_index, positive_int, report_header, save_report
+from benchmarks.common import (
+    add_fleet_arguments,
+    benchmark_parser,
+    comma_list,
+    ensure_index,
+    positive_int,
+    report_header,
+    save_report,
+)
 from benchmarks.e2e import INDEXES, set_prompts
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
@@ -279,18 +287,7 @@ def run_fleet(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = benchmark_parser(__doc__, prompts_help="held-out prompts per set", sets=("code", "chat"))
-    p.add_argument(
-        "--warmup",
-        type=comma_list(item=int),
-        default="0,500,2000",
-        help="warm-up sizes N, comma-separated (default: %(default)s)",
-    )
-    p.add_argument(
-        "--replicas",
-        type=comma_list(item=int),
-        default="1,4",
-        help="fleet sizes F, comma-separated (default: %(default)s)",
-    )
+    add_fleet_arguments(p)
     p.add_argument("--k", type=positive_int, default=8, help="draft tokens per step at most (default: %(default)s)")
     p.add_argument(
         "--price",
