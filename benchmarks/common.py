@@ -101,7 +101,6 @@ def benchmark_parser(
     prompts_help: str = "prompts per set",
     sets: Sequence[str] | None = None,
     default_sets: Sequence[str] | None = None,
-    sets_help: str | None = None,
 ) -> argparse.ArgumentParser:
     """Every benchmark's parser, with the options they all spell alike: the module docstring's first
     paragraph as its description, ``--max-new-tokens``, ``--prompts`` (unless ``prompts`` is None),
@@ -118,7 +117,7 @@ def benchmark_parser(
             "--sets",
             type=comma_list(sets),
             default=",".join(default_sets or sets),
-            help=f"{sets_help or 'comma-separated'}, of {','.join(sets)} (default: %(default)s)",
+            help=f"comma-separated, of {','.join(sets)} (default: %(default)s)",
         )
     return p
 

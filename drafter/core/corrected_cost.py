@@ -137,8 +137,9 @@ class CorrectedCost:
     running the alternative -- that padding a block to a larger size is cheaper than running it as
     is (a size noise made dear is exactly one padding avoids), and, at sizes the measurement did not
     confirm (``VerifyCost.unconfirmed``, ``shape_problems``), that the other layout of the linear
-    layers is slower (settled by one step where that step is ``CLEARLY_DEARER``). The shape a step runs at never changes its output. ``pads`` False: for engines
-    that run exactly the tokens given (llama.cpp; see ``corrected_cost``), which check nothing.
+    layers is slower (settled by one step where that step is ``CLEARLY_DEARER``). The shape a step
+    runs at never changes its output. ``pads`` False: for engines that run exactly the tokens given
+    (llama.cpp; see ``corrected_cost``), which check nothing.
     """
 
     def __init__(self, table: VerifyCost, *, pads: bool = True) -> None:
