@@ -331,12 +331,14 @@ class DraftScheduler:
         if cost is not None:
             own = time.perf_counter() - start
 
-            def extra() -> float:
-                """The step's seconds beyond a plain one, by the cost as it stands."""
-                return cost.step_seconds(trees, size) - cost.step_seconds([], size) + own
+            def extra(plain: float | None = None) -> float:
+                """The step's seconds beyond a plain one (``plain`` seconds, if priced already), by
+                the cost as it stands."""
+                return cost.step_seconds(trees, size) - (cost.step_seconds([], size) if plain is None else plain) + own
 
             expected = sum(float(tree.scores.sum()) for tree in trees)
-            self.worth.weigh(size, expected, extra(), cost.step_seconds([], size), reprice=extra)
+            plain = cost.step_seconds([], size)
+            self.worth.weigh(size, expected, extra(plain), plain, reprice=extra)
         return trees
 
     def _skip(
