@@ -196,7 +196,8 @@ def test_after_a_deeper_tree_is_the_tree_drafted_one_token_later(store, data, ma
     has nothing to continue, so the direct draft leaves it out of its denominator)."""
     doc = DOCS[data.draw(st.integers(0, len(DOCS) - 1))]
     end = data.draw(st.integers(1, len(doc)))
-    context = doc[max(0, end - data.draw(st.integers(1, 20))) : end]
+    # a slice of a document matches in full up to n_max: drawn shorter than n_max, as the property needs
+    context = doc[max(0, end - data.draw(st.integers(1, n_max - 1))) : end]
     config = DraftConfig(budget=1024, max_depth=max_depth, n_max=n_max, n_min=min(n_min, n_max))
     deeper = store.draft(context, dataclasses.replace(config, max_depth=max_depth + 1))
     assume(len(deeper) > 0 and len(deeper) < config.budget)
