@@ -50,9 +50,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--record-durations",
         action="store_true",
-        help=f"write each file's seconds (setup, call, teardown summed) to {DURATIONS.name}, which orders files "
-        "for pytest-xdist (run it with --full)",
+        help=f"write each test's seconds (setup, call, teardown summed) to {DURATIONS.name} for this kind of run "
+        "(default or --full), which orders the files for pytest-xdist",
     )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The whole suite (no path named) runs on two cores through pytest-xdist, whole files to a
+    worker (``-n 2 --dist loadfile``): half the wall time of one process on a 2-core machine. Not
+    where the caller chose (``-n``, ``-p no:xdist``), named tests, or needs one process (``-s``,
+    ``--pdb``, ``--collect-only``), nor inside a worker, nor on one core. Runs before xdist's own
+    hook, which turns ``numprocesses`` into workers."""
+    option = config.option
+    if (
+        config.pluginmanager.hasplugin("xdist")
+        and getattr(option, "numprocesses", 0) is None
+        and not hasattr(config, "workerinput")
+        and not option.file_or_dir
+        and not (option.usepdb or option.collectonly or option.capture == "no")
+        and len(os.sched_getaffinity(0)) >= 2
+    ):
+        option.numprocesses = 2
+        if option.dist == "no":
+            option.dist = "loadfile"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -76,60 +97,72 @@ def in_default_run(item: pytest.Item) -> bool:
 
 # pytest-xdist's workers take whole files (--dist loadfile) in the order collected, so the dearest
 # files go first and no worker is left with one long file at the end while the other idles. A
-# file's cost is its seconds in the last recorded full run (DURATIONS, --record-durations), else
-# an estimate from its tests' tiers (TIER_SECONDS, rough seconds a test).
+# file's cost is the sum over the tests this run keeps of their seconds in the last recorded run of
+# the same kind (DURATIONS, --record-durations: "default" or "full", whose tests and property
+# counts differ), else an estimate from the test's tiers (TIER_SECONDS, rough seconds a test).
 DURATIONS = Path(__file__).with_name("durations.json")
 TIER_SECONDS = {"model": 6, "bench": 6, "server": 2, "build": 2, "cli": 2, "llama": 2, "packaging": 2}
 UNIT_SECONDS = 0.04
+SHORTEST_RECORDED = 0.1  # a test under this is left to the estimate, keeping the record short
 
 
-def costliest_files_first(items: list[pytest.Item]) -> None:
+def run_kind(config: pytest.Config) -> str:
+    return "default" if default_run(config) else "full"
+
+
+def costliest_files_first(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Sort ``items`` by their file's cost (recorded seconds, else ``TIER_SECONDS``), dearest first,
     keeping the order within a file (the same on every worker: xdist checks that they collected
     alike)."""
     try:
-        recorded = json.loads(DURATIONS.read_text())
-    except (OSError, ValueError):
+        recorded = json.loads(DURATIONS.read_text()).get(run_kind(config), {})
+    except (OSError, ValueError, AttributeError):
         recorded = {}
-    estimates: dict[Path, float] = {}
+    costs: Counter[Path] = Counter()
     for item in items:
-        tiers = [seconds for tier, seconds in TIER_SECONDS.items() if item.get_closest_marker(tier)]
-        estimates[item.path] = estimates.get(item.path, 0) + max(tiers, default=UNIT_SECONDS)
-    root = Path(__file__).resolve().parents[1]
-
-    def cost(path: Path) -> float:
-        seconds = recorded.get(path.resolve().relative_to(root).as_posix())
-        return seconds if isinstance(seconds, (int, float)) else estimates[path]
-
-    items.sort(key=lambda item: -cost(item.path))
+        seconds = recorded.get(item.nodeid) if isinstance(recorded, dict) else None
+        if not isinstance(seconds, (int, float)):
+            tiers = [seconds for tier, seconds in TIER_SECONDS.items() if item.get_closest_marker(tier)]
+            seconds = max(tiers, default=UNIT_SECONDS)
+        costs[item.path] += seconds
+    items.sort(key=lambda item: -costs[item.path])
 
 
-_seconds_by_file: Counter[str] = Counter()
+_seconds_by_test: Counter[str] = Counter()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _seconds_by_file[report.nodeid.split("::", 1)[0]] += report.duration
+    _seconds_by_test[report.nodeid] += report.duration
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """With ``--record-durations``, in the controlling process (not an xdist worker): each file's
-    seconds to ``DURATIONS``."""
-    if session.config.getoption("--record-durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
-        seconds = {name: round(value, 1) for name, value in sorted(_seconds_by_file.items())}
-        DURATIONS.write_text(json.dumps(seconds, indent=1) + "\n")
+    """With ``--record-durations``, in the controlling process (not an xdist worker): each test's
+    seconds, for this kind of run, to ``DURATIONS``."""
+    config = session.config
+    if config.getoption("--record-durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        try:
+            runs = json.loads(DURATIONS.read_text())
+        except (OSError, ValueError):
+            runs = {}
+        runs = {kind: runs[kind] for kind in ("default", "full") if isinstance(runs, dict) and kind in runs}
+        runs[run_kind(config)] = {
+            test: round(seconds, 1)
+            for test, seconds in sorted(_seconds_by_test.items())
+            if seconds >= SHORTEST_RECORDED
+        }
+        DURATIONS.write_text(json.dumps(runs, indent=1) + "\n")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if default_run(config):
+        keep, drop = [], []
+        for item in items:
+            (keep if in_default_run(item) else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        costliest_files_first(items)
-    if not default_run(config):
-        return
-    keep, drop = [], []
-    for item in items:
-        (keep if in_default_run(item) else drop).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+        costliest_files_first(config, items)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
