@@ -58,14 +58,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """The whole suite (no path named) runs on two cores through pytest-xdist, whole files to a
-    worker (``-n 2 --dist loadfile``): half the wall time of one process on a 2-core machine. Not
+    worker (``-n 2 --dist loadfile``): about 0.6 of one process's wall time on 2 cores. Not
     where the caller chose (``-n``, ``-p no:xdist``), named tests, or needs one process (``-s``,
     ``--pdb``, ``--collect-only``), nor inside a worker, nor on one core. Runs before xdist's own
     hook, which turns ``numprocesses`` into workers."""
     option = config.option
     if (
         config.pluginmanager.hasplugin("xdist")
-        and getattr(option, "numprocesses", 0) is None
+        and option.numprocesses is None
         and not hasattr(config, "workerinput")
         and not option.file_or_dir
         and not (option.usepdb or option.collectonly or option.capture == "no")
@@ -110,17 +110,25 @@ def run_kind(config: pytest.Config) -> str:
     return "default" if default_run(config) else "full"
 
 
+def recorded_runs() -> dict[str, dict]:
+    """``DURATIONS``' record of each kind of run: none of a kind missing, damaged or unreadable."""
+    try:
+        runs = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {
+        kind: runs[kind] for kind in ("default", "full") if isinstance(runs, dict) and isinstance(runs.get(kind), dict)
+    }
+
+
 def costliest_files_first(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Sort ``items`` by their file's cost (recorded seconds, else ``TIER_SECONDS``), dearest first,
     keeping the order within a file (the same on every worker: xdist checks that they collected
     alike)."""
-    try:
-        recorded = json.loads(DURATIONS.read_text()).get(run_kind(config), {})
-    except (OSError, ValueError, AttributeError):
-        recorded = {}
+    recorded = recorded_runs().get(run_kind(config), {})
     costs: Counter[Path] = Counter()
     for item in items:
-        seconds = recorded.get(item.nodeid) if isinstance(recorded, dict) else None
+        seconds = recorded.get(item.nodeid)
         if not isinstance(seconds, (int, float)):
             tiers = [seconds for tier, seconds in TIER_SECONDS.items() if item.get_closest_marker(tier)]
             seconds = max(tiers, default=UNIT_SECONDS)
@@ -140,11 +148,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     seconds, for this kind of run, to ``DURATIONS``."""
     config = session.config
     if config.getoption("--record-durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
-        try:
-            runs = json.loads(DURATIONS.read_text())
-        except (OSError, ValueError):
-            runs = {}
-        runs = {kind: runs[kind] for kind in ("default", "full") if isinstance(runs, dict) and kind in runs}
+        runs = recorded_runs()
         runs[run_kind(config)] = {
             test: round(seconds, 1)
             for test, seconds in sorted(_seconds_by_test.items())
