@@ -4,6 +4,8 @@ loop on SmolLM2). The measurement's own noise checks are in test_measure.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -147,6 +149,34 @@ def test_a_layout_whose_first_step_is_clearly_dearer_is_not_run_again():
         faster = other_ms < 0.015
         assert all(cost.block_shape(three_nodes) == BlockShape(4, not faster) for _ in range(2 * OBSERVED_MIN))
         assert cost.current.transposed_at(4) is not faster
+
+
+def test_an_untrusted_size_run_in_its_dear_layout_tries_the_other_where_its_neighbours_ran_cheaper():
+    """A busy table (``benchmarks.cost_noise`` on a Zen 3 EPYC) put 8 in the untransposed layout, which
+    ran at 178 ms while the transposed 4 and 10 ran at 101 and 160: priced by its own steps, 8 was
+    never chosen again, so the other layout was never checked. Now that layout is priced from its
+    neighbours' steps, runs, and the prices follow what it took."""
+    claims = table(
+        {1: 10.0, 2: 12.0, 4: 14.0, 8: 16.0, 16: 30.0},
+        transposed=(False, True, True, False, True),
+        unconfirmed=(2, 4, 8, 16),
+    )
+    cost = CorrectedCost(claims)
+    observe(cost, StepShape(4, True, True), *[0.014] * OBSERVED_MIN)
+    observe(cost, StepShape(16, False, True), *[0.030] * OBSERVED_MIN)
+    observe(cost, StepShape(8, True, False), *[0.040] * OBSERVED_MIN)
+    seven = [DraftTree(np.arange(7), np.arange(-1, 6), np.ones(7))]  # a chain: an 8-token block
+    assert cost.current.transposed_at(8) is True
+    eight = cost.current.sizes.index(8)
+    np.testing.assert_allclose(cost.current.chain_seconds[eight], 0.014 + 0.016 * 4 / 12)  # between 4's and 16's
+    assert cost.block_shape(seven) == BlockShape(8, True)
+    observe(cost, StepShape(8, True, True), *[0.050] * OBSERVED_MIN)  # dearer still: the table was right
+    assert cost.current.transposed_at(8) is False and cost.current.chain_seconds[eight] == 0.040
+    trusted = CorrectedCost(dataclasses.replace(claims, unconfirmed=(2, 4, 16)))  # 8 confirmed: its layout holds
+    for shape, seconds in cost.observed().items():
+        if shape.size != 8 or not shape.transposed:
+            observe(trusted, shape, *[seconds] * OBSERVED_MIN)
+    assert trusted.current.transposed_at(8) is False and trusted.current.chain_seconds[eight] == 0.040
 
 
 def test_sizes_the_table_does_not_vouch_for_are_run_a_few_times_then_priced_as_run():

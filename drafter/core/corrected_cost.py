@@ -42,7 +42,10 @@ def corrected_cost(
     """``table`` corrected by the typical seconds of the step shapes a loop observed.
 
     An observed shape prices itself, and the other kind of step of its size and layout (chain or
-    tree) follows it by the table's chain/tree ratio there (1 where it is ``untrusted``). Sizes not
+    tree) follows it by the table's chain/tree ratio there (1 where it is ``untrusted``). At an
+    ``untrusted`` size run in one layout only, the other layout is priced by interpolating its steps
+    at sizes on both sides: the table's layout there may be noise, and a loop never runs a layout
+    that is not priced, so it would keep the dear one for good. Sizes not
     observed follow the table scaled by the median ratio of observed to tabled times: interference
     inflates a table unevenly, so no single size sets the scale, and measured sizes ``untrusted``
     (unconfirmed, or implausible) set none where others were observed. Where the ratios differ by more than ``CONSISTENT`` times,
@@ -64,6 +67,27 @@ def corrected_cost(
     }
     trusted = [ratio for shape, ratio in ratios.items() if table.measured_at(shape.size) not in untrusted]
     scale = statistics.median(trusted or ratios.values()) if ratios else 1.0
+    run_in = {  # layout -> {size: (tree, chain) seconds} of the sizes observed in it, either kind standing for both
+        layout: {
+            shape.size: (
+                observed.get(StepShape(shape.size, False, layout), seconds),
+                observed.get(StepShape(shape.size, True, layout), seconds),
+            )
+            for shape, seconds in observed.items()
+            if shape.transposed == layout
+        }
+        for layout in (False, True)
+    }
+
+    def between(size: int, transposed: bool) -> tuple[float, float] | None:
+        """(tree, chain) at ``size`` in layout ``transposed``, interpolated from its observed sizes
+        on both sides; None where it was not observed on both sides."""
+        steps = run_in[transposed]
+        if not any(s < size for s in steps) or not any(s > size for s in steps):
+            return None
+        at = sorted(steps)
+        trees, chains = zip(*(steps[s] for s in at))
+        return float(np.interp(size, at, trees)), float(np.interp(size, at, chains))
 
     def scaled(size: int) -> tuple[float, float]:
         return scale * tabled[False][size], scale * tabled[True][size]
@@ -79,9 +103,12 @@ def corrected_cost(
         for transposed in (table_layout[size], not table_layout[size]):
             tree, chain = (observed.get(StepShape(size, kind, transposed)) for kind in (False, True))
             if tree is None and chain is None:
-                if transposed != table_layout[size]:
+                if transposed == table_layout[size]:
+                    tree, chain = guess
+                elif table.transposed and not trusted_here and (neighbours := between(size, transposed)):
+                    tree, chain = neighbours
+                else:
                     continue  # never timed in this layout
-                tree, chain = guess
             estimates[transposed] = (
                 tree if tree is not None else chain / chain_per_tree,
                 chain if chain is not None else tree * chain_per_tree,
