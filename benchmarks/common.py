@@ -101,11 +101,13 @@ def benchmark_parser(
     prompts_help: str = "prompts per set",
     sets: Sequence[str] | None = None,
     default_sets: Sequence[str] | None = None,
+    concurrency: str | None = None,
 ) -> argparse.ArgumentParser:
     """Every benchmark's parser, with the options they all spell alike: the module docstring's first
     paragraph as its description, ``--max-new-tokens``, ``--prompts`` (unless ``prompts`` is None),
-    and, given ``sets`` (the choices), ``--sets``: a comma-separated subset, ``default_sets`` (all of
-    them) unless given. Counts are positive."""
+    given ``sets`` (the choices), ``--sets``: a comma-separated subset, ``default_sets`` (all of
+    them) unless given, and given ``concurrency`` (its default), ``--concurrency``: the engine
+    benchmarks' comma list of requests at once. Counts are positive."""
     p = argparse.ArgumentParser(
         description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -118,6 +120,13 @@ def benchmark_parser(
             type=comma_list(sets),
             default=",".join(default_sets or sets),
             help=f"comma-separated, of {','.join(sets)} (default: %(default)s)",
+        )
+    if concurrency is not None:
+        p.add_argument(
+            "--concurrency",
+            type=comma_list(item=positive_int),
+            default=concurrency,
+            help="comma-separated requests at once (default: %(default)s)",
         )
     return p
 

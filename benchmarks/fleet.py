@@ -139,14 +139,8 @@ DEFAULT_OUTPUTS_MAX_TOKENS = 1_000_000  # rest-datastore serve's default store o
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = benchmark_parser(__doc__, prompts_help="held-out prompts per stream", sets=tuple(STREAMS))
+    p = benchmark_parser(__doc__, prompts_help="held-out prompts per stream", sets=tuple(STREAMS), concurrency="1,8")
     add_fleet_arguments(p)
-    p.add_argument(
-        "--concurrency",
-        type=comma_list(item=int),
-        default="1,8",
-        help="comma-separated requests at once (default: %(default)s)",
-    )
     p.add_argument(
         "--k", type=positive_int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)"
     )

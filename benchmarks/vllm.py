@@ -79,13 +79,7 @@ ENGINE_TIMEOUT = 3600  # seconds one engine may take, startup and every run
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = benchmark_parser(__doc__, sets=SETS, default_sets=DEFAULT_SETS)
-    p.add_argument(
-        "--concurrency",
-        type=comma_list(item=int),
-        default="1,8",
-        help="comma-separated requests at once (default: %(default)s)",
-    )
+    p = benchmark_parser(__doc__, sets=SETS, default_sets=DEFAULT_SETS, concurrency="1,8")
     p.add_argument(
         "--schedule",
         choices=("groups", "continuous"),
