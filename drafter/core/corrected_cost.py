@@ -46,9 +46,12 @@ def corrected_cost(
     ``untrusted`` size run in one layout only, the other layout is priced by interpolating its steps
     at sizes on both sides: the table's layout there may be noise, and a loop never runs a layout
     that is not priced, so it would keep the dear one for good. Sizes not
-    observed follow the table scaled by the median ratio of observed to tabled times: interference
-    inflates a table unevenly, so no single size sets the scale, and measured sizes ``untrusted``
-    (unconfirmed, or implausible) set none where others were observed. Where the ratios differ by more than ``CONSISTENT`` times,
+    observed follow the table scaled by the median ratio of observed to tabled times (interference
+    inflates a table unevenly, so no single size sets the scale): over the sizes the table vouches
+    for, or over all observed where that is lower. A loop runs a size priced too cheap and corrects
+    it within ``OBSERVED_MIN`` steps, but never runs one priced too dear, so the error left is
+    the cheap one (a busy table's t(1), the one size it vouched for, inflated half as much as its
+    t(16), which no step then ran). Where the ratios differ by more than ``CONSISTENT`` times,
     the table's shape is noise too: sizes between observed ones are priced by interpolating those.
     Per size the cheaper layout is kept: the table's, or the other one where it was observed.
     ``pads`` False is for engines that run exactly the tokens given (llama.cpp): no size is then
@@ -66,7 +69,7 @@ def corrected_cost(
         if shape.transposed == table_layout[shape.size]
     }
     trusted = [ratio for shape, ratio in ratios.items() if table.measured_at(shape.size) not in untrusted]
-    scale = statistics.median(trusted or ratios.values()) if ratios else 1.0
+    scale = min((statistics.median(group) for group in (trusted, list(ratios.values())) if group), default=1.0)
     run_in = {  # layout -> {size: (tree, chain) seconds} of the sizes observed in it, either kind standing for both
         layout: {
             shape.size: (
