@@ -42,18 +42,19 @@ def corrected_cost(
     """``table`` corrected by the typical seconds of the step shapes a loop observed.
 
     An observed shape prices itself, and the other kind of step of its size and layout (chain or
-    tree) follows it by the table's chain/tree ratio there (1 where it is ``untrusted``). At an
-    ``untrusted`` size run in one layout only, the other layout is priced by interpolating its steps
-    at sizes on both sides: the table's layout there may be noise, and a loop never runs a layout
-    that is not priced, so it would keep the dear one for good. Sizes not
+    tree) follows it by the table's chain/tree ratio there (1 where it is ``untrusted``). Sizes not
     observed follow the table scaled by the median ratio of observed to tabled times (interference
     inflates a table unevenly, so no single size sets the scale): over the sizes the table vouches
-    for, or over all observed where that is lower. A loop runs a size priced too cheap and corrects
-    it within ``OBSERVED_MIN`` steps, but never runs one priced too dear, so the error left is
-    the cheap one (a busy table's t(1), the one size it vouched for, inflated half as much as its
-    t(16), which no step then ran). Where the ratios differ by more than ``CONSISTENT`` times,
-    the table's shape is noise too: sizes between observed ones are priced by interpolating those.
-    Per size the cheaper layout is kept: the table's, or the other one where it was observed.
+    for, or over all observed where that is lower. Where the ratios differ by more than
+    ``CONSISTENT`` times, the table's shape is noise too: sizes between observed ones are priced by
+    interpolating those. Per size the cheaper layout is kept: the table's, or the other one where it
+    was observed or, at an ``untrusted`` size, where its steps at sizes on both sides price it.
+
+    Where it must guess, it leans cheap: a loop runs a size priced too cheap and corrects it within
+    ``OBSERVED_MIN`` steps, but never runs one priced too dear, which then stays dear for good (a
+    busy table's t(1), the one size it vouched for, inflated half as much as its t(16), which no
+    step then ran; a layout noise put first at 8, never run again once its steps priced 8 dear).
+
     ``pads`` False is for engines that run exactly the tokens given (llama.cpp): no size is then
     priced below a smaller one, since no block can be padded to a cheaper larger one."""
     sizes = sorted(set(table.sizes) | {shape.size for shape in observed})
