@@ -23,8 +23,8 @@ Reported per table: median tokens/s, the ratios of the busy and planted medians 
 (target: at least 0.97) and the median of their per-prompt ratios, the first prompt's ratios (the correction heals within it),
 the ratio overall (every prompt's tokens over every prompt's seconds: the median of ten prompts of
 unlike speeds is whichever two land in the middle), whether every
-output equals plain decoding, the table as loaded, the shapes the loop observed and the cost it
-ended with. The busy measurement is also taken as this project measured before its noise checks
+output equals plain decoding, the table as loaded, the shapes the loop observed, the steps it ran to check
+the table's claims (``check_steps``) and the cost it ended with. The busy measurement is also taken as this project measured before its noise checks
 (every size's runs back to back, the median of 5 after 2 warm-up runs), beside the same load, and
 both methods are timed quietly too. Prints a summary and saves JSON under benchmarks/results/.
 """
@@ -264,6 +264,7 @@ def run_tables(model, tokenizer, index: Path, directories: dict[str, Path], args
                 for shape, seconds in sorted(cost.observed().items())
             },
             "corrected": describe(cost.current),
+            "check_steps": cost.check_steps,
             "per_prompt": rows[name],
         }
     return result
@@ -309,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{name:8s} {t['median_tokens_per_second']:6.1f} tok/s (x{t['vs_quiet_median']:.3f} quiet; per prompt "
             f"x{t['vs_quiet_per_prompt_median']:.3f}, first x{t['vs_quiet_first_prompt']:.3f}, overall "
             f"x{t['vs_quiet_overall']:.3f}), mean accepted "
-            f"{t['mean_accepted']:.2f}, "
+            f"{t['mean_accepted']:.2f}, {t['check_steps']} check steps, "
             f"{t['same_as_plain']}/{args.prompts} outputs as plain"
         )
     for name, m in measurements.items():

@@ -135,21 +135,40 @@ def test_block_shape_checks_the_padding_and_layout_claims_the_loop_acts_on():
 def test_a_layout_whose_first_step_is_clearly_dearer_is_not_run_again():
     """The layout check at an unconfirmed size stops after one step of the other layout where that
     step took ``CLEARLY_DEARER`` times the table's layout's typical step (the planted table of
-    ``benchmarks.cost_noise``: 72-87 ms against 27-32 ms at 2-3 tokens), and runs its
-    ``OBSERVED_MIN`` steps where it did not; either way the prices follow what ran."""
+    ``benchmarks.cost_noise``: 72-87 ms against 27-32 ms at 2-3 tokens), after two where both took
+    ``DEARER`` times it (a busy table on a Zen 3: 1.25-1.8x at seven shapes, four check steps each),
+    and runs its ``OBSERVED_MIN`` steps where it did not; either way the prices follow what ran."""
     claims = table({1: 10.0, 2: 20.0, 4: 15.0, 8: 30.0}, transposed=(False, True, True, False), unconfirmed=(4,))
     three_nodes = [DraftTree(np.array([7, 8, 9]), np.full(3, -1), np.ones(3))]
-    for other_ms, other_steps in ((0.031, 1), (0.029, OBSERVED_MIN), (0.020, OBSERVED_MIN)):
+    for other_ms, other_steps in ((0.031, 1), (0.029, 2), (0.019, 2), (0.018, OBSERVED_MIN), (0.010, OBSERVED_MIN)):
         cost = CorrectedCost(claims)
         for _ in range(OBSERVED_MIN):
             assert cost.block_shape(three_nodes) == BlockShape(4, True)
             cost.observe(BlockShape(4, True), False, 0.015)
         for _ in range(other_steps):
             assert cost.block_shape(three_nodes) == BlockShape(4, False)
-            cost.observe(BlockShape(4, False), False, other_ms)
+            cost.observe_step(three_nodes, other_ms)
+        assert cost.check_steps == other_steps and cost.seen(BlockShape(4, False), False) == other_steps
         faster = other_ms < 0.015
         assert all(cost.block_shape(three_nodes) == BlockShape(4, not faster) for _ in range(2 * OBSERVED_MIN))
         assert cost.current.transposed_at(4) is not faster
+
+
+def test_a_size_between_two_whose_layout_checks_agree_is_not_checked():
+    """Each unconfirmed size checked its layout with steps of the other (a busy table on a Zen 3 EPYC:
+    seven shapes of 2-10 tokens, the transposed layout faster at every one). Once the nearest settled
+    sizes below and above agree with the layout a size runs in, it runs no check; where they disagree
+    (the order of the layouts changes between them), or where only one side has settled, it does."""
+    claims = table({1: 10.0, 2: 12.0, 4: 14.0, 8: 16.0}, transposed=(False, True, True, True), unconfirmed=(2, 4, 8))
+    three_nodes = [DraftTree(np.array([7, 8, 9]), np.full(3, -1), np.ones(3))]  # a 4-token block
+    for two_faster, eight_faster, checked in ((True, True, False), (True, False, True), (True, None, True)):
+        cost = CorrectedCost(claims)
+        for size, ms, transposed_faster in ((2, 8.0, two_faster), (8, 14.0, eight_faster)):
+            if transposed_faster is not None:
+                observe(cost, StepShape(size, False, True), *[ms / 1e3] * OBSERVED_MIN)
+                observe(cost, StepShape(size, False, False), *[ms / 1e3 * (1.5 if transposed_faster else 0.9)] * 4)
+        observe(cost, StepShape(4, False, True), *[0.010] * OBSERVED_MIN)
+        assert cost.block_shape(three_nodes) == BlockShape(4, not checked)
 
 
 def test_an_untrusted_size_run_in_its_dear_layout_tries_the_other_where_its_neighbours_ran_cheaper():

@@ -148,6 +148,7 @@ OBSERVED_MIN = 4  # steps of a shape before its own times price it
 OBSERVED_WINDOW = 16  # a shape's recent steps, whose median prices it
 OBSERVED_REFRESH = 16  # steps between re-pricings, besides a shape's OBSERVED_MIN-th
 CLEARLY_DEARER = 2.0  # a layout whose first step took this many times the other's typical step is not run again
+DEARER = 1.25  # ... or whose two first steps both took this many times it (a shape's first step is its set-up)
 
 
 class CorrectedCost:
@@ -168,7 +169,8 @@ class CorrectedCost:
     running the alternative -- that padding a block to a larger size is cheaper than running it as
     is (a size noise made dear is exactly one padding avoids), and, at sizes the measurement did not
     confirm (``VerifyCost.unconfirmed``, ``shape_problems``), that the other layout of the linear
-    layers is slower (settled by one step where that step is ``CLEARLY_DEARER``). The shape a step
+    layers is slower (settled by one step where that step is ``CLEARLY_DEARER``, by two where both are
+    ``DEARER``, and by none between two sizes whose checks agreed with the table). The shape a step
     runs at never changes its output. ``pads`` False: for engines that run exactly the tokens given
     (llama.cpp; see ``corrected_cost``), which check nothing.
     """
@@ -177,6 +179,8 @@ class CorrectedCost:
         self.table, self.pads, self.current = table, pads, table
         self.untrusted = frozenset(table.unconfirmed) | frozenset(shape_problems(table))
         self._times: dict[StepShape, deque[float]] = {}
+        self._settled: set[int] = set()  # sizes whose layouts have both run enough to say which is faster
+        self.check_steps = 0  # steps run at another shape than the prices chose, to check the table's claims
         self._since_refresh = 0
 
     def __call__(self, n: int | np.ndarray) -> np.ndarray:
@@ -195,6 +199,7 @@ class CorrectedCost:
         row's prices."""
         if len(trees) == 1 and rows in (None, 1):
             shape = self.block_shape(trees) if self.pads else BlockShape(len(trees[0]) + 1)
+            self.check_steps += self.pads and shape != self.current.block_shape(trees)
             self.observe(shape, trees[0].is_chain(), seconds)
 
     def block_shape(self, trees: Sequence[DraftTree]) -> BlockShape:
@@ -216,15 +221,34 @@ class CorrectedCost:
 
     def _layout_checked(self, shape: BlockShape, other: BlockShape, chain: bool) -> bool:
         """Whether the claim that ``shape`` is the faster layout at its size has been checked
-        against ``other``: ``OBSERVED_MIN`` steps of ``other``, or fewer whose fastest already took
-        ``CLEARLY_DEARER`` times ``shape``'s typical step. (Small blocks in the slower layout cost
-        2-3x on some CPUs: four such steps each cost more than a step saves.) A stall can only
-        make ``other`` look dearer, and then the table's layout, which ran as priced, stays."""
+        against ``other`` (``_checked_at``), or needs no check: the nearest sizes below and above
+        whose checks settled, as a tree or a chain, found ``shape``'s layout faster. (The layouts'
+        order changes with the size once at most, on every CPU measured here: checking each
+        size between two that agree costs steps and finds nothing.)"""
+        if self._checked_at(shape, other, chain):
+            return True
+        below = max((size for size in self._settled if size < shape.size), default=None)
+        above = min((size for size in self._settled if size > shape.size), default=None)
+        return (
+            below is not None
+            and above is not None
+            and self.current.transposed_at(below) == self.current.transposed_at(above) == shape.transposed
+        )
+
+    def _checked_at(self, shape: BlockShape, other: BlockShape, chain: bool) -> bool:
+        """Whether ``other`` ran long enough beside ``shape`` (of the same size) to say which is
+        faster: ``OBSERVED_MIN`` steps, or one that already took ``CLEARLY_DEARER`` times
+        ``shape``'s typical step, or two that both took ``DEARER`` times it. (Small blocks in the
+        slower layout cost 2-3x on some CPUs: four such steps each cost more than a step saves; a
+        new shape's first step is its set-up, so one step short of 2x settles nothing.) A stall
+        can only make ``other`` look dearer, and then the table's layout, which ran as priced, stays."""
         times = self._times.get(StepShape(other.size, chain, other.transposed), ())
         if len(times) >= OBSERVED_MIN:
             return True
-        own = self._times[StepShape(shape.size, chain, shape.transposed)]
-        return bool(times) and min(times) >= CLEARLY_DEARER * statistics.median(own)
+        typical = statistics.median(self._times[StepShape(shape.size, chain, shape.transposed)])
+        return bool(times) and (
+            min(times) >= CLEARLY_DEARER * typical or (len(times) >= 2 and min(times) >= DEARER * typical)
+        )
 
     def unchecked_below(self, size: int) -> int | None:
         """The smallest measured size below ``size`` that the table does not vouch for (unconfirmed,
@@ -254,6 +278,13 @@ class CorrectedCost:
         key = StepShape(shape.size, chain, shape.transposed)
         times = self._times.setdefault(key, deque(maxlen=OBSERVED_WINDOW))
         times.append(seconds)
+        if any(
+            self.seen(BlockShape(shape.size, layout), kind) >= OBSERVED_MIN
+            and self._checked_at(BlockShape(shape.size, layout), BlockShape(shape.size, not layout), kind)
+            for layout in (False, True)
+            for kind in (False, True)
+        ):
+            self._settled.add(shape.size)
         self._since_refresh += 1
         if len(times) == OBSERVED_MIN or self._since_refresh >= OBSERVED_REFRESH:
             self.refresh()
