@@ -170,7 +170,7 @@ class CorrectedCost:
     is (a size noise made dear is exactly one padding avoids), and, at sizes the measurement did not
     confirm (``VerifyCost.unconfirmed``, ``shape_problems``), that the other layout of the linear
     layers is slower (settled by one step where that step is ``CLEARLY_DEARER``, by two where both are
-    ``DEARER``, and by none between two sizes whose checks agreed with the table). The shape a step
+    ``DEARER``, and by none between two settled sizes that found its layout faster). The shape a step
     runs at never changes its output. ``pads`` False: for engines that run exactly the tokens given
     (llama.cpp; see ``corrected_cost``), which check nothing.
     """
