@@ -166,7 +166,11 @@ def test_a_size_between_two_whose_layout_checks_agree_is_not_checked():
         for size, ms, transposed_faster in ((2, 8.0, two_faster), (8, 14.0, eight_faster)):
             if transposed_faster is not None:
                 observe(cost, StepShape(size, False, True), *[ms / 1e3] * OBSERVED_MIN)
-                observe(cost, StepShape(size, False, False), *[ms / 1e3 * (1.5 if transposed_faster else 0.9)] * 4)
+                observe(
+                    cost,
+                    StepShape(size, False, False),
+                    *[ms / 1e3 * (1.5 if transposed_faster else 0.9)] * OBSERVED_MIN,
+                )
         observe(cost, StepShape(4, False, True), *[0.010] * OBSERVED_MIN)
         assert cost.block_shape(three_nodes) == BlockShape(4, not checked)
 

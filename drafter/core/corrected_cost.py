@@ -198,14 +198,21 @@ class CorrectedCost:
         tree's own tokens), took ``seconds`` (``observe``); a batch's steps tell nothing of one
         row's prices."""
         if len(trees) == 1 and rows in (None, 1):
-            shape = self.block_shape(trees) if self.pads else BlockShape(len(trees[0]) + 1)
-            self.check_steps += self.pads and shape != self.current.block_shape(trees)
+            if self.pads:
+                priced = self.current.block_shape(trees)
+                shape = self._checking(trees, priced)
+                self.check_steps += shape != priced
+            else:
+                shape = BlockShape(len(trees[0]) + 1)
             self.observe(shape, trees[0].is_chain(), seconds)
 
     def block_shape(self, trees: Sequence[DraftTree]) -> BlockShape:
         """``VerifyCost.block_shape`` by the corrected prices, or, for one row, the alternative to a
         claim still being checked (see the class)."""
-        shape = self.current.block_shape(trees)
+        return self._checking(trees, self.current.block_shape(trees))
+
+    def _checking(self, trees: Sequence[DraftTree], shape: BlockShape) -> BlockShape:
+        """``shape``, the block the prices chose for ``trees``, or the alternative a check runs instead."""
         if len(trees) != 1 or not self.pads:
             return shape
         chain, own = trees[0].is_chain(), len(trees[0]) + 1
@@ -278,11 +285,16 @@ class CorrectedCost:
         key = StepShape(shape.size, chain, shape.transposed)
         times = self._times.setdefault(key, deque(maxlen=OBSERVED_WINDOW))
         times.append(seconds)
-        if any(
-            self.seen(BlockShape(shape.size, layout), kind) >= OBSERVED_MIN
-            and self._checked_at(BlockShape(shape.size, layout), BlockShape(shape.size, not layout), kind)
-            for layout in (False, True)
-            for kind in (False, True)
+        if (  # only what ``block_shape`` checks needs it; a size settled stays settled
+            self.pads
+            and self.table.transposed
+            and shape.size not in self._settled
+            and any(
+                self.seen(BlockShape(shape.size, layout), kind) >= OBSERVED_MIN
+                and self._checked_at(BlockShape(shape.size, layout), BlockShape(shape.size, not layout), kind)
+                for layout in (False, True)
+                for kind in (False, True)
+            )
         ):
             self._settled.add(shape.size)
         self._since_refresh += 1
