@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rest_spec.common.cache import cache_dir
 from rest_spec.drafter.core.cost import CostKey, VerifyCost, shape_problems
+
+if TYPE_CHECKING:
+    from rest_spec.drafter.core.corrected_cost import CorrectedCost
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +89,39 @@ def read_cost(key: CostKey, *, directory: Path | None = None, otherwise: str = "
 
 
 def write_cost(cost: VerifyCost, *, directory: Path | None = None) -> Path:
-    """Cache ``cost`` for its key, atomically (readers never see half a file); returns the path."""
+    """Cache ``cost`` for its key, atomically: readers never see half a file, and processes that
+    write the same key at once (replicas closing together) each rename a whole file of their own
+    into place, the last one winning; returns the path."""
     path = _cost_path(cost.key, directory)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(cost.to_json())
-    os.replace(temporary, path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with temporary.open("x") as file:  # created with the umask's permissions, as a plain write would be
+            file.write(cost.to_json())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     log.info("wrote %s", path)
+    return path
+
+
+def keep_healed(cost: CorrectedCost, *, directory: Path | None = None) -> Path | None:
+    """Cache what a loop's steps taught ``cost`` (``CorrectedCost.healed``) in place of the table it
+    started from, so the next process starts healed: a table measured beside other work stays
+    dear only until one run has timed its steps. Nothing is written when the steps taught nothing,
+    or when the cache no longer holds that table (re-measured meanwhile: the newer one stays); a
+    failed write is a warning. Returns the path written, or None."""
+    healed = cost.healed()
+    if healed is None or read_cost(cost.table.key, directory=directory, otherwise="not healing it") != cost.table:
+        return None
+    try:
+        path = write_cost(healed, directory=directory)
+    except OSError as exc:
+        log.warning("the verification cost corrected by this run's steps was not cached: %s", exc)
+        return None
+    log.info(
+        "cached the verification cost as this run's steps priced it: n = %s",
+        ", ".join(str(n) for n, a, b in zip(healed.sizes, healed.seconds, cost.table.seconds) if a != b),
+    )
     return path
