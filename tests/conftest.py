@@ -241,8 +241,11 @@ def smollm2_cost_dir(smollm2, tmp_path_factory):
     """A ``$REST_CACHE_DIR`` holding SmolLM2's verify-cost table, measured briefly (the tests need
     its shape, not its precision) with one torch thread: a command run with ``helpers.ONE_THREAD``
     finds it instead of measuring for a minute. Copy it before writing to it."""
+    import torch
+
     from rest_spec.drafter.hf.measure import load_or_measure
 
+    torch.set_num_threads(1)  # set up before the autouse one_torch_thread when a test runs alone
     directory = tmp_path_factory.mktemp("cost-cache")
     load_or_measure(smollm2[0], directory=directory, sizes=(1, 2, 4, 8, 16, 32, 64), rounds=2, context_length=64)
     return directory

@@ -5,6 +5,8 @@ loop on SmolLM2). The measurement's own noise checks are in test_measure.py."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from benchmarks.common import humaneval_inputs
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.corrected_cost import (
+    HEALED_BELOW,
     OBSERVED_MIN,
     OBSERVED_WINDOW,
     CorrectedCost,
@@ -20,9 +23,11 @@ from rest_spec.drafter.core.corrected_cost import (
     corrected_cost,
 )
 from rest_spec.drafter.core.cost import BlockShape, CostKey, VerifyCost, shape_problems
+from rest_spec.drafter.core.cost_cache import keep_healed, read_cost, write_cost
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.selection import select_tree
 from rest_spec.drafter.hf.generate import generate
+from tests.helpers import write_index
 
 KEY = CostKey("synthetic", "", 0, "test", "float32")
 
@@ -248,6 +253,95 @@ def test_sizes_the_table_does_not_vouch_for_are_run_a_few_times_then_priced_as_r
 
 
 # ---- the real loop ------------------------------------------------------------------------------
+
+
+# ---- the corrected prices, cached for the next process --------------------------------------------
+
+
+def test_the_healed_table_takes_only_prices_the_steps_found_clearly_cheaper_and_confirms_them():
+    busy = table({1: 100.0, 2: 120.0, 4: 130.0, 8: 200.0}, transposed=(False,) * 4, unconfirmed=(2, 4, 8))
+    cost = CorrectedCost(busy)
+    assert cost.healed() is None  # no steps yet
+    observe(cost, StepShape(1, True, False), *[0.097] * OBSERVED_MIN)  # 3% under: noise, kept
+    assert cost.healed() is None
+    observe(cost, StepShape(2, True, True), *[0.060] * OBSERVED_MIN)  # half, in the other layout
+    observe(cost, StepShape(4, True, False), *[0.150] * OBSERVED_MIN)  # dearer: kept (a dear price is never run)
+    healed = cost.healed()
+    assert healed.sizes == busy.sizes and healed.key == busy.key and healed.context_length == busy.context_length
+    assert healed.seconds[1] == healed.chain_seconds[1] == 0.060 and healed.transposed == (False, True, False, False)
+    assert healed.seconds[::2] == busy.seconds[::2] and healed.seconds[3] == busy.seconds[3]  # 8 unseen, though scaled
+    assert healed.unconfirmed == (4, 8)  # 2 was run, and priced as run
+    assert HEALED_BELOW * busy.seconds[1] > 0.060
+
+
+def test_keep_healed_replaces_the_cached_table_it_started_from_and_nothing_else(tmp_path):
+    busy = table({1: 100.0, 2: 120.0})
+    write_cost(busy, directory=tmp_path)
+    untaught = CorrectedCost(busy)
+    assert keep_healed(untaught, directory=tmp_path) is None and read_cost(KEY, directory=tmp_path) == busy
+    taught = CorrectedCost(busy)
+    observe(taught, StepShape(1, True, False), *[0.050] * OBSERVED_MIN)
+    assert keep_healed(taught, directory=tmp_path) is not None
+    assert read_cost(KEY, directory=tmp_path) == taught.healed() != busy
+    # a process that started from the old table while another healed (or re-measured) it leaves the newer one
+    stale = CorrectedCost(busy)
+    observe(stale, StepShape(2, True, False), *[0.050] * OBSERVED_MIN)
+    assert keep_healed(stale, directory=tmp_path) is None and read_cost(KEY, directory=tmp_path) == taught.healed()
+
+
+WRITE_TABLES = """
+import sys
+from pathlib import Path
+from rest_spec.drafter.core.cost import CostKey, VerifyCost
+from rest_spec.drafter.core.cost_cache import write_cost
+seed, sizes = int(sys.argv[2]), tuple(range(1, 200))
+for i in range(300):
+    seconds = (0.1 + seed, 0.1 + i, *(0.05 + n / 1e3 for n in sizes[2:]))
+    write_cost(VerifyCost(CostKey("synthetic", "", 0, "test", "float32"), 512, sizes, seconds), directory=Path(sys.argv[1]))
+"""
+
+
+def test_processes_caching_one_key_at_once_each_write_a_whole_table(tmp_path):
+    """Replicas on one machine close together, each caching its healed table under one key: every
+    write succeeds, a reader meanwhile finds a whole table or none, and no temporary file stays
+    (one shared temporary name made a writer's rename fail and let readers see half a file)."""
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITE_TABLES, str(tmp_path), str(seed)], stderr=subprocess.PIPE)
+        for seed in range(3)
+    ]
+    path, read = tmp_path / "verify-cost" / KEY.file_name(), 0
+    while any(writer.poll() is None for writer in writers):
+        if path.exists():
+            assert len(VerifyCost.from_json(path.read_text()).sizes) == 199  # never half a file
+            read += 1
+    assert [(writer.returncode, writer.stderr.read()) for writer in writers] == [(0, b"")] * 3 and read > 0
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_caching_the_healed_cost_needs_a_measured_table(tmp_path):
+    with LocalDrafter.open(write_index(tmp_path / "idx", [[1, 2, 3]], 8)) as local:
+        with pytest.raises(ValueError, match="cache_healed needs a measured verify cost"):
+            AdaptiveDrafter(local, cost=None, cache_healed=True)
+
+
+@pytest.mark.model
+def test_a_run_from_an_absurd_cached_table_caches_what_its_steps_took(smollm2, stdlib_index, tmp_path, monkeypatch):
+    """The transformers loop's drafter, closed, leaves the next process the prices its steps found."""
+    monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
+    absurd = table({1: 5000.0, 2: 5000.0, 4: 5000.0, 8: 5000.0}, transposed=(False,) * 4, unconfirmed=(2, 4, 8))
+    write_cost(absurd)
+    model, tokenizer = smollm2
+    ids = tokenizer("def fibonacci(n):").input_ids
+    config = DraftConfig(max_depth=7)
+    drafter = AdaptiveDrafter(LocalDrafter.open(stdlib_index), cost=absurd, config=config, cache_healed=True)
+    plain = generate(model, ids, None, max_new_tokens=24)
+    assert generate(model, ids, drafter, max_new_tokens=24, config=config).output_ids == plain.output_ids
+    drafter.close()
+    healed = read_cost(KEY)
+    seen = {shape.size for shape in drafter.cost.observed()}
+    assert seen and healed == drafter.cost.healed() != absurd
+    for size, seconds, unconfirmed in ((n, t, n in healed.unconfirmed) for n, t in zip(healed.sizes, healed.seconds)):
+        assert (seconds < 1.0 and not unconfirmed) if size in seen else seconds == 5.0
 
 
 @pytest.mark.model

@@ -39,6 +39,7 @@ from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTree
 from rest_spec.drafter.core.batch_step import merge_rows
 from rest_spec.drafter.core.corrected_cost import CorrectedCost
 from rest_spec.drafter.core.cost import StepCost, VerifyCost
+from rest_spec.drafter.core.cost_cache import keep_healed
 from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, TreeNodes
 from rest_spec.drafter.core.protocol import Drafter, Pending, SourceDrafter
 from rest_spec.drafter.core.request_matcher import RequestMatcher
@@ -129,6 +130,9 @@ class AdaptiveDrafter:
     chains       verify a chain, never a branching tree: the root path that pays most under the
                  cost's chain times (``drafter.core.selection.select_chain``; needs a ``cost``), for engines
                  that verify chains only (llama.cpp, ``drafter.llamacpp.draft_model``)
+    cache_healed at ``close``, cache what the steps taught a measured ``cost`` in place of the
+                 cached table it started from (``drafter.core.cost_cache.keep_healed``), so the next
+                 process starts healed; for a table read from or written to the cache
 
     ``draft(context, config)``: the loop's ``config`` caps the verified tree (``budget`` nodes,
     ``max_depth`` levels) on top of the candidates' own config. Rows of ``draft_batch`` keep
@@ -146,9 +150,13 @@ class AdaptiveDrafter:
         suffixes: Sequence[int] = (),
         calibration: SourceCalibration | None = None,
         chains: bool = False,
+        cache_healed: bool = False,
     ) -> None:
         if chains and cost is None:
             raise ValueError("choosing chains needs a verify cost")
+        if cache_healed and not isinstance(cost, VerifyCost | CorrectedCost):
+            raise ValueError("cache_healed needs a measured verify cost (a VerifyCost or CorrectedCost)")
+        self.cache_healed = cache_healed
         self.sources = tuple(sources)
         unknown = sorted(set(self.sources) - set(SOURCES))
         if unknown or not self.sources or len(set(self.sources)) != len(self.sources):
@@ -364,7 +372,11 @@ class AdaptiveDrafter:
         return self.source.info()
 
     def close(self) -> None:
-        self.source.close()
+        try:
+            if self.cache_healed:
+                keep_healed(self.cost)
+        finally:
+            self.source.close()
 
     def __enter__(self) -> AdaptiveDrafter:
         return self

@@ -147,6 +147,7 @@ def corrected_cost(
 OBSERVED_MIN = 4  # steps of a shape before its own times price it
 OBSERVED_WINDOW = 16  # a shape's recent steps, whose median prices it
 OBSERVED_REFRESH = 16  # steps between re-pricings, besides a shape's OBSERVED_MIN-th
+HEALED_BELOW = 0.9  # a size the steps priced this much below the table is cached at their price
 CLEARLY_DEARER = 2.0  # a layout whose first step took this many times the other's typical step is not run again
 DEARER = 1.25  # ... or whose two first steps both took this many times it (a shape's first step is its set-up)
 
@@ -305,6 +306,32 @@ class CorrectedCost:
         """Re-price ``current`` from the steps observed so far."""
         self._since_refresh = 0
         self.current = corrected_cost(self.table, self.observed(), pads=self.pads, untrusted=self.untrusted)
+
+    def healed(self) -> VerifyCost | None:
+        """The table with each of its sizes whose steps the loop timed (``OBSERVED_MIN`` of a
+        shape) at under ``HEALED_BELOW`` of its price taking the corrected price and layout there,
+        and confirmed: what the next process should start from (``cost_cache.keep_healed``). None
+        when no size qualifies. Only cheaper: a price too cheap costs the next loop a few steps to
+        correct, one too dear is never run again (see ``corrected_cost``); the margin keeps the
+        noise of one run from ratcheting a good table down."""
+        table, observed = self.table, self.observed()
+        current = corrected_cost(table, observed, pads=self.pads, untrusted=self.untrusted)  # the latest steps too
+        seen = {shape.size for shape in observed}
+        trees, chains = list(table.seconds), list(table.chain_seconds or table.seconds)
+        layouts, unconfirmed = list(table.transposed), set(table.unconfirmed)
+        for i, size in enumerate(table.sizes):
+            j = current.sizes.index(size)
+            if size in seen and current.seconds[j] < HEALED_BELOW * trees[i]:
+                trees[i], chains[i] = current.seconds[j], current.chain_seconds[j]
+                if layouts:
+                    layouts[i] = current.transposed[j]
+                unconfirmed.discard(size)
+        if trees == list(table.seconds):
+            return None
+        return VerifyCost(
+            table.key, table.context_length, table.sizes, tuple(trees), tuple(chains), tuple(layouts),
+            tuple(sorted(unconfirmed)),
+        )  # fmt: skip
 
     def observed(self) -> dict[StepShape, float]:
         """The median of the recent times of each shape seen ``OBSERVED_MIN`` times or more."""

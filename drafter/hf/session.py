@@ -61,7 +61,8 @@ def load_parts(
     and ``datastore`` (None: decoding without drafts). The drafter is opened first (a bad datastore
     fails before the slow model load) and checked against the tokenizer; ``adaptive`` wraps it in an
     ``AdaptiveDrafter`` drafting with ``config`` at the verify cost measured (once, then cached) for
-    this model and device. The caller closes the drafter."""
+    this model and device, which its close caches as the steps corrected it. The caller closes the
+    drafter."""
     from rest_spec.common.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
     from rest_spec.drafter.hf.model import load_model
 
@@ -85,7 +86,7 @@ def load_parts(
         from rest_spec.drafter.core.adaptive import AdaptiveDrafter
         from rest_spec.drafter.hf.measure import load_or_measure
 
-        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(loaded), config=config)
+        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(loaded), config=config, cache_healed=True)
     return tokenizer, loaded, drafter
 
 

@@ -225,16 +225,19 @@ class RestDraftModel(LlamaDraftModel):
         if cost is not None:
             self.use_cost(cost)
 
-    def use_cost(self, cost: VerifyCost) -> None:
+    def use_cost(self, cost: VerifyCost, *, cached: bool = False) -> None:
         """Size chains by ``cost`` (a measurement of the ``Llama`` this drafts for), corrected by the
-        step times observed from then on (``observe``)."""
+        step times observed from then on (``observe``); ``cached``: the table is the cache's, which
+        ``close`` then replaces with the corrected one (``AdaptiveDrafter``'s ``cache_healed``)."""
         corrected = CorrectedCost(cost, pads=False)  # llama.cpp runs exactly the tokens it is given
         if self.adaptive is None:
-            self.adaptive = AdaptiveDrafter(self.drafter, cost=corrected, chains=True, **self._options)
+            self.adaptive = AdaptiveDrafter(
+                self.drafter, cost=corrected, chains=True, cache_healed=cached, **self._options
+            )
             # no overlap: llama.cpp's threads take every core while it evaluates
             self.scheduler = DraftScheduler(self.adaptive, self.config, OverlapConfig(enabled=False), cost.seconds[0])
         else:
-            self.adaptive.cost = corrected
+            self.adaptive.cost, self.adaptive.cache_healed = corrected, cached
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One evaluation of ``tokens`` tokens (a pending token and the first ``tokens - 1`` of the
@@ -257,7 +260,7 @@ class RestDraftModel(LlamaDraftModel):
         if check:
             check_vocabulary(llm, self.drafter)
         cost = load_or_measure_llama(llm, remeasure=remeasure)
-        self.use_cost(cost)
+        self.use_cost(cost, cached=True)
         return cost
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
@@ -298,7 +301,10 @@ class RestDraftModel(LlamaDraftModel):
     def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
-        self.drafter.close()
+        if self.adaptive is not None:
+            self.adaptive.close()  # caches the corrected cost where it came from the cache; closes the drafter
+        else:
+            self.drafter.close()
 
 
 if llama_cpp is not None:
