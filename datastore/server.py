@@ -77,7 +77,11 @@ class DatastoreServicer(BoundedServicer):
         ``max_reply_bytes``: a hostile batch costs bounded work."""
         limit = self._config.max_reply_bytes
         contexts, config = wire.parse_draft_batch_request(
-            request, self._vocab_size, self._config.max_context_tokens, max_contexts=self._config.max_batch_contexts
+            request,
+            self._vocab_size,
+            self._config.max_context_tokens,
+            max_contexts=self._config.max_batch_contexts,
+            stop=lambda: stop_if_ended(context),
         )
         trees, outputs, size = [], [], 0
         drafted = self._store.drafts(contexts, config, context.time_remaining())

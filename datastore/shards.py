@@ -26,7 +26,7 @@ import numpy as np
 from rest_spec.common.types import MAX_SUFFIX, DraftConfig
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore import wire
-from rest_spec.datastore.index import Datastore, ShardMatch, index_id, query_tokens
+from rest_spec.datastore.index import Datastore, ShardMatch, index_id, query_matrix
 from rest_spec.datastore.rpc import (
     BoundedServicer,
     CallRefused,
@@ -122,8 +122,9 @@ class ShardServicer(BoundedServicer):
     def Describe(self, request: spb.DescribeRequest, context: grpc.ServicerContext) -> spb.DescribeReply:
         return self._describe
 
-    def _queries(self, request, n_max: int) -> list[np.ndarray]:
-        """The request's contexts as queries (``query_tokens``), after the index id is checked."""
+    def _queries(self, request, n_max: int, context: grpc.ServicerContext) -> list[np.ndarray]:
+        """The request's contexts as queries (``query_tokens`` of each, checked in one pass), after the
+        index id is checked; stops parsing once the client is gone."""
         if request.index_id != self._index_id:
             raise CallRefused(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -135,14 +136,11 @@ class ShardServicer(BoundedServicer):
                 f"contexts has {len(request.contexts)} entries, more than this server's limit of "
                 f"{self._config.max_batch_contexts} (--max-batch-contexts)",
             )
-        return [
-            query_tokens(
-                wire.context_from_message(c, self._store.vocab_size, MAX_SUFFIX, f"contexts[{i}]"),
-                n_max,
-                self._store.vocab_size,
-            )
-            for i, c in enumerate(request.contexts)
-        ]
+        contexts = wire.contexts_from_messages(
+            request.contexts, self._store.vocab_size, MAX_SUFFIX, stop=lambda: stop_if_ended(context)
+        )
+        queries, lengths = query_matrix(contexts, n_max, self._store.vocab_size)  # one pass, not one per context
+        return [query[:n] for query, n in zip(queries, lengths.tolist())]
 
     def Match(self, request: spb.MatchRequest, context: grpc.ServicerContext) -> spb.MatchReply:
         """Each context's longest matches among the served shards; the rows of a range of at most
@@ -151,7 +149,7 @@ class ShardServicer(BoundedServicer):
         config = _request_config(request.n_max, request.max_depth, request.n_min)
         if request.inline_rows > MAX_ROWS:
             raise ValueError(f"inline_rows must be in [0, {MAX_ROWS}], got {request.inline_rows}")
-        queries = self._queries(request, config.n_max)
+        queries = self._queries(request, config.n_max, context)
         room = self._config.max_reply_bytes - 8 * len(queries)  # 8: one ContextHits' framing, at most
         reply = spb.MatchReply()
         for query in queries:
@@ -177,7 +175,7 @@ class ShardServicer(BoundedServicer):
         """The rows of each item's ranks, each checked to lie in its shard's longest match of its
         context (so every rank a kernel reads is one a Match could have answered)."""
         config = _request_config(request.n_max, request.max_depth)
-        queries = self._queries(request, config.n_max)
+        queries = self._queries(request, config.n_max, context)
         size = sum(len(item.ranks) for item in request.items) * config.max_depth * self._itemsize
         if size > self._config.max_reply_bytes:
             raise CallRefused(

@@ -9,8 +9,9 @@ functions are plain and tested without a network.
 
 from __future__ import annotations
 
+import itertools
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -68,6 +69,38 @@ def context_from_message(message: pb.Context, vocab_size: int, max_tokens: int, 
             f"{field} has {tokens.size} tokens, more than this server's limit of {max_tokens} (--max-context-tokens)"
         )
     return token_ids(tokens, field, vocab_size)
+
+
+def contexts_from_messages(
+    messages: Sequence[pb.Context],
+    vocab_size: int,
+    max_tokens: int,
+    *,
+    field: str = "contexts",
+    stop: Callable[[], None] | None = None,
+    chunk: int = 4096,
+) -> list[np.ndarray]:
+    """uint32 token arrays of ``messages``, each checked as ``context_from_message`` checks one
+    (the first bad one is named ``field[i]``), in chunks checked with one numpy pass each:
+    a 1024-context batch parses in milliseconds. ``stop``, called before each chunk of ``chunk``
+    contexts, may raise to end the parse (a server's check that its client is still waiting)."""
+    contexts: list[np.ndarray] = []
+    for start in range(0, len(messages), chunk):
+        if stop is not None:
+            stop()
+        token_lists = [list(m.tokens) for m in messages[start : start + chunk]]
+        lengths = np.fromiter(map(len, token_lists), np.int64, len(token_lists))
+        flat = np.fromiter(itertools.chain.from_iterable(token_lists), np.uint32, int(lengths.sum()))
+        ends = np.cumsum(lengths)
+        bad = np.flatnonzero((lengths == 0) | (lengths > max_tokens))
+        out_of_vocabulary = np.flatnonzero(flat >= vocab_size)
+        if out_of_vocabulary.size:
+            bad = np.append(bad, np.searchsorted(ends, out_of_vocabulary[0], side="right"))
+        if bad.size:  # the first bad context fails with its own message
+            i = int(bad.min())
+            context_from_message(messages[start + i], vocab_size, max_tokens, field=f"{field}[{start + i}]")
+        contexts.extend(np.split(flat, ends[:-1]))
+    return contexts
 
 
 def draft_request(
@@ -142,20 +175,22 @@ def parse_draft_request(request: pb.DraftRequest, vocab_size: int, max_tokens: i
 
 
 def parse_draft_batch_request(
-    request: pb.DraftBatchRequest, vocab_size: int, max_tokens: int, *, max_contexts: int
+    request: pb.DraftBatchRequest,
+    vocab_size: int,
+    max_tokens: int,
+    *,
+    max_contexts: int,
+    stop: Callable[[], None] | None = None,
 ) -> tuple[list[np.ndarray], DraftConfig]:
     """(contexts, config) of a batch request of at most ``max_contexts`` contexts; a bad context
-    is named ``contexts[i]``."""
+    is named ``contexts[i]``; ``stop`` as in ``contexts_from_messages``."""
     if len(request.contexts) > max_contexts:
         raise ValueError(
             f"contexts has {len(request.contexts)} entries, more than this server's limit of {max_contexts} "
             "(--max-batch-contexts): split the batch"
         )
     config = config_from_message(request.params)
-    contexts = [
-        context_from_message(c, vocab_size, max_tokens, field=f"contexts[{i}]") for i, c in enumerate(request.contexts)
-    ]
-    return contexts, config
+    return contexts_from_messages(request.contexts, vocab_size, max_tokens, stop=stop), config
 
 
 def bearer_metadata(token: str) -> tuple[str, str]:

@@ -157,6 +157,45 @@ def test_batch_request_over_the_context_limit_names_it():
         wire.parse_draft_batch_request(request, vocab_size=100, max_tokens=64, max_contexts=8)
 
 
+def one_by_one(messages, vocab_size, max_tokens):
+    """What a batch parse must equal: each context checked alone, the first bad one raising."""
+    return [wire.context_from_message(m, vocab_size, max_tokens, f"contexts[{i}]") for i, m in enumerate(messages)]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.lists(st.lists(st.integers(0, 12), max_size=6), max_size=12))
+def test_a_batch_parses_as_its_contexts_do_one_by_one(token_lists):
+    """Ids up to 12 of a vocabulary of 10, up to 6 tokens of at most 5, chunks of 3: whatever
+    is first wrong (empty, too long, out of the vocabulary) fails with the same message."""
+    messages = [pb.Context(tokens=tokens) for tokens in token_lists]
+    try:
+        expected = [c.tolist() for c in one_by_one(messages, vocab_size=10, max_tokens=5)]
+    except ValueError as exc:
+        with pytest.raises(ValueError) as err:
+            wire.contexts_from_messages(messages, vocab_size=10, max_tokens=5, chunk=3)
+        assert str(err.value) == str(exc)
+    else:
+        parsed = wire.contexts_from_messages(messages, vocab_size=10, max_tokens=5, chunk=3)
+        assert [c.tolist() for c in parsed] == expected and all(c.dtype == np.uint32 for c in parsed)
+
+
+def test_a_batch_parse_asks_before_each_chunk_whether_to_go_on():
+    class Gone(Exception):
+        pass
+
+    asked = []
+
+    def stop():
+        asked.append(True)
+        if len(asked) == 2:
+            raise Gone
+
+    messages = [pb.Context(tokens=[1])] * 5
+    with pytest.raises(Gone):
+        wire.contexts_from_messages(messages, vocab_size=10, max_tokens=5, stop=stop, chunk=3)
+    assert len(asked) == 2
+
+
 def test_request_round_trip_sends_only_the_last_n_max_tokens():
     config = DraftConfig(n_max=4, n_min=2)
     request = pb.DraftRequest.FromString(wire.draft_request(np.arange(10), config).SerializeToString())
