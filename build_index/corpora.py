@@ -42,6 +42,7 @@ data file is a ``CorpusError``.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.metadata
@@ -49,6 +50,7 @@ import importlib.util
 import json
 import logging
 import os
+import pkgutil
 import socket
 import stat
 import sys
@@ -560,6 +562,32 @@ def _hub_dataset(spec: CorpusSpec, hub: _HubDataset, fields: tuple[str, ...], sl
     return Corpus(spec, "hub", location, _rows_reader(load, fields, hub.repo, offline_hint=_LOCAL_HINT), slug)
 
 
+def _below_error(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _reader_errors_unlogged() -> Iterator[None]:
+    """While a ``datasets`` stream is read: its file readers (``datasets.packaged_modules``) log
+    an ERROR for a file they cannot parse, then raise; the raise becomes the build's one-line
+    error, so their record would say it twice more (datasets' own handler, and the root's). Each
+    reader module ``datasets.packaged_modules.<name>.<name>`` logs by its module's name; its logger
+    is the same object before the module is imported."""
+    import datasets.packaged_modules as readers_package
+
+    readers = [
+        logging.getLogger(f"{readers_package.__name__}.{module.name}.{module.name}")
+        for module in pkgutil.iter_modules(readers_package.__path__)
+    ]
+    for logger in readers:
+        logger.addFilter(_below_error)
+    try:
+        yield
+    finally:
+        for logger in readers:
+            logger.removeFilter(_below_error)
+
+
 def _rows_reader(load: Callable, fields: tuple[str, ...], where: str, offline_hint: str | None = None) -> Reader:
     """Records from the rows of a ``datasets`` stream; the field is the first of ``fields`` that
     the rows have. Hub and file errors become one-line ``CorpusError``s."""
@@ -567,13 +595,14 @@ def _rows_reader(load: Callable, fields: tuple[str, ...], where: str, offline_hi
 
     def read(stats: ReadStats) -> Iterator[Record]:
         try:
-            rows = iter(load())
-            first = next(rows, None)
-            if first is None:
-                return
-            name = _pick_field(first, fields, where)
-            for i, row in enumerate(chain((first,), rows)):
-                yield Record(str(row.get("id", i)), _turns(row[name], where, name))
+            with _reader_errors_unlogged():
+                rows = iter(load())
+                first = next(rows, None)
+                if first is None:
+                    return
+                name = _pick_field(first, fields, where)
+                for i, row in enumerate(chain((first,), rows)):
+                    yield Record(str(row.get("id", i)), _turns(row[name], where, name))
         except ConnectionError as exc:
             hint = f"; {offline_hint}" if offline_hint else ""
             raise CorpusError(f"{first_line(exc)}{hint}") from exc

@@ -162,6 +162,28 @@ def test_an_out_path_under_a_regular_file_is_a_one_line_error(tmp_path, tiny_tok
     assert (tmp_path / "file").read_text() == "not a directory"
 
 
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("chats.jsonl", b'{"text": "a b c"}\n{"text": "cut off\n', "json parse error"),
+        ("chats.parquet", b"PAR1 not really parquet", "parquet"),
+    ],
+    ids=["jsonl", "parquet"],
+)
+def test_a_data_file_datasets_cannot_parse_is_one_line(tmp_path, tiny_tokenizer, name, data, message):
+    """``datasets`` logs an ERROR for a file it cannot parse before it raises: the build says it
+    once, in its own line, not three times (datasets' handler and the root's printed it too)."""
+    corpus = tmp_path / name
+    corpus.write_bytes(data)
+    result = run_cli(
+        "--corpus", corpus, "--tokenizer", tiny_tokenizer, "--out", tmp_path / "out", cwd=tmp_path, timeout=120
+    )
+    assert result.returncode == 1
+    line = one_line(result.stderr)
+    assert line.startswith(f"build_index: error: cannot read {corpus}: ") and message in line.lower(), line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.build
 def test_overwrite_replaces_an_index_beside_leftovers_of_killed_builds(tmp_path, tiny_tokenizer, previous_index):
     """Killed builds leave ``.NAME.tmp-PID``/``.NAME.old-PID`` beside the target; the next build
