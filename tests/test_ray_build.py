@@ -3,6 +3,7 @@ one local Ray cluster against the plain build of the same corpora, and a stop si
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -115,8 +116,9 @@ def _without_build(out: Path) -> dict:
 @pytest.mark.build
 @pytest.mark.parametrize(
     "corpus, shard_tokens, shards",
-    [("code", None, 1), ("code", 20000, 5), ("chat", 2000, 3)],
-    ids=["code-one-shard", "code-five-shards", "chat-held-out"],
+    # the code corpus is this repository's sources: it grows, and with it the number of shards
+    [("code", None, range(1, 2)), ("code", 20000, range(3, 100)), ("chat", 2000, range(3, 4))],
+    ids=["code-one-shard", "code-several-shards", "chat-held-out"],
 )
 def test_ray_build_is_byte_identical_to_the_plain_build(tmp_path, ray_cluster, corpora, corpus, shard_tokens, shards):
     common = [*corpora[corpus], *(["--shard-tokens", str(shard_tokens)] if shard_tokens else [])]
@@ -124,7 +126,8 @@ def test_ray_build_is_byte_identical_to_the_plain_build(tmp_path, ray_cluster, c
     _build(*common, "--ray", "local:2", "--out", tmp_path / "ray")
 
     plain, ray = _files(tmp_path / "plain"), _files(tmp_path / "ray")
-    assert len(plain) == 2 * shards + 1
+    count = len(fmt.read_manifest(tmp_path / "plain").shards)
+    assert count in shards and len(plain) == 2 * count + 1  # each shard's tokens and suffix array, the manifest
     assert plain.keys() == ray.keys()
     for name in plain.keys() - {fmt.MANIFEST}:
         assert plain[name] == ray[name], name
@@ -179,12 +182,14 @@ def test_a_corpus_error_in_the_read_task_is_the_plain_builds_one_line(tmp_path, 
             == 1
         )
         errors.append(capsys.readouterr().err)
-    assert (
-        errors[0]
-        == errors[1]
-        == (
-            f"build_index: error: {chats}: field 'conversations' holds int; "
-            "expected a string, a list of strings or a list of role/content messages\n"
+    if int(importlib.metadata.version("datasets").split(".")[0]) >= 5:  # it reads the row; the build's check names it
+        expected = (
+            f"{chats}: field 'conversations' holds int; "
+            "expected a string, a list of strings or a list of role/content messages"
         )
-    )
+    else:  # its JSON reader refuses the file at that row
+        expected = (
+            f"cannot read {chats}: JSON parse error: Column(/conversations) changed from array to number in row 30"
+        )
+    assert errors[0] == errors[1] == f"build_index: error: {expected}\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chats.jsonl"]
