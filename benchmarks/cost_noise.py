@@ -3,30 +3,37 @@ measured quietly: how fast ``--adaptive`` runs from each.
 
     flock /tmp/rest-bench.lock python -m benchmarks.cost_noise --prompts 10 --max-new-tokens 128
 
-Three tables of the packaged SmolLM2, each in a cache directory of its own (``REST_CACHE_DIR``):
+Four tables of the packaged SmolLM2, each in a cache directory of its own (``REST_CACHE_DIR``):
 
 - ``quiet``: measured by ``load_or_measure`` with nothing else of ours running;
+- ``quiet_again``: the quiet table again, with a drafter of its own: the control. Two drafters from
+  one table part ways as the loop's timings and corrections do, so its ratio to ``quiet`` is the
+  run's own noise, which the busy and planted ratios are read against;
 - ``busy``: measured the same way while ``--busy`` CPU-bound processes (``python -c "while True:
   pass"``) run, started for the measurement only and killed after it;
-- ``planted``: a noisy table found in the cache of a user's first run -- t(1) 78 ms, t(2) 150 ms, t(8) 47 ms, trees and chains alike,
-  t(3..7) interpolated linearly between t(2) and t(8), the sizes above 8 at the quiet table's times
-  scaled by 47 ms / its t(8), its layouts -- written into the cache as a settled table (nothing
-  ``unconfirmed``): a noisy table that escaped the checks, as every table measured before them did.
+- ``planted``: a noisy table found in the cache of a user's first run -- t(1) 78 ms, t(2) 150 ms,
+  t(8) 47 ms, trees and chains alike, t(3..7) interpolated linearly between t(2) and t(8), the sizes
+  above 8 at the quiet table's times scaled by 47 ms / its t(8), its layouts -- written into the
+  cache as a settled table (nothing ``unconfirmed``): a noisy table that escaped the checks, as
+  every table measured before them did.
 
 Each table is read back through ``load_or_measure`` (its warnings recorded) and drives an
 ``AdaptiveDrafter`` over ``LocalDrafter`` on ``indexes/python-stdlib`` (built when missing) on the
-first ``--prompts`` HumanEval prompts, greedy, ``--max-new-tokens`` new tokens; the three drafters
-and plain decoding (the reference output) run prompt by prompt, interleaved. Each drafter keeps
-its calibration, output store (its own) and corrected cost from prompt to prompt, as
-``rest-generate`` does.
-Reported per table: median tokens/s, the ratios of the busy and planted medians to the quiet one
-(target: at least 0.97) and the median of their per-prompt ratios, the first prompt's ratios (the correction heals within it),
-the ratio overall (every prompt's tokens over every prompt's seconds: the median of ten prompts of
-unlike speeds is whichever two land in the middle), whether every
-output equals plain decoding, the table as loaded, the shapes the loop observed, the steps it ran to check
-the table's claims (``check_steps``) and the cost it ended with. The busy measurement is also taken as this project measured before its noise checks
-(every size's runs back to back, the median of 5 after 2 warm-up runs), beside the same load, and
-both methods are timed quietly too. Prints a summary and saves JSON under benchmarks/results/.
+first ``--prompts`` HumanEval prompts, greedy, ``--max-new-tokens`` new tokens; the four drafters
+and plain decoding (the reference output) run prompt by prompt, interleaved, plain first and the
+drafters' order rotated from prompt to prompt (a table always run in one place would carry that
+place's cost). Each drafter keeps its calibration, output store (its own) and corrected cost from
+prompt to prompt, as ``rest-generate`` does.
+
+Reported per table: median tokens/s; the ratio of its median to the quiet one (the target for the
+busy and planted tables: at least 0.97), the median of its per-prompt ratios, the first prompt's
+ratio (the correction heals within it) and the ratio overall (every prompt's tokens over every
+prompt's seconds: the median of ten prompts of unlike speeds is whichever two land in the middle);
+whether every output equals plain decoding, the table as loaded, the shapes the loop observed, the
+steps it ran to check the table's claims (``check_steps``) and the cost it ended with. The busy
+measurement is also taken as this project measured before its noise checks (every size's runs back
+to back, the median of 5 after 2 warm-up runs), beside the same load, and both methods are timed
+quietly too. Prints a summary and saves JSON under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,7 +82,8 @@ from rest_spec.drafter.hf.model import load_model
 
 log = logging.getLogger("benchmarks.cost_noise")
 
-TABLES = ("quiet", "busy", "planted")
+TABLES = ("quiet", "quiet_again", "busy", "planted")
+TARGETED = ("busy", "planted")  # the tables the target is for; quiet_again is the control
 PLANTED_MS = {1: 78.0, 2: 150.0, 8: 47.0}  # a noisy table found in the cache of a user's first run
 TARGET_RATIO = 0.97  # busy and planted medians against quiet's
 
@@ -189,6 +198,7 @@ def measure_tables(model, workdir: Path, busy: int, sizes: Sequence[int]) -> tup
         table, seconds, load = timed(load_or_measure, model, sizes=sizes)
     record["busy"] = {"seconds": seconds, "load_average": load, "warnings": warnings, "table": describe(table)}
     log.info("busy table measured in %.0f s", seconds)
+    shutil.copytree(directories["quiet"], directories["quiet_again"])
     planted = planted_table(quiet)
     path = directories["planted"] / "verify-cost" / quiet.key.file_name()
     path.parent.mkdir(parents=True)
@@ -216,12 +226,13 @@ def run_tables(model, tokenizer, index: Path, directories: dict[str, Path], args
         rows: dict[str, list[dict]] = {name: [] for name in TABLES}
         for i, ids in enumerate(prompts):
             plain = generate(model, ids, None, max_new_tokens=args.max_new_tokens)
-            for name in TABLES:
+            for place, name in enumerate(TABLES[i % len(TABLES) :] + TABLES[: i % len(TABLES)]):
                 result = generate(model, ids, drafters[name], max_new_tokens=args.max_new_tokens, config=config)
                 drafters[name].add_output(result.output_ids)
                 rows[name].append(
                     {
                         "prompt": i,
+                        "place": place,  # after plain: 0 first
                         "new_tokens": len(result.output_ids),
                         "steps": result.steps,
                         "mean_accepted": result.mean_accepted,
@@ -298,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "busy_processes": args.busy,
         "target_ratio": TARGET_RATIO,
-        "targets_met": {name: tables[name]["vs_quiet_median"] >= TARGET_RATIO for name in TABLES if name != "quiet"},
+        "targets_met": {name: tables[name]["vs_quiet_median"] >= TARGET_RATIO for name in TARGETED},
         "all_outputs_identical": all(tables[name]["same_as_plain"] == args.prompts for name in TABLES),
         "measurements": measurements,
         "tables": tables,
@@ -307,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in TABLES:
         t = tables[name]
         print(
-            f"{name:8s} {t['median_tokens_per_second']:6.1f} tok/s (x{t['vs_quiet_median']:.3f} quiet; per prompt "
+            f"{name:11s} {t['median_tokens_per_second']:6.1f} tok/s (x{t['vs_quiet_median']:.3f} quiet; per prompt "
             f"x{t['vs_quiet_per_prompt_median']:.3f}, first x{t['vs_quiet_first_prompt']:.3f}, overall "
             f"x{t['vs_quiet_overall']:.3f}), mean accepted "
             f"{t['mean_accepted']:.2f}, {t['check_steps']} check steps, "
