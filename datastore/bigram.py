@@ -1,12 +1,11 @@
-"""A growable bigram index over token documents, the structure behind the drafting sources that grow.
+"""A growable bigram index over token documents, the structure behind the store of outputs.
 
-REST cannot copy from the prompt (its paper: "no in-context ability"), which is exactly where
-prompt lookup and SuffixDecoding gain most, together with a model's earlier outputs.
-The sources built on ``BigramIndex`` -- ``drafter.core.request_matcher.RequestMatcher`` (the request's own
-text, client side) and ``datastore.outputs.OutputStore`` (recent outputs, service side) -- draft like the index:
-the longest context suffix of ``n_min..n_max`` tokens, the continuations that follow its
-occurrences, ``top_c_tree`` -- so their trees mean the same thing and ``drafter.core.merge`` can
-combine them with the index's.
+SuffixDecoding's gains come from a model's earlier outputs. The store built on ``BigramIndex``
+(``datastore.outputs.OutputStore``: recent outputs, service side) drafts like the index, as the
+request's own text does (``drafter.core.request_matcher``, which scans its short text instead): the
+longest context suffix of ``n_min..n_max`` tokens, the continuations that follow its occurrences,
+``top_c_tree`` -- so their trees mean the same thing and ``drafter.core.merge`` can combine them
+with the index's.
 
 ``BigramIndex`` is a growable token buffer (documents separated by ``SEP``) and a sorted table
 from each position's last two tokens to that position, so a lookup costs O(log N + occurrences),
@@ -60,7 +59,7 @@ class BigramIndex:
 
     def append(self, tokens: np.ndarray) -> None:
         """Append ``tokens`` (uint32, no ``SEP``) to the last document and index the positions
-        that now have a successor (one compiled pass: a request's matcher appends every step)."""
+        that now have a successor (one compiled pass)."""
         start, stop = self.size, self.size + tokens.size
         if stop + MAX_DEPTH >= self.tokens.size:
             grown = np.full(2 * (stop + MAX_DEPTH), SEP, np.uint32)

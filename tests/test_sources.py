@@ -1,6 +1,6 @@
-"""The request matcher (``datastore.bigram``) and the output store (``datastore.outputs``) against
-brute-force oracles and the real index; the store's eviction, persistence (reopen, torn and corrupt
-records, a killed writer) and threads."""
+"""The request matcher (``drafter.core.request_matcher``: one request, and a step's rows at once) and
+the output store (``datastore.outputs``) against brute-force oracles and the real index; the store's
+eviction, persistence (reopen, torn and corrupt records, a killed writer) and threads."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.outputs import OutputStore, OutputStoreError
-from rest_spec.drafter.core.request_matcher import RequestMatcher
+from rest_spec.drafter.core.request_matcher import RequestMatcher, draft_requests, extend_requests
 from tests.helpers import brute_draft, request_oracle, synthetic_corpus, write_index
 from tests.tiers import examples
 
@@ -80,6 +80,48 @@ def test_request_matcher_refuses_a_context_it_has_not_seen_grow():
         RequestMatcher().draft([1, -1], DraftConfig())
     with pytest.raises(ValueError, match="non-empty"):
         RequestMatcher().draft([], DraftConfig())
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    steps=st.lists(
+        st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 3), max_size=8)), min_size=1, max_size=6),
+        min_size=1,
+        max_size=6,
+    ),
+    config=configs,
+    max_candidates=st.sampled_from([1, 3, 4096]),
+)
+def test_a_steps_rows_drafted_at_once_equal_each_request_drafted_alone(steps, config, max_candidates):
+    """``extend_requests`` and ``draft_requests``, as the adaptive drafter calls them each step:
+    rows that start (a new matcher) or grow (as numpy views or lists, by nothing or several
+    tokens) drafted in one pass, each equal to its own brute force."""
+    matchers, contexts = [], []
+    for step in steps:
+        for i, (restart, tokens) in enumerate(step):
+            if i == len(matchers):
+                matchers.append(RequestMatcher(max_candidates))
+                contexts.append([])
+            elif restart:  # another request in this row
+                matchers[i], contexts[i] = RequestMatcher(max_candidates), []
+            contexts[i] = contexts[i] + tokens
+        rows = [(np.array(c, np.int32) if i % 2 else c) for i, c in enumerate(contexts[: len(step)])]
+        if any(len(row) == 0 for row in rows):
+            continue
+        extend_requests(matchers[: len(step)], rows)
+        trees = draft_requests(matchers[: len(step)], config)
+        assert trees == [request_oracle(c, config, max_candidates) for c in contexts[: len(step)]]
+
+
+def test_a_bad_id_in_one_row_fails_as_that_rows_check_and_keeps_nothing():
+    matchers = [RequestMatcher(), RequestMatcher()]
+    extend_requests(matchers, [[1, 2], np.array([3, 4], np.int64)])
+    with pytest.raises(ValueError, match=r"context\[3\] = -5 is outside"):
+        extend_requests(matchers, [[1, 2, 7], np.array([3, 4, 8, -5], np.int64)])
+    assert [m.tokens.tolist() for m in matchers] == [[1, 2], [3, 4]]
+    with pytest.raises(ValueError, match="must hold integer token ids"):
+        extend_requests(matchers, [[1, 2, 7], np.array([3, 4, 8.5])])
+    assert draft_requests([], DraftConfig()) == []
 
 
 # ---- output store: drafting ------------------------------------------------------------------

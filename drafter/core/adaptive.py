@@ -42,7 +42,7 @@ from rest_spec.drafter.core.cost import StepCost, VerifyCost
 from rest_spec.drafter.core.cost_cache import keep_healed
 from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, TreeNodes
 from rest_spec.drafter.core.protocol import Drafter, Pending, SourceDrafter
-from rest_spec.drafter.core.request_matcher import RequestMatcher
+from rest_spec.drafter.core.request_matcher import RequestMatcher, draft_requests, extend_requests
 from rest_spec.drafter.core.selection import select_tree
 from rest_spec.drafter.core.steps import Deferred, Mark, as_source, draft_step, token_list
 
@@ -235,9 +235,9 @@ class AdaptiveDrafter:
                         session.hindsight.append((session.mark.length, session.merged, len(nodes)))
                 self._look_back(session, row, matured)
             session.mark, session.tree, session.merged = Mark.of(row), DraftTree.empty(), DraftTree.empty()
-            if session.matcher is not None:
-                session.matcher.extend(row)
             self._rows.append(session)
+        if "request" in self.sources:
+            extend_requests([session.matcher for session in self._rows], rows)
         if len(verified[0]) + len(matured[0]) >= COUNT_EVERY:
             self._count()
         return self._rows
@@ -336,11 +336,15 @@ class AdaptiveDrafter:
     ) -> tuple[list[DraftTree], list[DraftTree]]:
         """Every row's sources merged into one scored tree (``config.budget`` nodes) and the part
         of it worth verifying on this hardware (all of it without a cost): (selected, merged).
-        The merges and the chains run in one compiled pass over all rows
-        (``drafter.core.batch_step.merge_rows``)."""
-        rows = [self._row_trees(session, both, config) for session, both in zip(sessions, shared)]
-        if not rows:
+        The requests' own trees (``request_matcher.draft_requests``), then the merges and the chains,
+        each run in one compiled pass over all rows (``drafter.core.batch_step.merge_rows``)."""
+        if not sessions:
             return [], []
+        if "request" in self.sources:
+            requests = draft_requests([session.matcher for session in sessions], config)
+        else:
+            requests = [DraftTree.empty()] * len(sessions)
+        rows = [self._row_trees(*row) for row in zip(shared, requests)]
         match_len = np.array([[tree.match_len for tree in row] for row in rows], dtype=np.int64)
         weights = self._calibration.weights_for(match_len, config.max_depth)
         prices = None
@@ -353,9 +357,8 @@ class AdaptiveDrafter:
             return merged, merged
         return [select_tree(tree, self.cost) for tree in merged], merged
 
-    def _row_trees(self, session: _Session, shared: SourceTrees, config: DraftConfig) -> list[DraftTree]:
+    def _row_trees(self, shared: SourceTrees, request: DraftTree) -> list[DraftTree]:
         """A row's trees in calibration order: the sources', then the index's for each cut."""
-        request = DraftTree.empty() if session.matcher is None else session.matcher.draft_ahead((), config)
         by_source = {"index": shared.index, "outputs": shared.outputs, "request": request}
         # trees fetched without the cuts (the scheduler's speculation) have none
         shorter = shared.shorter if isinstance(shared, CutTrees) else (DraftTree.empty(),) * len(self.suffixes)
