@@ -105,8 +105,9 @@ class _Session:
     mark: Mark = dataclasses.field(default_factory=lambda: Mark(0, []))
     tree: DraftTree = dataclasses.field(default_factory=DraftTree.empty)
     merged: DraftTree = dataclasses.field(default_factory=DraftTree.empty)  # what ``tree`` was selected from
-    # merged trees waiting for the tokens that followed them: (context length, tree, tokens accepted)
-    hindsight: deque[tuple[int, MergedTree, int]] = dataclasses.field(default_factory=deque)
+    # merged trees waiting for the tokens that followed them: (context length, the length at which it
+    # matures (plus the tree's depth), tree, tokens accepted)
+    hindsight: deque[tuple[int, int, MergedTree, int]] = dataclasses.field(default_factory=deque)
 
 
 class AdaptiveDrafter:
@@ -232,7 +233,10 @@ class AdaptiveDrafter:
                         verified[0].append(session.tree)
                         verified[1].append(nodes)
                     if isinstance(session.merged, MergedTree):
-                        session.hindsight.append((session.mark.length, session.merged, len(nodes)))
+                        start = session.mark.length
+                        session.hindsight.append(
+                            (start, start + int(session.merged.depths.max()), session.merged, len(nodes))
+                        )
                 self._look_back(session, row, matured)
             session.mark, session.tree, session.merged = Mark.of(row), DraftTree.empty(), DraftTree.empty()
             self._rows.append(session)
@@ -289,8 +293,7 @@ class AdaptiveDrafter:
         depth: what the calibration (``SourceCalibration.observe_nodes``) and the hindsight
         (``Attribution.observe_hindsight_nodes``) count."""
         while session.hindsight:
-            start, merged, verified = session.hindsight[0]
-            end = start + int(merged.depths.max())
+            start, end, merged, verified = session.hindsight[0]
             if len(row) < end:
                 return
             session.hindsight.popleft()

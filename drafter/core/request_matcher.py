@@ -177,10 +177,15 @@ def _request_rows(texts, offsets, extras, extra_offsets, max_candidates, n_max, 
             n += 1
         if n < 2:
             continue
-        found = np.empty(max(hi - lo - 2, 0), np.int64)
+        found = np.empty(max(hi - lo - 2, 0), np.int32)  # offsets from lo
+        newest, hits = query[0], 0
+        for e in range(1, hi - lo - 1):  # branch-free, so it vectorizes: where the newest token recurs
+            found[hits] = e
+            hits += texts[lo + e] == newest
         best, count = 0, 0
-        for e in range(lo + 1, hi - 1):
-            if texts[e] != query[0] or texts[e - 1] != query[1]:
+        for i in range(hits):
+            e = lo + found[i]
+            if texts[e - 1] != query[1]:
                 continue
             m = 2
             while m < n and e - m >= lo and texts[e - m] == query[m]:
@@ -188,14 +193,14 @@ def _request_rows(texts, offsets, extras, extra_offsets, max_candidates, n_max, 
             if m > best:
                 best, count = m, 0
             if m == best:
-                found[count] = e
+                found[count] = e - lo
                 count += 1
         if best == 0 or best < n_min:
             continue
         start = max(count - max_candidates[r], 0)
         continuations = np.full((count - start, max_depth), sep, np.uint32)
         for i in range(count - start):
-            e = found[start + i]
+            e = lo + found[start + i]
             for d in range(min(max_depth, hi - e - 1)):
                 continuations[i, d] = texts[e + 1 + d]
         _put_tree(buffers, r, continuations, sep, budget, best, count)
