@@ -105,8 +105,8 @@ class _Session:
     mark: Mark = dataclasses.field(default_factory=lambda: Mark(0, []))
     tree: DraftTree = dataclasses.field(default_factory=DraftTree.empty)
     merged: DraftTree = dataclasses.field(default_factory=DraftTree.empty)  # what ``tree`` was selected from
-    # merged trees waiting for the tokens that followed them: (context length, the length at which it
-    # matures (plus the tree's depth), tree, tokens accepted)
+    # merged trees waiting for the tokens that followed them: (context length then, the length at which
+    # the tree matures (that plus its depth), the tree, tokens accepted of it)
     hindsight: deque[tuple[int, int, MergedTree, int]] = dataclasses.field(default_factory=deque)
 
 

@@ -1,6 +1,7 @@
 """``python -m rest_spec.drafter.core.kernels``: compile every numba kernel drafting runs (the index's
-retrieval, the growing sources' matches (the store of outputs, the request's own text), the adaptive drafter's merge, chain choice and batch step) into this environment's numba cache, so that no server
-start, build, engine or first draft pays for it later. The setup scripts run it; benchmarks run it
+retrieval, the store of outputs' and the request's own text's matches, the adaptive drafter's merge,
+chain choice and batch step) into this environment's numba cache, so that no server start, build,
+engine or first draft pays for it later. The setup scripts run it; benchmarks run it
 before they time anything (an edit of a kernel's module invalidates its cache)."""
 
 from __future__ import annotations
