@@ -19,8 +19,8 @@ LLAMA=$(sed -n 's/^llama = \["\(llama-cpp-python[^"]*\)"\]$/\1/p' pyproject.toml
 [ -n "$LLAMA" ] || { echo "setup-llama: no llama = [\"llama-cpp-python...\"] in pyproject.toml" >&2; exit 1; }
 export CMAKE_ARGS="${CMAKE_ARGS:-$(cat scripts/llama-cpp-cmake-args)}" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 PIP=(.venv/bin/python -m pip --disable-pip-version-check)
-SOURCE=$(mktemp -d)
-trap 'rm -rf "$SOURCE"' EXIT
+SOURCE=$(mktemp -d) PARTIAL=
+trap 'rm -rf "$SOURCE" ${PARTIAL:+"$PARTIAL"}' EXIT  # an interrupted build leaves no partial folder either
 "${PIP[@]}" download --quiet --no-deps --no-binary llama-cpp-python --dest "$SOURCE" "$LLAMA"
 ARCHIVE=$(find "$SOURCE" -maxdepth 1 -name 'llama_cpp_python-*' -print -quit)
 [ -n "$ARCHIVE" ] || { echo "setup-llama: pip downloaded no llama-cpp-python source archive" >&2; exit 1; }
@@ -32,7 +32,7 @@ if ! compgen -G "$BUILT/llama_cpp_python-*.whl" >/dev/null; then
     echo "setup-llama: compiling $(basename "$ARCHIVE") (kept in $BUILT)"
     mkdir -p "$WHEELS"
     PARTIAL=$(mktemp -d "$WHEELS/.partial-XXXXXX")
-    "${PIP[@]}" wheel --quiet --no-deps --no-cache-dir --wheel-dir "$PARTIAL" "$ARCHIVE" || { rm -rf "$PARTIAL"; exit 1; }
+    "${PIP[@]}" wheel --quiet --no-deps --no-cache-dir --wheel-dir "$PARTIAL" "$ARCHIVE"
     rm -rf "$BUILT" && mv "$PARTIAL" "$BUILT"  # whole, or not at all: an interrupted build leaves no wheel here
 fi
 "${PIP[@]}" install --quiet --no-warn-conflicts --no-cache-dir "$BUILT"/llama_cpp_python-*.whl
