@@ -16,7 +16,16 @@ from rest_spec.datastore.index import Datastore, plan_draft, query_matrix, query
 from rest_spec.datastore.trie import counted_tree
 from rest_spec.drafter.core.batch_step import merge_rows
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
-from rest_spec.drafter.core.merge import Attribution, MergedTree, SourceCalibration, TreeNodes, merge_trees
+from rest_spec.drafter.core.merge import (
+    MATCH_LENGTH_EDGES,
+    Attribution,
+    MergedTree,
+    SourceCalibration,
+    TreeNodes,
+    length_class,
+    merge_trees,
+    sample_class,
+)
 from rest_spec.drafter.core.selection import select_chain
 from tests.helpers import write_index
 from tests.test_merge import source_trees
@@ -193,3 +202,111 @@ def test_a_steps_rows_counted_at_once_equal_them_counted_in_turn(rows):
         apart.observe(tree, path)
         apart.observe_hindsight(tree, tokens, accepted)
     assert together.counts() == apart.counts()
+
+
+def numpy_counts(trees, paths, verified, num_sources):
+    """The calibration's and the attribution's counts of ``trees`` as the vectorized numpy code
+    did before the counting was compiled: (observed, predicted, verified counts, hindsight counts)."""
+    sizes = np.array([len(tree) for tree in trees])
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    owner = np.repeat(np.arange(len(trees)), sizes)
+    parents = np.concatenate([tree.parents for tree in trees]).astype(np.int64)
+    parents = np.where(parents >= 0, parents + offsets[owner], -1)
+    depths = np.concatenate([tree.depths for tree in trees])
+    probs = np.concatenate([tree.source_probs for tree in trees])
+    samples = np.concatenate([tree.source_samples for tree in trees])
+    match_len = np.stack([tree.source_match_len for tree in trees])
+    count = np.array([len(path) for path in paths])
+    start = np.cumsum(count) - count
+    accepted_owner = np.repeat(np.arange(len(trees)), count)
+    accepted = np.concatenate([np.asarray(path, np.int64) for path in paths]) + offsets[accepted_owner]
+    is_accepted = np.zeros(offsets[-1] + 1, bool)
+    is_accepted[accepted], is_accepted[-1] = True, True
+    tried = np.flatnonzero(is_accepted[parents])
+
+    calibration = SourceCalibration(num_sources)
+    node, source = np.nonzero(probs[tried] > 0)
+    node = tried[node]
+    _, lengths, classes = calibration.observed.shape
+    length = length_class(match_len[owner[node], source] + depths[node] - 1)
+    cell = (source * lengths + length) * classes + sample_class(samples[node, source], classes)
+    age = calibration.decay ** (len(trees) - 1 - owner[node])
+    shape = calibration.observed.shape
+    observed = np.bincount(cell, weights=is_accepted[node] * age, minlength=calibration.observed.size).reshape(shape)
+    predicted = np.bincount(cell, weights=probs[node, source] * age, minlength=calibration.observed.size).reshape(shape)
+
+    proposed, edges = probs > 0, len(MATCH_LENGTH_EDGES)
+
+    def counted(values):
+        roots = np.flatnonzero(parents == -1)
+        first = np.zeros((len(trees), num_sources), bool)
+        np.logical_or.at(first, owner[roots], proposed[roots])
+        tree, source = np.nonzero(first)
+        cells = source * edges + length_class(match_len[tree, source])
+        out = np.zeros((len(values), num_sources * edges), np.int64)
+        stacked = np.stack([np.broadcast_to(value, first.shape)[tree, source] for value in values])
+        np.add.at(out, (slice(None), cells), stacked)
+        return out.reshape(len(values), num_sources, edges)
+
+    shape = (len(trees), num_sources)
+    accepted_by, verified_by, first_accepted = (
+        np.zeros(shape, np.int64),
+        np.zeros(shape, np.int64),
+        np.zeros(shape, bool),
+    )
+    np.add.at(accepted_by, accepted_owner, proposed[accepted])
+    np.add.at(verified_by, owner, proposed)
+    some = count > 0
+    first_accepted[some] = proposed[accepted[start[some]]]
+    held = np.repeat(count[:, None], num_sources, axis=1)
+    place = np.arange(accepted.size) - np.repeat(start, count)
+    step, source = np.nonzero(probs[accepted] <= 0)
+    np.minimum.at(held, (accepted_owner[step], source), place[step])
+    verified = np.asarray(verified, np.int64)[:, None]
+    return (
+        observed,
+        predicted,
+        counted((1, first_accepted, accepted_by, verified_by)),
+        counted((1, held, held > verified)),
+    )
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.lists(st.tuples(source_trees, st.integers(0, 20)), min_size=2, max_size=2),
+            st.lists(st.integers(0, 3), max_size=6),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+)
+def test_the_compiled_counting_equals_the_numpy_counting_it_replaced(rows):
+    """``TreeNodes.along`` finds ``accepted_nodes``' paths, and the calibration's and the
+    attribution's compiled counts equal the vectorized numpy ones they replaced, on random trees."""
+    merged = [merge_trees([with_match_len(tree, n) for tree, n in sources], [1.0, 0.7], 12) for sources, _ in rows]
+    followed = [tokens for _, tokens in rows]
+    paths = [tree.accepted_nodes(tokens) for tree, tokens in zip(merged, followed)]
+    verified = [min(len(path), n % 3) for n, path in enumerate(paths)]
+    nodes = TreeNodes.along(merged, followed, 2)
+    assert nodes.accepted.tolist() == np.concatenate(paths).tolist()
+    assert nodes.accepted_count.tolist() == [len(path) for path in paths]
+    calibration, attribution = SourceCalibration(2), Attribution(["a", "b"])
+    calibration.observe_nodes(nodes)
+    attribution.observe_nodes(TreeNodes(merged, paths, 2))
+    attribution.observe_hindsight_nodes(nodes, verified)
+    observed, predicted, verified_counts, hindsight_counts = numpy_counts(merged, paths, verified, 2)
+    np.testing.assert_allclose(calibration.observed, observed, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(calibration.predicted, predicted, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(attribution._verified, verified_counts)
+    np.testing.assert_array_equal(attribution._hindsight, hindsight_counts)
+    assert int(attribution.tree_held) == sum(len(path) for path in paths)
+
+
+def test_accepted_nodes_out_of_a_tree_are_refused():
+    tree = merge_trees(
+        [DraftTree(np.array([1, 2], np.int32), np.array([-1, 0], np.int32), np.array([2, 1]), 1, 2, 2)], [1.0], 4
+    )
+    with pytest.raises(ValueError, match=r"accepted node indices must be in \[0, 2\)"):
+        TreeNodes([tree], [[0, 2]], 1)

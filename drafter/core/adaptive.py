@@ -180,9 +180,9 @@ class AdaptiveDrafter:
             raise ValueError(f"calibration has {self._calibration.num_sources} sources, expected {num_sources}")
         # where accepted tokens come from, per source and match length (reports; no decision reads it)
         self._attribution = Attribution(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes))
-        # trees verified (tree, accepted nodes) and matured (tree, nodes followed, tokens accepted), not counted yet
+        # trees verified (tree, accepted nodes) and matured (tree, tokens that followed, tokens accepted), not counted yet
         self._verified: tuple[list[MergedTree], list[np.ndarray]] = ([], [])
-        self._matured: tuple[list[MergedTree], list[np.ndarray], list[int]] = ([], [], [])
+        self._matured: tuple[list[MergedTree], list[list[int]], list[int]] = ([], [], [])
         self.accepted_mismatches = 0  # rows whose engine-reported tokens were not what their context gained
         self.source, self.config, self.chains = as_source(base), config, chains
         self.cost = CorrectedCost(cost) if isinstance(cost, VerifyCost) else cost
@@ -279,18 +279,17 @@ class AdaptiveDrafter:
             return
         num_sources = self._calibration.num_sources
         self._attribution.observe_nodes(TreeNodes(*verified, num_sources))
-        in_hindsight = TreeNodes(*matured[:2], num_sources)
+        in_hindsight = TreeNodes.along(*matured[:2], num_sources)
         self._calibration.observe_nodes(in_hindsight)
         self._attribution.observe_hindsight_nodes(in_hindsight, matured[2])
         for waiting in (*verified, *matured):
             waiting.clear()
 
     def _look_back(
-        self, session: _Session, row: Sequence[int], matured: tuple[list[MergedTree], list[np.ndarray], list[int]]
+        self, session: _Session, row: Sequence[int], matured: tuple[list[MergedTree], list[list[int]], list[int]]
     ) -> None:
-        """Add to ``matured`` (trees, the nodes of each that what followed ran along, tokens
-        accepted of each) the session's merged trees whose context has since grown by the tree's
-        depth: what the calibration (``SourceCalibration.observe_nodes``) and the hindsight
+        """Add to ``matured`` (trees, the tokens that followed each, tokens accepted of each) the
+        session's merged trees whose context has since grown by the tree's depth: what the calibration (``SourceCalibration.observe_nodes``) and the hindsight
         (``Attribution.observe_hindsight_nodes``) count."""
         while session.hindsight:
             start, end, merged, verified = session.hindsight[0]
@@ -298,7 +297,7 @@ class AdaptiveDrafter:
                 return
             session.hindsight.popleft()
             matured[0].append(merged)
-            matured[1].append(merged.accepted_nodes(token_list(row, start, end)))
+            matured[1].append(token_list(row, start, end))
             matured[2].append(verified)
 
     def finish(self, requests: Sequence[Hashable]) -> None:

@@ -32,6 +32,7 @@ misranks a few nodes and never changes the output, which verification keeps exac
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -295,13 +296,17 @@ def _merge(tokens, parents, counts, scores, sizes, num_sampled, weights, budget)
 
 
 def compile_kernels() -> float:
-    """Compile ``merge_trees``'s kernel for the arrays the drafters pass it (source trees as
-    ``DraftTree`` holds them, a calibration's weights for their match lengths), filling numba's on-disk cache, so an
-    adaptive drafter's first step on a fresh install does not spend seconds compiling; returns the
-    seconds it took."""
+    """Compile ``merge_trees``'s kernel and the counting's for the arrays the drafters pass them
+    (source trees as ``DraftTree`` holds them, a calibration's weights for their match lengths, the
+    merged tree counted), filling numba's on-disk cache, so an adaptive drafter's first step on a
+    fresh install does not spend seconds compiling; returns the seconds it took."""
     start = time.perf_counter()
     tree = DraftTree(np.array([5], np.int32), np.array([-1], np.int32), np.array([1], np.int64), 1, 1, 1)
-    merge_trees([tree, DraftTree.empty()], SourceCalibration(2).weights_for([1, 0]), 1)
+    merged = merge_trees([tree, DraftTree.empty()], SourceCalibration(2).weights_for([1, 0]), 1)
+    SourceCalibration(2).observe(merged, [0])
+    attribution = Attribution(["a", "b"])
+    attribution.observe(merged, [0])
+    attribution.observe_hindsight(merged, [5], 1)
     return time.perf_counter() - start
 
 
@@ -311,6 +316,139 @@ MATCH_LENGTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16)  # the first length of each matc
 def length_class(match_len: np.ndarray | Sequence[int], edges: Sequence[int] = MATCH_LENGTH_EDGES) -> np.ndarray:
     """The class of each match length among ``edges`` (0 and 1 share the first)."""
     return np.searchsorted(edges, np.maximum(np.asarray(match_len, dtype=np.int64), 1), side="right") - 1
+
+
+_MATCH_LENGTH_EDGES = np.asarray(MATCH_LENGTH_EDGES, dtype=np.int64)  # as the counting kernels read them
+
+
+@numba.njit(nogil=True, cache=True)
+def _length_class(match_len, edges):
+    """``length_class`` of one length, in a kernel."""
+    length, found = max(match_len, 1), 0
+    for j in range(1, edges.shape[0]):
+        if length < edges[j]:
+            break
+        found = j
+    return found
+
+
+@numba.njit(nogil=True, cache=True)
+def _followed_paths(tokens, parents, offsets, followed, followed_offsets):
+    """``DraftTree.accepted_nodes`` of each tree (nodes ``offsets[t]:offsets[t + 1]``, ``parents``
+    local) along its tokens ``followed[followed_offsets[t]:followed_offsets[t + 1]]``: the paths'
+    nodes (local indices) concatenated, and their counts per tree."""
+    trees = offsets.shape[0] - 1
+    counts = np.zeros(trees, np.int64)
+    path = np.empty(offsets[-1], np.int64)
+    size = 0
+    for t in range(trees):
+        want, stop = followed_offsets[t], followed_offsets[t + 1]
+        node = -1
+        for i in range(offsets[t], offsets[t + 1]):
+            if want == stop:
+                break
+            if parents[i] == node and tokens[i] == followed[want]:
+                node = i - offsets[t]
+                path[size] = node
+                size += 1
+                want += 1
+        counts[t] = want - followed_offsets[t]
+    return path[:size], counts
+
+
+@numba.njit(nogil=True, cache=True)
+def _reached(parents, offsets, accepted, accepted_offsets):
+    """Per node of the trees: whether it is accepted, and whether it was tried (its parent reached:
+    accepted, or the root)."""
+    is_accepted = np.zeros(parents.shape[0], np.bool_)
+    tried = np.zeros(parents.shape[0], np.bool_)
+    for t in range(offsets.shape[0] - 1):
+        for a in range(accepted_offsets[t], accepted_offsets[t + 1]):
+            is_accepted[offsets[t] + accepted[a]] = True
+        for i in range(offsets[t], offsets[t + 1]):
+            tried[i] = parents[i] < 0 or is_accepted[offsets[t] + parents[i]]
+    return is_accepted, tried
+
+
+@numba.njit(nogil=True, cache=True)
+def _calibrate(
+    parents, depths, probs, samples, offsets, match_len, accepted, accepted_offsets, edges, decay, observed, predicted
+):
+    """``SourceCalibration.observe_nodes`` in place: every tried node's (source, match-length
+    class, sample class) cell gains, decayed by the trees after its own, whether it was accepted
+    (``observed``) and its source's probability (``predicted``); what came before decays by all."""
+    trees, num_sources = offsets.shape[0] - 1, probs.shape[1]
+    classes = observed.shape[2]
+    is_accepted, tried = _reached(parents, offsets, accepted, accepted_offsets)
+    gained_observed, gained_predicted = np.zeros(observed.shape), np.zeros(predicted.shape)
+    for t in range(trees):
+        age = decay ** float(trees - 1 - t)
+        for i in range(offsets[t], offsets[t + 1]):
+            if not tried[i]:
+                continue
+            for s in range(num_sources):
+                if probs[i, s] > 0:
+                    length = _length_class(match_len[t, s] + depths[i] - 1, edges)
+                    sample = sample_class(samples[i, s], classes)
+                    gained_observed[s, length, sample] += (1.0 if is_accepted[i] else 0.0) * age
+                    gained_predicted[s, length, sample] += probs[i, s] * age
+    kept = decay ** float(trees)
+    return kept * observed + gained_observed, kept * predicted + gained_predicted
+
+
+@numba.njit(nogil=True, cache=True)
+def _count_cells(counts, parents, probs, offsets, match_len, edges, values):
+    """Add ``values`` [V, trees, S] to the ``counts`` stack [V, S, L], in each tree's (source,
+    match-length class) cell, for the sources that proposed a root child of it."""
+    for t in range(offsets.shape[0] - 1):
+        for s in range(probs.shape[1]):
+            first = False
+            for i in range(offsets[t], offsets[t + 1]):
+                if parents[i] < 0 and probs[i, s] > 0:
+                    first = True
+                    break
+            if first:
+                length = _length_class(match_len[t, s], edges)
+                for v in range(values.shape[0]):
+                    counts[v, s, length] += values[v, t, s]
+
+
+@numba.njit(nogil=True, cache=True)
+def _attribute(counts, parents, probs, offsets, match_len, accepted, accepted_offsets, edges):
+    """``Attribution.observe_nodes``: per tree and source, (1, whether the first accepted node was
+    the source's, accepted nodes it proposed, nodes it proposed), counted."""
+    trees, num_sources = offsets.shape[0] - 1, probs.shape[1]
+    values = np.zeros((4, trees, num_sources), np.int64)
+    for t in range(trees):
+        for s in range(num_sources):
+            values[0, t, s] = 1
+            for a in range(accepted_offsets[t], accepted_offsets[t + 1]):
+                if probs[offsets[t] + accepted[a], s] > 0:
+                    values[2, t, s] += 1
+                    if a == accepted_offsets[t]:
+                        values[1, t, s] = 1
+            for i in range(offsets[t], offsets[t + 1]):
+                if probs[i, s] > 0:
+                    values[3, t, s] += 1
+    _count_cells(counts, parents, probs, offsets, match_len, edges, values)
+
+
+@numba.njit(nogil=True, cache=True)
+def _attribute_hindsight(counts, parents, probs, offsets, match_len, accepted, accepted_offsets, verified, edges):
+    """``Attribution.observe_hindsight_nodes``: per tree and source, (1, how far along the path
+    from the root the source proposed every node, whether that beats the ``verified`` tokens),
+    counted."""
+    trees, num_sources = offsets.shape[0] - 1, probs.shape[1]
+    values = np.zeros((3, trees, num_sources), np.int64)
+    for t in range(trees):
+        for s in range(num_sources):
+            held = 0
+            for a in range(accepted_offsets[t], accepted_offsets[t + 1]):
+                if probs[offsets[t] + accepted[a], s] <= 0:
+                    break
+                held += 1
+            values[0, t, s], values[1, t, s], values[2, t, s] = 1, held, held > verified[t]
+    _count_cells(counts, parents, probs, offsets, match_len, edges, values)
 
 
 class SourceCalibration:
@@ -359,6 +497,7 @@ class SourceCalibration:
         self.observed = np.zeros((num_sources, len(self.lengths), classes))
         self.predicted = np.zeros((num_sources, len(self.lengths), classes))
         self._weights: np.ndarray | None = None  # ``weights``, until the next ``observe``
+        self._edges = np.asarray(self.lengths, dtype=np.int64)  # ``lengths`` as the counting kernel reads them
 
     @property
     def num_sources(self) -> int:
@@ -405,33 +544,21 @@ class SourceCalibration:
         one vectorized pass: a step's rows at once."""
         if not nodes.trees:
             return
-        is_accepted, tried = nodes.is_accepted, nodes.tried
-        node, source = np.nonzero(nodes.probs[tried] > 0)  # every (tried node, proposing source) pair
-        node = tried[node]
-        tree = nodes.owner[node]
-        _, lengths, classes = self.observed.shape
-        # a node d deep continues its source's match by the d - 1 tokens above it
-        length = length_class(nodes.match_len[tree, source] + nodes.depths[node] - 1, self.lengths)
-        cell = (source * lengths + length) * classes + sample_class(nodes.samples[node, source], classes)
-        age = self.decay ** (nodes.trees - 1 - tree)  # a later tree's decay of an earlier one's evidence
-        size = self.observed.size
         self._weights = None
-        self.observed = self.decay**nodes.trees * self.observed + np.bincount(
-            cell, weights=is_accepted[node] * age, minlength=size
-        ).reshape(self.observed.shape)
-        self.predicted = self.decay**nodes.trees * self.predicted + np.bincount(
-            cell, weights=nodes.probs[node, source] * age, minlength=size
-        ).reshape(self.predicted.shape)
+        self.observed, self.predicted = _calibrate(
+            nodes.parents, nodes.depths, nodes.probs, nodes.samples, nodes.offsets, nodes.match_len,
+            nodes.accepted, nodes.accepted_offsets, self._edges, self.decay, self.observed, self.predicted,
+        )  # fmt: skip
 
 
 class TreeNodes:
-    """The nodes of several merged trees as one (a step's rows): their per-node columns
-    concatenated, ``owner`` the tree of each, parents and the ``accepted`` nodes (per tree, local
-    indices: those the verifier accepted, or those what followed ran along) as indices into the
-    whole; ``is_accepted`` [n + 1] (the last slot: the roots, always reached) and ``tried``, the
-    nodes whose parent was reached. Built once per step for what the calibration
-    (``SourceCalibration.observe_nodes``) and the attribution (``Attribution.observe_nodes``,
-    ``observe_hindsight_nodes``) count."""
+    """The nodes of several merged trees as one (a step's rows), as the counting kernels take them:
+    their per-node columns concatenated (tree t is nodes ``offsets[t]:offsets[t + 1]``, ``parents``
+    local to it), each tree's match lengths (``match_len`` [trees, S]) and its ``accepted`` nodes
+    (local indices, root first, concatenated; tree t's are ``accepted[accepted_offsets[t]:
+    accepted_offsets[t + 1]]``): those the verifier accepted, or those what followed ran along
+    (``along``). Built once per count of what the calibration (``SourceCalibration.observe_nodes``)
+    and the attribution (``Attribution.observe_nodes``, ``observe_hindsight_nodes``) learn from."""
 
     def __init__(
         self,
@@ -439,38 +566,59 @@ class TreeNodes:
         accepted: Sequence[Sequence[int] | np.ndarray],
         num_sources: int,
     ) -> None:
+        if len(accepted) != len(trees):
+            raise ValueError(f"one list of accepted nodes per tree, got {len(accepted)} for {len(trees)}")
+        self._columns(trees, num_sources)
+        if not trees:
+            return
+        local = [np.asarray(nodes, dtype=np.int64) for nodes in accepted]
+        counts = np.fromiter((nodes.size for nodes in local), np.int64, len(local))
+        self.accepted_offsets = np.concatenate(([0], np.cumsum(counts)))
+        self.accepted = np.concatenate(local)
+        sizes = np.repeat(np.diff(self.offsets), counts)
+        outside = np.flatnonzero((self.accepted < 0) | (self.accepted >= sizes))
+        if outside.size:
+            raise ValueError(f"accepted node indices must be in [0, {sizes[outside[0]]})")
+
+    @classmethod
+    def along(cls, trees: Sequence[MergedTree], followed: Sequence[Sequence[int]], num_sources: int) -> TreeNodes:
+        """The ``trees`` with, as accepted, the path each one's ``followed`` tokens run along
+        (``DraftTree.accepted_nodes``, all trees in one compiled pass): the merged trees in hindsight."""
+        if len(followed) != len(trees):
+            raise ValueError(f"one list of followed tokens per tree, got {len(followed)} for {len(trees)}")
+        nodes = cls.__new__(cls)
+        nodes._columns(trees, num_sources)
+        if trees:
+            lengths = np.fromiter((len(tokens) for tokens in followed), np.int64, len(followed))
+            flat = np.fromiter(itertools.chain.from_iterable(followed), np.int64, int(lengths.sum()))
+            tokens = np.concatenate([tree.tokens for tree in trees])
+            nodes.accepted, counts = _followed_paths(
+                tokens, nodes.parents, nodes.offsets, flat, np.concatenate(([0], np.cumsum(lengths)))
+            )
+            nodes.accepted_offsets = np.concatenate(([0], np.cumsum(counts)))
+        return nodes
+
+    def _columns(self, trees: Sequence[MergedTree], num_sources: int) -> None:
         for tree in trees:
             if not isinstance(tree, MergedTree) or tree.source_probs.shape[1] != num_sources:
                 raise ValueError(
                     f"trees must carry source_probs and source_samples for {num_sources} sources (merge_trees results)"
                 )
-        if len(accepted) != len(trees):
-            raise ValueError(f"one list of accepted nodes per tree, got {len(accepted)} for {len(trees)}")
         self.trees = len(trees)
         if not trees:
             return
         sizes = np.fromiter((len(tree) for tree in trees), np.int64, len(trees))
         self.offsets = np.concatenate(([0], np.cumsum(sizes)))
-        self.owner = np.repeat(np.arange(len(trees)), sizes)
-        parents = np.concatenate([tree.parents for tree in trees]).astype(np.int64)
-        self.parents = np.where(parents >= 0, parents + self.offsets[self.owner], -1)
-        self.depths = np.concatenate([tree.depths for tree in trees])
+        self.parents = np.concatenate([tree.parents for tree in trees]).astype(np.int32, copy=False)
+        self.depths = np.concatenate([tree.depths for tree in trees]).astype(np.int32, copy=False)
         self.probs = np.concatenate([tree.source_probs for tree in trees])
         self.samples = np.concatenate([tree.source_samples for tree in trees])
-        self.match_len = np.stack([tree.source_match_len for tree in trees])  # [trees, S]
-        local = [np.asarray(nodes, dtype=np.int64) for nodes in accepted]
-        self.accepted_count = np.fromiter((nodes.size for nodes in local), np.int64, len(local))
-        self.accepted_start = np.cumsum(self.accepted_count) - self.accepted_count
-        self.accepted_owner = np.repeat(np.arange(len(trees)), self.accepted_count)
-        local_all = np.concatenate(local)
-        outside = np.flatnonzero((local_all < 0) | (local_all >= sizes[self.accepted_owner]))
-        if outside.size:
-            raise ValueError(f"accepted node indices must be in [0, {sizes[self.accepted_owner[outside[0]]]})")
-        self.accepted = local_all + self.offsets[self.accepted_owner]
-        self.is_accepted = np.zeros(self.offsets[-1] + 1, dtype=bool)
-        self.is_accepted[self.accepted] = True
-        self.is_accepted[-1] = True
-        self.tried = np.flatnonzero(self.is_accepted[self.parents])
+        self.match_len = np.stack([tree.source_match_len for tree in trees])
+
+    @property
+    def accepted_count(self) -> np.ndarray:
+        """int64 [trees]: each tree's accepted nodes."""
+        return np.diff(self.accepted_offsets)
 
 
 class Attribution:
@@ -543,24 +691,16 @@ class Attribution:
         """``observe`` each of the trees of ``nodes`` (a step's rows), in one vectorized pass."""
         if not nodes.trees:
             return
-        proposed = nodes.probs > 0  # [n, S]
-        shape = (nodes.trees, len(self.sources))
-        accepted = np.zeros(shape, np.int64)
-        np.add.at(accepted, nodes.accepted_owner, proposed[nodes.accepted])
-        verified = np.zeros(shape, np.int64)
-        np.add.at(verified, nodes.owner, proposed)
-        first_accepted = np.zeros(shape, bool)  # the sources of each tree's first accepted node
-        some = nodes.accepted_count > 0
-        first_accepted[some] = proposed[nodes.accepted[nodes.accepted_start[some]]]
-        self._count(self._verified, nodes, proposed, (1, first_accepted, accepted, verified))
+        _attribute(
+            self._verified, nodes.parents, nodes.probs, nodes.offsets, nodes.match_len,
+            nodes.accepted, nodes.accepted_offsets, _MATCH_LENGTH_EDGES,
+        )  # fmt: skip
 
     def observe_hindsight(self, merged: MergedTree, followed: Sequence[int], accepted: int) -> None:
         """Count one merged tree against the tokens that ``followed`` its context (at least its
         depth of them), once they are known: how deep each source's part of it ran along them, and
         whether deeper than the ``accepted`` tokens of the part that was verified (0 where none was)."""
-        self.observe_hindsight_nodes(
-            TreeNodes([merged], [merged.accepted_nodes(followed)], len(self.sources)), [accepted]
-        )
+        self.observe_hindsight_nodes(TreeNodes.along([merged], [followed], len(self.sources)), [accepted])
 
     def observe_hindsight_nodes(self, nodes: TreeNodes, accepted: Sequence[int]) -> None:
         """``observe_hindsight`` for each merged tree of ``nodes``, whose accepted nodes are the
@@ -568,28 +708,14 @@ class Attribution:
         verified part got accepted; in one vectorized pass."""
         if not nodes.trees:
             return
-        # each source's part of the path from the root (a source proposes a node's parent too):
-        # the path's length, or the place of its first node the source did not propose
-        held = np.repeat(nodes.accepted_count[:, None], len(self.sources), axis=1)
-        place = np.arange(nodes.accepted.size) - np.repeat(nodes.accepted_start, nodes.accepted_count)
-        step, source = np.nonzero(nodes.probs[nodes.accepted] <= 0)
-        np.minimum.at(held, (nodes.accepted_owner[step], source), place[step])
-        verified = np.asarray(accepted, dtype=np.int64)[:, None]
-        self._count(self._hindsight, nodes, nodes.probs > 0, (1, held, held > verified))
+        verified = np.asarray(accepted, dtype=np.int64)
+        _attribute_hindsight(
+            self._hindsight, nodes.parents, nodes.probs, nodes.offsets, nodes.match_len,
+            nodes.accepted, nodes.accepted_offsets, verified, _MATCH_LENGTH_EDGES,
+        )  # fmt: skip
         self.tree_steps += nodes.trees
         self.tree_held += nodes.accepted.size
         self.tree_accepted += int(verified.sum())
-
-    def _count(self, counts: np.ndarray, nodes: TreeNodes, proposed: np.ndarray, values: tuple) -> None:
-        """Add ``values`` (each [trees, S], or one number) to the ``counts`` stack, in each tree's
-        (source, match-length class) cell, for the sources that proposed a root child of it."""
-        roots = np.flatnonzero(nodes.parents == -1)
-        first = np.zeros((nodes.trees, len(self.sources)), bool)
-        np.logical_or.at(first, nodes.owner[roots], proposed[roots])
-        tree, source = np.nonzero(first)
-        cell = source * len(MATCH_LENGTH_EDGES) + length_class(nodes.match_len[tree, source])
-        stacked = np.stack([np.broadcast_to(value, first.shape)[tree, source] for value in values])
-        np.add.at(counts.reshape(len(values), -1), (slice(None), cell), stacked)
 
     def report(self) -> list[dict]:
         """One dict per cell with steps or offers: source, match lengths ("4-5", "16+"), the
