@@ -633,15 +633,18 @@ class Datastore:
     def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig = DraftConfig()) -> list[DraftTree]:
         """The trees of ``contexts``, in order. One shard (an index built whole, or a shard
         server's part): one compiled pass over all of them. Several: the three steps per context."""
+        return self.draft_queries(*query_matrix(contexts, config.n_max, self.vocab_size), config)
+
+    def draft_queries(self, queries: np.ndarray, lengths: np.ndarray, config: DraftConfig) -> list[DraftTree]:
+        """``draft_batch`` of contexts already parsed: ``query_matrix(contexts, config.n_max,
+        vocab_size)`` of this index's vocabulary (or of a smaller one), which a caller drafting the
+        same contexts from several sources parses once."""
         if self._closed:
             raise RuntimeError("datastore is closed")
         if len(self._shards) == 1:
             (shard,) = self._shards.values()
-            queries, lengths = query_matrix(contexts, config.n_max, self.vocab_size)
             return shard.draft_rows(queries, lengths, config, self.max_candidates, self._sep, self.vocab_size)
-        return [
-            self._planned_draft(query_tokens(context, config.n_max, self.vocab_size), config) for context in contexts
-        ]
+        return [self._planned_draft(query[:length], config) for query, length in zip(queries, lengths.tolist())]
 
     def _planned_draft(self, query: np.ndarray, config: DraftConfig) -> DraftTree:
         plan = plan_draft(self.match(query, config.n_min), query, config.n_min, self.max_candidates)

@@ -140,6 +140,10 @@ class OutputsMirror:
         """``draft`` of every context in one pass (``OutputStore.draft_batch``)."""
         return self.store.draft_batch(contexts, config)
 
+    def draft_queries(self, queries: np.ndarray, lengths: np.ndarray, config: DraftConfig) -> list[DraftTree]:
+        """``OutputStore.draft_queries`` of the copy."""
+        return self.store.draft_queries(queries, lengths, config)
+
     def add(self, tokens: Sequence[int] | np.ndarray) -> int:
         """Store ``tokens`` on the server (so every replica drafts from them) and in the copy at
         once; returns the server's sequence number. Errors as ``DatastoreClient.add_output``."""

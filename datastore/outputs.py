@@ -477,7 +477,10 @@ class OutputStore:
         self, contexts: Sequence[Sequence[int] | np.ndarray], config: DraftConfig = DraftConfig()
     ) -> list[DraftTree]:
         """``draft`` of every context, in one compiled pass (``BigramIndex.draft_batch``)."""
-        queries, lengths = query_matrix(contexts, config.n_max, SEP)
+        return self.draft_queries(*query_matrix(contexts, config.n_max, SEP), config)
+
+    def draft_queries(self, queries: np.ndarray, lengths: np.ndarray, config: DraftConfig) -> list[DraftTree]:
+        """``draft_batch`` of contexts already parsed (``query_matrix``, as ``Datastore.draft_queries``)."""
         with self._lock:
             self._check_open()
             index = self._index

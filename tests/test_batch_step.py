@@ -16,6 +16,7 @@ from rest_spec.datastore.index import Datastore, plan_draft, query_matrix, query
 from rest_spec.datastore.trie import counted_tree
 from rest_spec.drafter.core.batch_step import merge_rows
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
+from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.merge import (
     MATCH_LENGTH_EDGES,
     Attribution,
@@ -310,3 +311,23 @@ def test_accepted_nodes_out_of_a_tree_are_refused():
     )
     with pytest.raises(ValueError, match=r"accepted node indices must be in \[0, 2\)"):
         TreeNodes([tree], [[0, 2]], 1)
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    docs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=8),
+    outputs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), max_size=4),
+    contexts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=2, max_size=5),
+    shard_tokens=st.sampled_from([16, 1 << 20]),
+)
+def test_a_steps_sources_parsed_once_equal_each_contexts_own(tmp_path, docs, outputs, contexts, shard_tokens):
+    """``LocalDrafter.draft_sources_batch`` parses the contexts once for the index and the store of
+    outputs (``draft_queries``): every row's trees are what drafting that context alone gives, on an
+    index of one shard (the compiled pass) or several (the planned draft per row)."""
+    write_index(tmp_path / "idx", docs, vocab_size=4, shard_tokens=shard_tokens)
+    config = DraftConfig(budget=12, max_depth=4, n_max=6, n_min=1)
+    with LocalDrafter.open(tmp_path / "idx", outputs_max_tokens=1000) as drafter:
+        for output in outputs:
+            drafter.add_output(output)
+        alone = [drafter.draft_sources(context, config) for context in contexts]
+        assert drafter.draft_sources_batch(contexts, config) == alone

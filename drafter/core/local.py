@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.tokenizer import require_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
-from rest_spec.datastore.index import Datastore
+from rest_spec.datastore.index import Datastore, query_matrix
 from rest_spec.datastore.outputs import (
     DEFAULT_OUTPUTS_MAX_TOKENS,
     OutputStore,
@@ -93,10 +93,12 @@ class LocalDrafter(DraftSource):
         return SourceTrees(self.datastore.draft(context, config), outputs)
 
     def draft_sources_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig) -> list[SourceTrees]:
-        trees = self.datastore.draft_batch(contexts, config)
+        # parsed once for both: the index's vocabulary bounds the store's too
+        queries, lengths = query_matrix(contexts, config.n_max, self.datastore.vocab_size)
+        trees = self.datastore.draft_queries(queries, lengths, config)
         if self.outputs is None:
             return [SourceTrees(tree, DraftTree.empty()) for tree in trees]
-        return [SourceTrees(*both) for both in zip(trees, self.outputs.draft_batch(contexts, config))]
+        return [SourceTrees(*both) for both in zip(trees, self.outputs.draft_queries(queries, lengths, config))]
 
     def add_output(self, tokens: Sequence[int]) -> int:
         if self.outputs is None:
