@@ -88,15 +88,27 @@ def _cheapest(sizes: Sequence[int], seconds: Sequence[float], n: np.ndarray) -> 
     (``seconds`` at the measured sizes, interpolated linearly between them and continued along
     the last segment past the largest), or ``n`` padded up to a larger measured size that costs
     less (the curve is not monotone on a CPU: on this project's machine 4 tokens cost less than 2).
-    Returns float64 seconds and int64 block sizes, both shaped like ``n``."""
-    cheapest_from = _cheapest_from(tuple(sizes), tuple(seconds))
+    Returns float64 seconds and int64 block sizes, both shaped like ``n`` (read-only: remembered
+    per table and ``n``, since every row of every step prices the same sizes)."""
+    n = np.asarray(n, dtype=np.float64)
+    return _cheapest_remembered(tuple(sizes), tuple(seconds), n.tobytes(), n.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _cheapest_remembered(
+    sizes: tuple[int, ...], seconds: tuple[float, ...], n_bytes: bytes, shape: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    n = np.frombuffer(n_bytes, np.float64).reshape(shape)
+    cheapest_from = _cheapest_from(sizes, seconds)
     sizes, seconds = np.asarray(sizes, np.int64), np.asarray(seconds, np.float64)
     as_is = _as_is(sizes, seconds, n)
     first = np.searchsorted(sizes, n, side="left")  # the first measured size >= n
     padded_index = cheapest_from[np.minimum(first, sizes.size - 1)]
     padded = np.where(first < sizes.size, seconds[padded_index], np.inf)
     pad = padded < as_is
-    return np.where(pad, padded, as_is), np.where(pad, sizes[padded_index], np.asarray(n, np.int64))
+    prices, blocks = np.where(pad, padded, as_is), np.where(pad, sizes[padded_index], n.astype(np.int64))
+    prices.flags.writeable = blocks.flags.writeable = False
+    return prices, blocks
 
 
 @runtime_checkable
