@@ -169,26 +169,31 @@ def with_match_len(tree: DraftTree, match_len: int) -> DraftTree:
     return DraftTree(tree.tokens, tree.parents, tree.counts, match_len, tree.num_matches, tree.num_sampled)
 
 
-@settings(max_examples=examples(200), deadline=None)
-@given(
-    rows=st.lists(
-        st.tuples(
-            st.lists(st.tuples(source_trees, st.integers(0, 20)), min_size=2, max_size=2),
-            st.lists(st.integers(0, 3), max_size=6),
-        ),
-        min_size=1,
-        max_size=5,
+# a step's rows: each two sources' trees (with their match lengths) and the tokens that followed
+counted_rows = st.lists(
+    st.tuples(
+        st.lists(st.tuples(source_trees, st.integers(0, 20)), min_size=2, max_size=2),
+        st.lists(st.integers(0, 3), max_size=6),
     ),
+    min_size=1,
+    max_size=6,
 )
+
+
+def merged_and_followed(rows) -> tuple[list[MergedTree], list[list[int]], list[np.ndarray], list[int]]:
+    """Each row's trees merged, the tokens that followed, the paths they ran along and a verified count."""
+    merged = [merge_trees([with_match_len(tree, n) for tree, n in sources], [1.0, 0.7], 12) for sources, _ in rows]
+    followed = [tokens for _, tokens in rows]
+    paths = [tree.accepted_nodes(tokens) for tree, tokens in zip(merged, followed)]
+    return merged, followed, paths, [min(len(path), n % 3) for n, path in enumerate(paths)]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(rows=counted_rows)
 def test_a_steps_rows_counted_at_once_equal_them_counted_in_turn(rows):
     """``observe_nodes`` and ``observe_hindsight_nodes`` (the advance of a step's rows) count as
     ``observe`` and ``observe_hindsight`` tree by tree do."""
-    merged, followed = [], []
-    for sources, tokens in rows:
-        merged.append(merge_trees([with_match_len(tree, n) for tree, n in sources], [1.0, 0.7], 12))
-        followed.append(tokens)
-    paths = [tree.accepted_nodes(tokens) for tree, tokens in zip(merged, followed)]
-    verified = [min(len(path), n % 3) for n, path in enumerate(paths)]
+    merged, followed, paths, verified = merged_and_followed(rows)
     at_once, in_turn = SourceCalibration(2), SourceCalibration(2)
     nodes = TreeNodes(merged, paths, 2)
     at_once.observe_nodes(nodes)
@@ -273,23 +278,11 @@ def numpy_counts(trees, paths, verified, num_sources):
 
 
 @settings(max_examples=examples(200), deadline=None)
-@given(
-    rows=st.lists(
-        st.tuples(
-            st.lists(st.tuples(source_trees, st.integers(0, 20)), min_size=2, max_size=2),
-            st.lists(st.integers(0, 3), max_size=6),
-        ),
-        min_size=1,
-        max_size=6,
-    ),
-)
+@given(rows=counted_rows)
 def test_the_compiled_counting_equals_the_numpy_counting_it_replaced(rows):
     """``TreeNodes.along`` finds ``accepted_nodes``' paths, and the calibration's and the
     attribution's compiled counts equal the vectorized numpy ones they replaced, on random trees."""
-    merged = [merge_trees([with_match_len(tree, n) for tree, n in sources], [1.0, 0.7], 12) for sources, _ in rows]
-    followed = [tokens for _, tokens in rows]
-    paths = [tree.accepted_nodes(tokens) for tree, tokens in zip(merged, followed)]
-    verified = [min(len(path), n % 3) for n, path in enumerate(paths)]
+    merged, followed, paths, verified = merged_and_followed(rows)
     nodes = TreeNodes.along(merged, followed, 2)
     assert nodes.accepted.tolist() == np.concatenate(paths).tolist()
     assert nodes.accepted_count.tolist() == [len(path) for path in paths]
