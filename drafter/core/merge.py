@@ -374,9 +374,10 @@ def _reached(parents, offsets, accepted, accepted_offsets):
 def _calibrate(
     parents, depths, probs, samples, offsets, match_len, accepted, accepted_offsets, edges, decay, observed, predicted
 ):
-    """``SourceCalibration.observe_nodes`` in place: every tried node's (source, match-length
-    class, sample class) cell gains, decayed by the trees after its own, whether it was accepted
-    (``observed``) and its source's probability (``predicted``); what came before decays by all."""
+    """``SourceCalibration.observe_nodes``' new (observed, predicted): every tried node's (source,
+    match-length class, sample class) cell gains, decayed by the trees after its own, whether it was
+    accepted (``observed``) and its source's probability (``predicted``); what came before decays by
+    all. A node d deep continues its source's match by the d - 1 tokens above it."""
     trees, num_sources = offsets.shape[0] - 1, probs.shape[1]
     classes = observed.shape[2]
     is_accepted, tried = _reached(parents, offsets, accepted, accepted_offsets)
@@ -541,7 +542,7 @@ class SourceCalibration:
 
     def observe_nodes(self, nodes: TreeNodes) -> None:
         """``observe`` each of the trees of ``nodes`` in turn (each decays what came before it), in
-        one vectorized pass: a step's rows at once."""
+        one compiled pass: a step's rows at once."""
         if not nodes.trees:
             return
         self._weights = None
@@ -688,7 +689,7 @@ class Attribution:
         self.observe_nodes(TreeNodes([tree], [accepted], len(self.sources)))
 
     def observe_nodes(self, nodes: TreeNodes) -> None:
-        """``observe`` each of the trees of ``nodes`` (a step's rows), in one vectorized pass."""
+        """``observe`` each of the trees of ``nodes`` (a step's rows), in one compiled pass."""
         if not nodes.trees:
             return
         _attribute(
@@ -705,7 +706,7 @@ class Attribution:
     def observe_hindsight_nodes(self, nodes: TreeNodes, accepted: Sequence[int]) -> None:
         """``observe_hindsight`` for each merged tree of ``nodes``, whose accepted nodes are the
         path what followed it ran along (``DraftTree.accepted_nodes``), ``accepted`` the tokens its
-        verified part got accepted; in one vectorized pass."""
+        verified part got accepted; in one compiled pass."""
         if not nodes.trees:
             return
         verified = np.asarray(accepted, dtype=np.int64)
