@@ -298,6 +298,28 @@ def query_matrix(
     return queries, lengths
 
 
+def checked_queries(queries: np.ndarray, lengths: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``query_matrix``'s answer as a caller hands it back to a draft (``draft_queries``): int64
+    [R, n] of ids in [0, ``vocab_size``) and int64 [R] lengths in [1, n], else ``ValueError``
+    naming what is not, before any kernel reads them."""
+    queries, lengths = np.asarray(queries), np.asarray(lengths)
+    if (
+        queries.dtype != np.int64
+        or lengths.dtype != np.int64
+        or queries.ndim != 2
+        or lengths.shape != queries.shape[:1]
+    ):
+        raise ValueError(
+            f"queries must be int64 [rows, n] and lengths int64 [rows] (query_matrix), got "
+            f"{queries.dtype} {queries.shape} and {lengths.dtype} {lengths.shape}"
+        )
+    if lengths.size and (lengths.min() < 1 or lengths.max() > queries.shape[1]):
+        raise ValueError(f"query lengths must be in [1, {queries.shape[1]}]")
+    if queries.size and (queries.min() < 0 or queries.max() >= vocab_size):
+        raise ValueError(f"query token ids must be in [0, {vocab_size})")
+    return np.ascontiguousarray(queries), lengths
+
+
 def longest_matches(matches: Iterable[ShardMatch]) -> list[ShardMatch]:
     """The matches of the longest length (the only ones that can count), in manifest order."""
     matches = list(matches)
@@ -641,6 +663,7 @@ class Datastore:
         same contexts from several sources parses once."""
         if self._closed:
             raise RuntimeError("datastore is closed")
+        queries, lengths = checked_queries(queries, lengths, self.vocab_size)
         if len(self._shards) == 1:
             (shard,) = self._shards.values()
             return shard.draft_rows(queries, lengths, config, self.max_candidates, self._sep, self.vocab_size)

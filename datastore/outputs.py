@@ -28,7 +28,7 @@ import numpy as np
 from rest_spec.common.types import DraftConfig, DraftTree, token_ids
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore.bigram import SEP, BigramIndex
-from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES, query_matrix
+from rest_spec.datastore.index import DEFAULT_MAX_CANDIDATES, checked_queries, query_matrix
 
 log = logging.getLogger(__name__)
 
@@ -481,6 +481,7 @@ class OutputStore:
 
     def draft_queries(self, queries: np.ndarray, lengths: np.ndarray, config: DraftConfig) -> list[DraftTree]:
         """``draft_batch`` of contexts already parsed (``query_matrix``, as ``Datastore.draft_queries``)."""
+        queries, lengths = checked_queries(queries, lengths, SEP)
         with self._lock:
             self._check_open()
             index = self._index

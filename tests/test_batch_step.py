@@ -324,3 +324,25 @@ def test_a_steps_sources_parsed_once_equal_each_contexts_own(tmp_path, docs, out
             drafter.add_output(output)
         alone = [drafter.draft_sources(context, config) for context in contexts]
         assert drafter.draft_sources_batch(contexts, config) == alone
+
+
+def test_parsed_contexts_handed_back_are_checked_before_any_kernel_reads_them(tmp_path):
+    """``draft_queries`` takes ``query_matrix``'s rows from its caller: ids outside the vocabulary,
+    lengths past the row or an array of another type are refused, naming the problem."""
+    write_index(tmp_path / "idx", [[1, 2, 3, 1, 2]], vocab_size=4)
+    config = DraftConfig(n_max=4, n_min=1)
+    with LocalDrafter.open(tmp_path / "idx", outputs_max_tokens=100) as drafter:
+        queries, lengths = query_matrix([[1, 2], [3]], config.n_max, 4)
+        for source in (drafter.datastore, drafter.outputs):
+            assert len(source.draft_queries(queries, lengths, config)) == 2
+        bad_id = queries.copy()
+        bad_id[0, 0] = 4
+        with pytest.raises(ValueError, match=r"query token ids must be in \[0, 4\)"):
+            drafter.datastore.draft_queries(bad_id, lengths, config)
+        for source in (drafter.datastore, drafter.outputs):
+            with pytest.raises(ValueError, match=r"query lengths must be in \[1, 4\]"):
+                source.draft_queries(queries, np.array([2, 5]), config)
+            with pytest.raises(ValueError, match="queries must be int64"):
+                source.draft_queries(queries.astype(np.int32), lengths, config)
+        with pytest.raises(ValueError, match="query token ids"):
+            drafter.outputs.draft_queries(np.full((1, 4), -1), np.array([1]), config)

@@ -289,7 +289,8 @@ class AdaptiveDrafter:
         self, session: _Session, row: Sequence[int], matured: tuple[list[MergedTree], list[list[int]], list[int]]
     ) -> None:
         """Add to ``matured`` (trees, the tokens that followed each, tokens accepted of each) the
-        session's merged trees whose context has since grown by the tree's depth: what the calibration (``SourceCalibration.observe_nodes``) and the hindsight
+        session's merged trees whose context has since grown by the tree's depth: what the
+        calibration (``SourceCalibration.observe_nodes``) and the hindsight
         (``Attribution.observe_hindsight_nodes``) count."""
         while session.hindsight:
             start, end, merged, verified = session.hindsight[0]
