@@ -655,15 +655,17 @@ class Datastore:
     def draft_batch(self, contexts: Sequence[Sequence[int]], config: DraftConfig = DraftConfig()) -> list[DraftTree]:
         """The trees of ``contexts``, in order. One shard (an index built whole, or a shard
         server's part): one compiled pass over all of them. Several: the three steps per context."""
-        return self.draft_queries(*query_matrix(contexts, config.n_max, self.vocab_size), config)
+        return self._draft_parsed(*query_matrix(contexts, config.n_max, self.vocab_size), config)
 
     def draft_queries(self, queries: np.ndarray, lengths: np.ndarray, config: DraftConfig) -> list[DraftTree]:
         """``draft_batch`` of contexts already parsed: ``query_matrix(contexts, config.n_max,
         vocab_size)`` of this index's vocabulary (or of a smaller one), which a caller drafting the
-        same contexts from several sources parses once."""
+        same contexts from several sources parses once; checked again, since they come from outside."""
+        return self._draft_parsed(*checked_queries(queries, lengths, self.vocab_size), config)
+
+    def _draft_parsed(self, queries: np.ndarray, lengths: np.ndarray, config: DraftConfig) -> list[DraftTree]:
         if self._closed:
             raise RuntimeError("datastore is closed")
-        queries, lengths = checked_queries(queries, lengths, self.vocab_size)
         if len(self._shards) == 1:
             (shard,) = self._shards.values()
             return shard.draft_rows(queries, lengths, config, self.max_candidates, self._sep, self.vocab_size)

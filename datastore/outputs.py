@@ -477,11 +477,14 @@ class OutputStore:
         self, contexts: Sequence[Sequence[int] | np.ndarray], config: DraftConfig = DraftConfig()
     ) -> list[DraftTree]:
         """``draft`` of every context, in one compiled pass (``BigramIndex.draft_batch``)."""
-        return self.draft_queries(*query_matrix(contexts, config.n_max, SEP), config)
+        return self._draft_parsed(*query_matrix(contexts, config.n_max, SEP), config)
 
     def draft_queries(self, queries: np.ndarray, lengths: np.ndarray, config: DraftConfig) -> list[DraftTree]:
-        """``draft_batch`` of contexts already parsed (``query_matrix``, as ``Datastore.draft_queries``)."""
-        queries, lengths = checked_queries(queries, lengths, SEP)
+        """``draft_batch`` of contexts already parsed (``query_matrix``), checked again, as
+        ``Datastore.draft_queries``."""
+        return self._draft_parsed(*checked_queries(queries, lengths, SEP), config)
+
+    def _draft_parsed(self, queries: np.ndarray, lengths: np.ndarray, config: DraftConfig) -> list[DraftTree]:
         with self._lock:
             self._check_open()
             index = self._index
