@@ -188,23 +188,18 @@ class DraftTree:
         parents: np.ndarray,
         counts: np.ndarray,
         depths: np.ndarray,
+        scores: np.ndarray,
         offsets: Sequence[int],
         stats: Sequence[Sequence[int]],
     ) -> list[DraftTree]:
         """The trees a trie kernel built (``datastore.trie``: int32 tokens, parents and depths, int64
-        counts, BFS order by construction), laid end to end: tree i is nodes ``offsets[i]:offsets[i
-        + 1]`` with ``stats[i]`` = (match_len, num_matches, num_sampled), the empty tree where
-        nothing was sampled; each scored counts / num_sampled. Without the checks: they cost as much
-        as drafting the tree, and every source drafts one every step. The trees are views of the
-        four arrays, frozen once and scored in one pass, not per tree (a batch kernel answers
-        every row of a step)."""
+        counts, float64 scores = counts / num_sampled, BFS order by construction), laid end to end:
+        tree i is nodes ``offsets[i]:offsets[i + 1]`` with ``stats[i]`` = (match_len, num_matches,
+        num_sampled), the empty tree where nothing was sampled. Without the checks: they cost as
+        much as drafting the tree, and every source drafts one every step. The trees are views of
+        the five arrays, frozen once, not per tree (a batch kernel answers every row of a step)."""
         end = offsets[-1]
-        tokens, parents, counts, depths = tokens[:end], parents[:end], counts[:end], depths[:end]
-        if len(stats) == 1:  # one tree (a request's own text, one row): no per-tree repeat
-            scores = counts / float(max(stats[0][2], 1))
-        else:
-            sampled = np.array([max(row[2], 1) for row in stats], np.float64)
-            scores = counts / np.repeat(sampled, np.diff(np.asarray(offsets, np.int64)))
+        tokens, parents, counts, depths, scores = tokens[:end], parents[:end], counts[:end], depths[:end], scores[:end]
         for array in (tokens, parents, counts, depths, scores):
             array.setflags(write=False)
         trees = []

@@ -145,7 +145,7 @@ def _draft_rows(
     """``BigramIndex.draft_batch``'s pass: each row's match (``_continuations``), its tree put
     in the batch's ``_tree_buffers``."""
     buffers = _tree_buffers(queries.shape[0], budget)
-    offsets = buffers[4]
+    offsets = buffers[5]
     for r in range(queries.shape[0]):
         offsets[r + 1] = offsets[r]
         if lengths[r] < 2:

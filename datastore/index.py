@@ -387,7 +387,7 @@ def _draft_rows(
     ``_tree_buffers``); status < 0: corruption, with the fault in ``fault``."""
     num_rows = queries.shape[0]
     buffers = _tree_buffers(num_rows, budget)
-    offsets = buffers[4]
+    offsets = buffers[5]
     ranges = np.empty((queries.shape[1], 2), np.int64)
     rows = np.empty((max_candidates, max_depth), tokens.dtype)
     for r in range(num_rows):

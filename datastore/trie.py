@@ -45,20 +45,22 @@ def counted_tree(continuations: np.ndarray, sep: int, budget: int, match_len: in
     if k == 0 or m == 0 or budget <= 0:
         return DraftTree(*top_c_tree(continuations, sep, budget), match_len, num_matches, k)
     tokens, parents, counts, depths = _top_c_tree(np.ascontiguousarray(continuations), sep, budget)
-    return DraftTree.counted_batch(tokens, parents, counts, depths, [0, tokens.size], [(match_len, num_matches, k)])[0]
+    scores = counts / float(k)
+    return DraftTree.counted_batch(tokens, parents, counts, depths, scores, [0, tokens.size], [(match_len, num_matches, k)])[0]
 
 
 @numba.njit(nogil=True, cache=True)
 def _tree_buffers(num_rows, budget):
     """Room for ``num_rows`` trees of at most ``budget`` nodes laid end to end (``_put_tree``):
-    tokens, parents, counts, depths, offsets [num_rows + 1] and stats [num_rows, 3] (match_len,
-    0 for no tree; num_matches; num_sampled)."""
+    tokens, parents, counts, depths, scores, offsets [num_rows + 1] and stats [num_rows, 3]
+    (match_len, 0 for no tree; num_matches; num_sampled)."""
     size = num_rows * budget
     return (
         np.empty(size, np.int32),
         np.empty(size, np.int32),
         np.empty(size, np.int64),
         np.empty(size, np.int32),
+        np.empty(size, np.float64),
         np.zeros(num_rows + 1, np.int64),
         np.zeros((num_rows, 3), np.int64),
     )
@@ -67,12 +69,14 @@ def _tree_buffers(num_rows, budget):
 @numba.njit(nogil=True, cache=True)
 def _put_tree(buffers, row, continuations, sep, budget, match_len, num_matches):
     """The ``budget`` heaviest trie nodes of ``continuations`` as tree ``row`` of ``buffers``
-    (rows are put in order; ``offsets[row]`` is where this one starts)."""
-    tokens, parents, counts, depths, offsets, stats = buffers
+    (rows are put in order; ``offsets[row]`` is where this one starts), each scored its count over
+    the rows counted."""
+    tokens, parents, counts, depths, scores, offsets, stats = buffers
     start = offsets[row]
     t, p, c, d = _top_c_tree(continuations, sep, budget)
     stop = start + t.shape[0]
     tokens[start:stop], parents[start:stop], counts[start:stop], depths[start:stop] = t, p, c, d
+    scores[start:stop] = c / float(max(continuations.shape[0], 1))
     offsets[row + 1] = stop
     stats[row, 0], stats[row, 1], stats[row, 2] = match_len, num_matches, continuations.shape[0]
 
@@ -80,8 +84,8 @@ def _put_tree(buffers, row, continuations, sep, budget, match_len, num_matches):
 def trees_from_buffers(buffers) -> list[DraftTree]:
     """The trees a batch kernel put in ``buffers`` (``_tree_buffers``), the empty tree where a
     row had no match (nothing sampled)."""
-    tokens, parents, counts, depths, offsets, stats = buffers
-    return DraftTree.counted_batch(tokens, parents, counts, depths, offsets.tolist(), stats.tolist())
+    tokens, parents, counts, depths, scores, offsets, stats = buffers
+    return DraftTree.counted_batch(tokens, parents, counts, depths, scores, offsets.tolist(), stats.tolist())
 
 
 @numba.njit(nogil=True, cache=True)

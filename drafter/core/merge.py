@@ -608,13 +608,13 @@ class TreeNodes:
         self.trees = len(trees)
         if not trees:
             return
-        sizes = np.fromiter((len(tree) for tree in trees), np.int64, len(trees))
-        self.offsets = np.concatenate(([0], np.cumsum(sizes)))
+        self.offsets = np.zeros(len(trees) + 1, np.int64)
+        np.cumsum([tree.tokens.shape[0] for tree in trees], out=self.offsets[1:])
         self.parents = np.concatenate([tree.parents for tree in trees]).astype(np.int32, copy=False)
         self.depths = np.concatenate([tree.depths for tree in trees]).astype(np.int32, copy=False)
         self.probs = np.concatenate([tree.source_probs for tree in trees])
         self.samples = np.concatenate([tree.source_samples for tree in trees])
-        self.match_len = np.stack([tree.source_match_len for tree in trees])
+        self.match_len = np.concatenate([tree.source_match_len for tree in trees]).reshape(len(trees), num_sources)
 
 
 class Attribution:

@@ -158,7 +158,7 @@ def _request_rows(texts, offsets, extras, extra_offsets, max_candidates, n_max, 
     text's end), put as tree r (``_put_tree``) when the match reaches 2 and ``n_min`` tokens."""
     rows = offsets.shape[0] - 1
     buffers = _tree_buffers(rows, budget)
-    tree_offsets = buffers[4]
+    tree_offsets = buffers[5]
     sep = np.uint32(SEP)
     query = np.empty(n_max, np.uint32)
     for r in range(rows):
