@@ -7,6 +7,7 @@ under their parent in ascending token order), so position ``i`` of every array d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -161,8 +162,9 @@ class DraftTree:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    @property
+    @functools.cached_property
     def max_depth(self) -> int:
+        """The deepest node's depth (0 for no nodes); a batch that builds trees may set it."""
         return int(self.depths.max()) if len(self) else 0
 
     def is_chain(self) -> bool:

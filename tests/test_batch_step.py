@@ -68,6 +68,7 @@ def test_batch_step_equals_the_per_row_merge_and_chain(rows, budget, data):
         expected = merge_trees(row, weights[r], budget)
         assert isinstance(merged[r], MergedTree) and merged[r] == expected
         assert np.array_equal(merged[r].depths, expected.depths)
+        assert merged[r].max_depth == int(expected.depths.max())  # the batch's, set for all rows at once
         assert chains[r] == select_chain(expected, cost)
         assert np.array_equal(chains[r].depths, np.arange(1, len(chains[r]) + 1))
     # without prices: the merged trees alone

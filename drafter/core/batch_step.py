@@ -123,7 +123,7 @@ def merge_rows(
     flat = [tree for row in rows for tree in row]
     if len(flat) != len(rows) * num_sources or weights.shape[:2] != (len(rows), num_sources):
         raise ValueError(f"every row needs {num_sources} source trees and weights [rows, sources, depths, classes]")
-    sizes = np.fromiter((len(tree) for tree in flat), np.int64, len(flat)).reshape(len(rows), num_sources)
+    sizes = np.fromiter((tree.tokens.shape[0] for tree in flat), np.int64, len(flat)).reshape(len(rows), num_sources)
     match_len = np.fromiter((tree.match_len for tree in flat), np.int64, len(flat)).reshape(sizes.shape)
     num_sampled = np.fromiter((tree.num_sampled for tree in flat), np.int64, len(flat)).reshape(sizes.shape)
     num_matches = np.fromiter((tree.num_matches for tree in flat), np.int64, len(flat)).reshape(sizes.shape)
@@ -162,18 +162,22 @@ def _views(columns: Sequence[np.ndarray], bounds: list[int], stats: tuple) -> li
     """One ``MergedTree`` per row, each a view of ``columns`` (tokens, parents, counts, scores,
     source probabilities and samples, depths; frozen here, once) from ``bounds[r]`` to ``bounds[r +
     1]``, with the row's match statistics ``stats`` (source match lengths [R, S], then per row the
-    longest, the matches and the samples); the empty tree where a row has no nodes. Unchecked: the
-    kernel built them valid (BFS order, scores that never grow down a path)."""
+    longest, the matches and the samples) and its depth, all rows' in one call; the empty tree
+    where a row has no nodes. Unchecked: the kernel built them valid (BFS order, scores that
+    never grow down a path)."""
     for column in columns:
         column.setflags(write=False)
     tokens, parents, counts, scores, probs, samples, depths = columns
     source_match_len, longest, num_matches, num_sampled = stats
+    starts = [lo for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+    deepest = iter(np.maximum.reduceat(depths, starts).tolist() if starts else ())
     trees = []
     for r, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         if lo == hi:
             trees.append(DraftTree.empty())
             continue
         tree = MergedTree._frozen_view(
+            max_depth=next(deepest),
             tokens=tokens[lo:hi],
             parents=parents[lo:hi],
             counts=counts[lo:hi],
