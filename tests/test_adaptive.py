@@ -109,9 +109,8 @@ class FirstToken(AdaptiveDrafter):
 
 
 def test_trees_counted_in_batches_equal_them_counted_every_step(base, monkeypatch):
-    """The hindsight waits for ``COUNT_EVERY`` matured trees; what is read then (attribution,
-    calibration) equals counting each step as it came, and the weights drafted by lag at most that
-    many trees."""
+    """The counting waits for ``COUNT_EVERY`` trees; what is read then (attribution, calibration)
+    equals counting each step as it came, and the weights drafted by lag at most that many trees."""
     import rest_spec.drafter.core.adaptive as adaptive
 
     def run(count_every: int) -> AdaptiveDrafter:
@@ -122,13 +121,14 @@ def test_trees_counted_in_batches_equal_them_counted_every_step(base, monkeypatc
             trees = drafter.draft_batch(list(contexts.values()), CONFIG, list(contexts))
             for request, tree in zip(contexts, trees):  # accept the first branch's first token, then a miss
                 contexts[request] += [int(tree.tokens[0]) if len(tree) else 50 + step, 61]
-        assert len(drafter._matured[0]) < count_every
+        waiting = len(drafter._verified[0]) + len(drafter._matured[0])
+        assert waiting < count_every
         return drafter
 
     each, batched = run(1), run(1000)
-    assert batched._matured[0]  # no hindsight counted while drafting
+    assert batched._verified[0] and batched._matured[0]  # nothing counted while drafting
     assert batched.attribution.counts() == each.attribution.counts()
-    assert not batched._matured[0]  # reading counted it all
+    assert not batched._verified[0] and not batched._matured[0]  # reading counted it all
     np.testing.assert_allclose(batched.calibration.observed, each.calibration.observed)
     np.testing.assert_allclose(batched.calibration.predicted, each.calibration.predicted)
     assert each.calibration.observed.any()

@@ -50,12 +50,13 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("index", "request", "outputs")
 MAX_SESSIONS = 4096  # sessions kept at most; past it the longest unseen goes (an engine that never says "ended")
-# Matured trees counted together once this many wait: the hindsight's fixed cost per pass paid once
-# per many steps. The calibration learns up to this many trees late; whoever reads ``attribution``
-# or ``calibration`` sees everything counted. (A step's verified trees are counted as it credits
-# them: it walks their accepted paths then anyway, all rows in one pass.)
+# Verified and matured trees counted together once this many wait: the counting's fixed cost per
+# pass (tens of microseconds: a step's whole drafting at one row is a few hundred) paid once per
+# many steps. The calibration learns up to this many trees late; whoever reads ``attribution`` or
+# ``calibration`` sees everything counted.
 COUNT_EVERY = 32
 _EMPTY_TREE = DraftTree.empty()
+_NONE_ACCEPTED = (0,)  # the accepted count of an empty verified tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +182,10 @@ class AdaptiveDrafter:
             raise ValueError(f"calibration has {self._calibration.num_sources} sources, expected {num_sources}")
         # where accepted tokens come from, per source and match length (reports; no decision reads it)
         self._attribution = Attribution(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes))
-        # trees matured (tree, tokens that followed, tokens accepted), not counted yet
-        self._matured: tuple[list[MergedTree], list[list[int]], list[int]] = ([], [], [])
+        # trees verified (tree, tokens its context gained, its accepted count to fill) and matured
+        # (tree, tokens that followed, the accepted count of its verified part), not counted yet
+        self._verified: tuple[list[MergedTree], list[list[int]], list[list[int]]] = ([], [], [])
+        self._matured: tuple[list[MergedTree], list[list[int]], list[Sequence[int]]] = ([], [], [])
         self.accepted_mismatches = 0  # rows whose engine-reported tokens were not what their context gained
         self.source, self.config, self.chains = as_source(base), config, chains
         self.cost = CorrectedCost(cost) if isinstance(cost, VerifyCost) else cost
@@ -215,9 +218,7 @@ class AdaptiveDrafter:
         it means the engine's adapter hands contexts that are not what the engine committed.
         Reads each context's new tokens and tail only."""
         self._rows = []
-        matured = self._matured
-        credited: list[tuple[_Session, list[int], int]] = []  # (session, tokens gained, where they start)
-        continued: list[tuple[_Session, Sequence[int]]] = []
+        verified, matured = self._verified, self._matured
         for i, (row, request) in enumerate(zip(rows, requests)):
             session = self._sessions.get(request)
             if session is None or not session.mark.continued_by(row):
@@ -229,37 +230,26 @@ class AdaptiveDrafter:
                 gained = session.mark.gained(row)
                 if accepted is not None and len(accepted[i]) == len(gained):
                     gained = self._engines_tokens(accepted[i], gained)
-                if gained and (len(session.tree) or isinstance(session.merged, MergedTree)):
-                    credited.append((session, gained, session.mark.length))
-                continued.append((session, row))
-            session.mark = Mark.of(row)
+                if gained:
+                    accepted_count = _NONE_ACCEPTED  # of an empty tree
+                    if len(session.tree):
+                        accepted_count = [0]  # filled when the verified trees are counted
+                        verified[0].append(session.tree)
+                        verified[1].append(gained)
+                        verified[2].append(accepted_count)
+                    if isinstance(session.merged, MergedTree):
+                        start = session.mark.length
+                        session.hindsight.append(
+                            (start, start + session.merged.max_depth, session.merged, accepted_count)
+                        )
+                self._look_back(session, row, matured)
+            session.mark, session.tree, session.merged = Mark.of(row), _EMPTY_TREE, _EMPTY_TREE
             self._rows.append(session)
-        if credited:
-            self._credit(credited)
-        for session, row in continued:
-            self._look_back(session, row, matured)
-        for session in self._rows:
-            session.tree, session.merged = _EMPTY_TREE, _EMPTY_TREE
         if "request" in self.sources:
             extend_requests([session.matcher for session in self._rows], rows)
-        if len(matured[0]) >= COUNT_EVERY:
+        if len(verified[0]) + len(matured[0]) >= COUNT_EVERY:
             self._count()
         return self._rows
-
-    def _credit(self, credited: list[tuple[_Session, list[int], int]]) -> None:
-        """Count each session's verified tree against the tokens its context gained since (the
-        attribution: all rows in one compiled pass, none of them waiting) and queue its merged tree
-        for the hindsight, with the tokens the verified part got accepted."""
-        verified = [(session.tree, gained) for session, gained, _ in credited if len(session.tree)]
-        counts = iter(())
-        if verified:
-            nodes = TreeNodes.along(*zip(*verified), self._calibration.num_sources)
-            self._attribution.observe_nodes(nodes)
-            counts = iter(np.diff(nodes.accepted_offsets).tolist())
-        for session, _, start in credited:
-            accepted = next(counts) if len(session.tree) else 0
-            if isinstance(session.merged, MergedTree):
-                session.hindsight.append((start, start + session.merged.max_depth, session.merged, accepted))
 
     def _engines_tokens(self, told: Sequence[int], gained: list[int]) -> list[int]:
         """The engine's committed tokens of a row, checked against what its context gained."""
@@ -288,20 +278,31 @@ class AdaptiveDrafter:
         return self._calibration
 
     def _count(self) -> None:
-        """Count the matured trees, all at once and in the order they came (as one by one)."""
-        matured = self._matured
-        if not matured[0]:
-            return
-        in_hindsight = TreeNodes.along(*matured[:2], self._calibration.num_sources)
-        self._calibration.observe_nodes(in_hindsight)
-        self._attribution.observe_hindsight_nodes(in_hindsight, matured[2])
-        for waiting in matured:
+        """Count the waiting trees, all at once and in the order they came (as one by one): the
+        verified ones along what their contexts gained (each walk fills the count of its accepted
+        tokens, which its merged tree's hindsight reads), then the matured ones."""
+        verified, matured = self._verified, self._matured
+        num_sources = self._calibration.num_sources
+        if verified[0]:
+            nodes = TreeNodes.along(verified[0], verified[1], num_sources)
+            self._attribution.observe_nodes(nodes)
+            for accepted_count, count in zip(verified[2], np.diff(nodes.accepted_offsets).tolist()):
+                accepted_count[0] = count
+        if matured[0]:
+            in_hindsight = TreeNodes.along(*matured[:2], num_sources)
+            self._calibration.observe_nodes(in_hindsight)
+            self._attribution.observe_hindsight_nodes(in_hindsight, [count for count, in matured[2]])
+        for waiting in (*verified, *matured):
             waiting.clear()
 
     def _look_back(
-        self, session: _Session, row: Sequence[int], matured: tuple[list[MergedTree], list[list[int]], list[int]]
+        self,
+        session: _Session,
+        row: Sequence[int],
+        matured: tuple[list[MergedTree], list[list[int]], list[Sequence[int]]],
     ) -> None:
-        """Add to ``matured`` (trees, the tokens that followed each, tokens accepted of each) the
+        """Add to ``matured`` (trees, the tokens that followed each, the accepted count of each's
+        verified part: a one-element list ``_count`` fills, since it counts verified trees first) the
         session's merged trees whose context has since grown by the tree's depth: what the
         calibration (``SourceCalibration.observe_nodes``) and the hindsight
         (``Attribution.observe_hindsight_nodes``) count."""
