@@ -46,7 +46,9 @@ def counted_tree(continuations: np.ndarray, sep: int, budget: int, match_len: in
         return DraftTree(*top_c_tree(continuations, sep, budget), match_len, num_matches, k)
     tokens, parents, counts, depths = _top_c_tree(np.ascontiguousarray(continuations), sep, budget)
     scores = counts / float(k)
-    return DraftTree.counted_batch(tokens, parents, counts, depths, scores, [0, tokens.size], [(match_len, num_matches, k)])[0]
+    return DraftTree.counted_batch(
+        tokens, parents, counts, depths, scores, [0, tokens.size], [(match_len, num_matches, k)]
+    )[0]
 
 
 @numba.njit(nogil=True, cache=True)

@@ -291,7 +291,7 @@ class AdaptiveDrafter:
         if matured[0]:
             in_hindsight = TreeNodes.along(*matured[:2], num_sources)
             self._calibration.observe_nodes(in_hindsight)
-            self._attribution.observe_hindsight_nodes(in_hindsight, [count for count, in matured[2]])
+            self._attribution.observe_hindsight_nodes(in_hindsight, [count for (count,) in matured[2]])
         for waiting in (*verified, *matured):
             waiting.clear()
 
