@@ -286,7 +286,7 @@ def test_the_compiled_counting_equals_the_numpy_counting_it_replaced(rows):
     merged, followed, paths, verified = merged_and_followed(rows)
     nodes = TreeNodes.along(merged, followed, 2)
     assert nodes.accepted.tolist() == np.concatenate(paths).tolist()
-    assert np.diff(nodes.accepted_offsets).tolist() == [len(path) for path in paths]
+    assert nodes.accepted_count.tolist() == [len(path) for path in paths]
     calibration, attribution = SourceCalibration(2), Attribution(["a", "b"])
     calibration.observe_nodes(nodes)
     attribution.observe_nodes(TreeNodes(merged, paths, 2))

@@ -286,7 +286,7 @@ class AdaptiveDrafter:
         if verified[0]:
             nodes = TreeNodes.along(verified[0], verified[1], num_sources)
             self._attribution.observe_nodes(nodes)
-            for accepted_count, count in zip(verified[2], np.diff(nodes.accepted_offsets).tolist()):
+            for accepted_count, count in zip(verified[2], nodes.accepted_count.tolist()):
                 accepted_count[0] = count
         if matured[0]:
             in_hindsight = TreeNodes.along(*matured[:2], num_sources)

@@ -616,6 +616,11 @@ class TreeNodes:
         self.samples = np.concatenate([tree.source_samples for tree in trees])
         self.match_len = np.concatenate([tree.source_match_len for tree in trees]).reshape(len(trees), num_sources)
 
+    @property
+    def accepted_count(self) -> np.ndarray:
+        """int64 [trees]: each tree's accepted nodes."""
+        return np.diff(self.accepted_offsets)
+
 
 class Attribution:
     """Where accepted tokens come from: per source and per length of the match its tree was
