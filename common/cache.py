@@ -9,15 +9,25 @@ therefore cached per numba version, under ``~/.cache/rest-spec/numba/<version>``
 ``$NUMBA_CACHE_DIR`` names a place (an unwritable one falls back to numba's own choice). It does
 not follow ``$REST_CACHE_DIR``, which tests and benchmarks point at fresh directories for fresh
 cost tables: compiled kernels stay valid wherever the tables go.
+
+numba checks a cached kernel against its own source file only, not against the files of the
+kernels it calls: ``index``'s kernels compile ``trie``'s ``_put_tree`` into themselves, so after an
+edit (or an upgrade) of ``trie.py`` alone they would go on running the old ``_put_tree``, silently
+wrong or crashing. Within the version's directory the kernels are therefore cached under a digest
+of every kernel module's source (``KERNEL_MODULES``): any change to any of them compiles them all
+afresh. A digest's directory not used for ``STALE_AFTER_DAYS`` is removed. A ``$NUMBA_CACHE_DIR``
+is used as it is, with numba's own per-file check.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -36,13 +46,58 @@ def cache_dir() -> Path:
     return Path(os.environ.get("REST_CACHE_DIR") or user_cache_dir())
 
 
+# Every module that compiles kernels with ``numba_cached()``, relative to the package's root (a test
+# checks that none is missing): their sources, together, name the kernels' cache directory.
+KERNEL_MODULES = (
+    "datastore/bigram.py",
+    "datastore/format.py",
+    "datastore/index.py",
+    "datastore/trie.py",
+    "drafter/core/batch_step.py",
+    "drafter/core/merge.py",
+    "drafter/core/request_matcher.py",
+)
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+STALE_AFTER_DAYS = 30
+
+
+def kernel_sources_digest(root: Path = PACKAGE_ROOT) -> str:
+    """A digest of the sources of ``KERNEL_MODULES`` under ``root`` (a missing one counts as empty)."""
+    digest = hashlib.sha256()
+    for module in KERNEL_MODULES:
+        try:
+            source = (root / module).read_bytes()
+        except OSError:
+            source = b""
+        digest.update(f"{module}:{len(source)}:".encode() + source)
+    return digest.hexdigest()[:16]
+
+
+def kernel_cache_dir(version: str, root: Path = PACKAGE_ROOT) -> Path:
+    """``~/.cache/rest-spec/numba/<version>/<digest of the kernels' sources>``, marked as used now;
+    the version's other entries unused for ``STALE_AFTER_DAYS`` are removed (see the module docstring)."""
+    versioned = user_cache_dir() / "numba" / version
+    current = versioned / kernel_sources_digest(root)
+    try:
+        current.mkdir(parents=True, exist_ok=True)
+        os.utime(current)
+        cutoff = time.time() - STALE_AFTER_DAYS * 86400
+        for entry in versioned.iterdir():
+            if entry != current and entry.is_dir() and entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+    except OSError as exc:  # an unwritable home: numba falls back to its own choice
+        log.debug("the kernels' cache directory %s is not writable: %s", current, exc)
+    return current
+
+
+@functools.cache
 def numba_cached():
-    """The ``numba`` module, its on-disk cache pointed at this numba version's own directory (see
-    the module docstring); the kernel modules decorate with it, so they are cached there."""
+    """The ``numba`` module, its on-disk cache pointed at ``kernel_cache_dir`` (see the module
+    docstring); the kernel modules decorate with it, so they are cached there."""
     import numba  # here: what reads only the cache's paths (tokenizer loading) imports no numba
 
     if not os.environ.get("NUMBA_CACHE_DIR"):
-        numba.config.CACHE_DIR = str(user_cache_dir() / "numba" / numba.__version__)
+        numba.config.CACHE_DIR = str(kernel_cache_dir(numba.__version__))
     return numba
 
 

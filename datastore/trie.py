@@ -44,11 +44,9 @@ def counted_tree(continuations: np.ndarray, sep: int, budget: int, match_len: in
     k, m = continuations.shape
     if k == 0 or m == 0 or budget <= 0:
         return DraftTree(*top_c_tree(continuations, sep, budget), match_len, num_matches, k)
-    tokens, parents, counts, depths = _top_c_tree(np.ascontiguousarray(continuations), sep, budget)
-    scores = counts / float(k)
-    return DraftTree.counted_batch(
-        tokens, parents, counts, depths, scores, [0, tokens.size], [(match_len, num_matches, k)]
-    )[0]
+    buffers = _tree_buffers(1, budget)
+    _put_tree(buffers, 0, np.ascontiguousarray(continuations), sep, budget, match_len, num_matches)
+    return trees_from_buffers(buffers)[0]
 
 
 @numba.njit(nogil=True, cache=True)

@@ -1,17 +1,29 @@
 """The on-disk caches (``common.cache``): the kernels, one directory per numba version, so
 environments with different numba versions sharing the package never recompile each other's
-kernels; what is converted from a GGUF file, once per file, and again where it is damaged."""
+kernels, and within it one per digest of the kernels' sources, so that no kernel runs a stale copy
+of another module's kernel; what is converted from a GGUF file, once per file, and again where it
+is damaged."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import numba
 import pytest
 
-from rest_spec.common.cache import converted, load_converted
+from rest_spec.common.cache import (
+    KERNEL_MODULES,
+    PACKAGE_ROOT,
+    STALE_AFTER_DAYS,
+    converted,
+    kernel_cache_dir,
+    kernel_sources_digest,
+    load_converted,
+)
 
 # Compiles one kernel (the trie's) in a fresh interpreter and prints numba's cache directory.
 COMPILE = """
@@ -41,9 +53,54 @@ def cached_kernels(directory) -> list[str]:
 @pytest.mark.cli
 def test_kernels_are_cached_per_numba_version(tmp_path):
     printed = compile_in({"HOME": str(tmp_path), "REST_CACHE_DIR": str(tmp_path / "tables")}, tmp_path)
-    versioned = tmp_path / ".cache" / "rest-spec" / "numba" / numba.__version__
+    versioned = tmp_path / ".cache" / "rest-spec" / "numba" / numba.__version__ / kernel_sources_digest()
     assert printed == str(versioned)
     assert any(name.startswith("trie._top_c_tree") for name in cached_kernels(versioned))
+
+
+def test_every_kernel_module_is_in_the_digest():
+    compiling = {
+        path.relative_to(PACKAGE_ROOT).as_posix()
+        for directory in ("build_index", "common", "datastore", "drafter", "proto")
+        for path in (PACKAGE_ROOT / directory).rglob("*.py")
+        if "numba_cached()" in path.read_text() and path.name != "cache.py"
+    }
+    assert compiling == set(KERNEL_MODULES)
+
+
+def test_an_edit_of_any_kernel_module_moves_every_kernel_to_a_fresh_directory(tmp_path, monkeypatch):
+    """numba checks a cached kernel against its own file only: ``index``'s kernels, which compile
+    ``trie``'s ``_put_tree`` into themselves, would run the old one after an edit of ``trie.py``."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    root = tmp_path / "package"
+    for module in KERNEL_MODULES:
+        (root / module).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(PACKAGE_ROOT / module, root / module)
+    assert kernel_sources_digest(root) == kernel_sources_digest()
+    before = kernel_cache_dir("0.0", root)
+    with (root / "datastore" / "trie.py").open("a") as trie:
+        trie.write("\n")
+    after = kernel_cache_dir("0.0", root)
+    assert (
+        after != before
+        and after.parent == before.parent == tmp_path / "home" / ".cache" / "rest-spec" / "numba" / "0.0"
+    )
+    (root / "drafter" / "core" / "merge.py").unlink()  # a missing module counts as empty, still its own digest
+    assert kernel_sources_digest(root) not in {before.name, after.name}
+
+
+def test_a_kernel_directory_unused_for_a_month_is_removed(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    versioned = tmp_path / ".cache" / "rest-spec" / "numba" / "0.0"
+    stale, recent = versioned / "0123456789abcdef", versioned / "core_from_before"
+    for directory in (stale, recent):
+        (directory / "sub").mkdir(parents=True)
+    month_ago = time.time() - (STALE_AFTER_DAYS + 1) * 86400
+    os.utime(stale, (month_ago, month_ago))
+    current = kernel_cache_dir("0.0")
+    os.utime(current, (month_ago, month_ago))  # its own age does not matter: it is in use, and marked so
+    assert kernel_cache_dir("0.0") == current and current.stat().st_mtime > month_ago
+    assert sorted(path.name for path in versioned.iterdir()) == sorted([current.name, recent.name])
 
 
 @pytest.mark.cli
