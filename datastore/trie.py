@@ -44,9 +44,13 @@ def counted_tree(continuations: np.ndarray, sep: int, budget: int, match_len: in
     k, m = continuations.shape
     if k == 0 or m == 0 or budget <= 0:
         return DraftTree(*top_c_tree(continuations, sep, budget), match_len, num_matches, k)
-    buffers = _tree_buffers(1, budget)
-    _put_tree(buffers, 0, np.ascontiguousarray(continuations), sep, budget, match_len, num_matches)
-    return trees_from_buffers(buffers)[0]
+    tokens, parents, counts, depths = _top_c_tree(np.ascontiguousarray(continuations), sep, budget)
+    # _put_tree's scores; not through _put_tree: called from Python it compiles a specialization no
+    # warm-up covers, seconds on a server's first draft (a 5 s deadline missed in CI)
+    scores = counts / float(k)
+    return DraftTree.counted_batch(
+        tokens, parents, counts, depths, scores, [0, tokens.size], [(match_len, num_matches, k)]
+    )[0]
 
 
 @numba.njit(nogil=True, cache=True)
