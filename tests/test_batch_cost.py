@@ -108,56 +108,6 @@ def test_the_learned_cost_caches_as_a_one_row_table_that_is_its_own_prior():
     assert BatchCost(table).prior_slope == pytest.approx(0.002 / 0.040)
 
 
-def test_the_engines_time_beside_its_priced_steps_is_shared_by_every_steps_price():
-    """Under a stream of requests each arrival's prefill joins a step no cell prices: its time is
-    spent whatever the drafting does, so every step's price carries its share, and a draft token
-    that raises the tokens per second of the engine's whole time is admitted though it would not
-    pay against the decode steps alone. The one-row table cached for the next engine is the
-    engine's own step, not this load's."""
-    cost = BatchCost()
-    for i in range(400):  # 8 rows decoding; every 4th step a request joins and its prefill takes 60 ms
-        drafted = i % 9
-        if i % 4 == 3:
-            cost.observe_unpriced(8, drafted, step(8, drafted) + 0.060)
-        else:
-            cost.observe(8, drafted, step(8, drafted))
-    cost.fit()
-    assert cost.base(8) == pytest.approx(step(8, 0), rel=0.02)  # the decode steps' own price holds
-    assert cost.overhead == pytest.approx(0.060 / 3, rel=0.05)  # 60 ms per 3 priced steps
-    assert float(cost.seconds(8, 4)) == pytest.approx(step(8, 4) + 0.020, rel=0.02)
-    assert float(cost.decode_seconds(8, 4)) == pytest.approx(step(8, 4), rel=0.02)
-    table = cost.one_row_table(KEY, (1, 9))
-    assert float(table.chain(9)) == pytest.approx(float(cost.decode_seconds(1, 8)))
-    # 8 rows make 8 tokens in a 61 ms step, 0.131 a ms; a 2 ms draft token likely at 0.2 pays
-    # against 81 ms of the engine's time (0.099 a ms), not against 61
-    chains = [scored_chain([0.2])] * 8
-    assert all(len(c) == 1 for c in select_batch_chains(chains, cost, rows=8))
-    without = BatchCost()
-    for i in range(400):
-        if i % 4 != 3:
-            without.observe(8, i % 9, step(8, i % 9))
-    assert all(len(c) == 0 for c in select_batch_chains(chains, without, rows=8))
-
-
-def test_steps_beside_nothing_unpriced_add_only_their_noise_and_old_overhead_fades():
-    """A step the proposer cannot price for another reason (a request left) costs its decode rows'
-    price: its noise, both ways, sums to nothing. Time beside the steps fades as the cells do."""
-    cost = BatchCost()
-    rng = np.random.default_rng(1)
-    for i in range(600):
-        drafted = i % 9
-        if i % 2:
-            cost.observe_unpriced(4, drafted, step(4, drafted) * (1 + rng.uniform(-0.2, 0.2)))
-        else:
-            cost.observe(4, drafted, step(4, drafted))
-    assert cost.overhead < 0.001  # against a 50 ms step
-    cost.observe_unpriced(4, 0, step(4, 0) + 1.0)  # one long prefill
-    assert cost.overhead > 0.002
-    for i in range(4 * HALF_LIFE):
-        cost.observe(4, i % 9, step(4, i % 9))
-    assert cost.overhead < 0.001
-
-
 def test_cells_not_seen_for_long_are_dropped_and_the_price_holds():
     """An engine that ran many batch sizes once keeps no record of them forever: a cell unseen
     for ``FORGET_AFTER`` steps is gone, and the price is what the live cells say."""

@@ -105,16 +105,12 @@ class Recording:
 
     def __init__(self) -> None:
         self.observed: list[tuple[list[int], float, int | None]] = []
-        self.unpriced: list[tuple[list[int], float, int | None]] = []
 
     def step_seconds(self, trees, rows=None) -> float:
         return 1.0
 
     def observe_step(self, trees, seconds, rows=None) -> None:
         self.observed.append(([len(tree) for tree in trees], seconds, rows))
-
-    def observe_unpriced_step(self, trees, seconds, rows=None) -> None:
-        self.unpriced.append(([len(tree) for tree in trees], seconds, rows))
 
 
 def test_the_scheduler_feeds_the_cost_what_each_step_verified(base):
@@ -139,11 +135,6 @@ def test_the_scheduler_feeds_the_cost_what_each_step_verified(base):
     assert (
         scheduler.step_seconds() == 0.1875
     )  # the deadlines follow every time told: the median of 0.1 (the start), 0.5 ... 0.0625
-    # a step a request's prefill joined: the cost hears of it apart, and the deadlines do not follow it
-    trees = scheduler.step([VERIFIED], ["a"])
-    scheduler.step([[*VERIFIED, 40], [5, 6]], ["a", "c"], step_seconds=3.0, step_priced=False)
-    assert cost.unpriced == [([len(trees[0])], 3.0, 1)] and cost.observed[-1] == ([0], 0.0625, 1)
-    assert scheduler.step_seconds() == 0.1875
 
 
 def test_llama_cpps_draft_model_follows_the_schedulers_rule(base):

@@ -232,24 +232,3 @@ def test_a_step_drafts_through_the_scheduler_and_a_skipped_one_keeps_its_credit(
         assert (proposer.stats.calls, proposer.stats.skipped, proposer.stats.observed) == (2, 1, 1)
         cells = proposer.adaptive.attribution.report()
         assert sum(cell["steps"] for cell in cells) == 2 and sum(cell["accepted"] for cell in cells) == 2
-
-
-def test_a_step_a_request_joined_is_timed_apart_from_the_priced_steps(tmp_path):
-    """The interval between two calls is one engine step: priced where the same requests decoded
-    on, the engine's time beside its priced steps where a request joined (its prefill) or left, and
-    not timed where it spans idle time."""
-    from rest_spec.drafter.core.local import LocalDrafter
-    from tests.helpers import MODEL_VOCAB, write_index
-
-    with LocalDrafter.open(write_index(tmp_path / "idx", [[1, 2, 3, 4, 5, 6]], MODEL_VOCAB)) as base:
-        proposer = proposer_over(base, "a", "b")
-        proposer._steps.extend([0.05] * 4)
-        proposer._last = (10.0, frozenset({"a", "b"}), True)
-        assert proposer._observe(10.05, [("a", None), ("b", None)], [[1], [2]]) == (pytest.approx(0.05), True)
-        assert proposer._observe(10.2, [("a", None), ("b", None), ("c", None)], [[1], [2], []]) == (
-            pytest.approx(0.2),
-            False,
-        )
-        proposer._last = (10.0, frozenset({"a", "b"}), False)  # the last call's batch had a row mid-prefill
-        assert proposer._observe(10.1, [("a", None), ("b", None)], [[1], [2]]) == (pytest.approx(0.1), False)
-        assert proposer._observe(11.0, [("a", None), ("b", None)], [[1], [2]]) == (None, False)  # idle

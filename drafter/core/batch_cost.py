@@ -23,7 +23,6 @@ REFIT_EVERY = 8  # steps between refits
 HALF_LIFE = 512  # steps after which a cell not seen again counts half: old evidence yields to the prior
 PRIOR_WEIGHT = 8.0  # the prior slope counts as this many steps one drafted token from a row count's mean
 FORGET_AFTER = 12 * HALF_LIFE  # steps after which a cell not seen again is dropped (it counts 1/4096)
-DECAY = 0.5 ** (1 / HALF_LIFE)  # per priced step: the weight of the engine's unpriced time, as of a cell
 
 
 @dataclasses.dataclass
@@ -57,13 +56,10 @@ class BatchCost:
     ms); counted, they held the learned price of a draft token at 1.5-2.5x its steady value for
     200-400 steps (left out: within 25% from the 15th step).
 
-    A step is priced by its share of the engine's time (``seconds``): its own time plus
-    ``overhead``, the time the engine spends beyond the steps it prices, per priced step. Under a
-    stream of requests, every arrival's prefill runs in a step no cell can price, and that time is
-    spent whatever the drafting does: a draft token pays where it raises the tokens per second of
-    the engine's whole time, not of the decode steps alone (in vLLM on HumanEval at 8 and 16
-    requests, 2-core Xeon: the mean step was 1.33x the fitted decode step, and drafting was priced
-    out on half the rows)."""
+    Steps a request's prefill joined are not priced, nor spread over the steps that are: the
+    prefill work is the same whatever is drafted, so the tokens per second of the decode steps
+    alone are what drafting should raise. Spreading it (2026-12-02, ``benchmarks/README.md``, "The
+    time of prefill steps") drafted 10-100% more tokens at 16 requests and ran no faster."""
 
     def __init__(self, prior: VerifyCost | None = None, *, count_set_up: bool = False) -> None:
         """``count_set_up``: count every step, a token count's first too (as before 2026-11-28:
@@ -82,8 +78,6 @@ class BatchCost:
         self._fitted_rows: set[int] = set()  # the row counts of the cells the last fit saw
         self._shapes: set[int] = set()  # the token counts (rows + drafted) of the steps run so far
         self.count_set_up = count_set_up
-        self._unpriced = 0.0  # seconds of steps no cell prices, beyond their decode rows' own (decayed)
-        self._priced = 0.0  # priced steps (decayed alike)
 
     def observe(self, rows: int, drafted: int, seconds: float) -> None:
         """A step of ``rows`` rows and ``drafted`` draft tokens took ``seconds`` (not counted where
@@ -92,8 +86,6 @@ class BatchCost:
             self._shapes.add(rows + drafted)
             if not self.count_set_up:
                 return
-        self._unpriced *= DECAY
-        self._priced = self._priced * DECAY + 1.0
         cell = self._cells.setdefault((rows, drafted), _Cell(deque(maxlen=CELL_WINDOW)))
         cell.times.append(seconds)
         cell.last_seen = self.steps
@@ -103,19 +95,6 @@ class BatchCost:
         # a known row count waits for the next refit (under load nearly every step is a new cell)
         if self._since_fit >= REFIT_EVERY or (len(cell.times) == 1 and rows not in self._fitted_rows):
             self.fit()
-
-    def observe_unpriced(self, rows: int, drafted: int, seconds: float) -> None:
-        """A step no cell prices took ``seconds``: its ``rows`` decode rows verified ``drafted``
-        draft tokens beside work of another kind (a request's prefill joined it). What it took
-        beyond their own step is the engine's unpriced time (``overhead``; summed as it is, not cut at
-        0, so that such steps of decode rows alone, a request having left, add their noise only)."""
-        if self._fitted_rows:  # else there is no price of their own to take off yet
-            self._unpriced += seconds - float(self.decode_seconds(rows, drafted))
-
-    @property
-    def overhead(self) -> float:
-        """The engine's seconds beyond the steps it prices, per priced step (0 before any)."""
-        return max(self._unpriced / self._priced, 0.0) if self._priced else 0.0
 
     def fit(self) -> None:
         """Re-price from the cells observed so far (see the class)."""
@@ -153,13 +132,9 @@ class BatchCost:
         has no steps of its own)."""
         return float(np.interp(rows, self._rows, self._bases))
 
-    def decode_seconds(self, rows: int, drafted: int | np.ndarray) -> np.ndarray:
+    def seconds(self, rows: int, drafted: int | np.ndarray) -> np.ndarray:
         """Seconds of a step of ``rows`` rows verifying ``drafted`` draft tokens beside them."""
         return self.base(rows) + self.per_token * np.asarray(drafted, np.float64)
-
-    def seconds(self, rows: int, drafted: int | np.ndarray) -> np.ndarray:
-        """That step's share of the engine's time: its own (``decode_seconds``) and the ``overhead``."""
-        return self.decode_seconds(rows, drafted) + self.overhead
 
     def chain(self, n: int | np.ndarray) -> np.ndarray:
         """One row verifying n tokens (its pending one and a chain of n - 1), as ``VerifyCost.chain``."""
@@ -173,14 +148,9 @@ class BatchCost:
         """``observe`` for the rows and the trees' draft tokens."""
         self.observe(len(trees) if rows is None else rows, sum(len(tree) for tree in trees), seconds)
 
-    def observe_unpriced_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
-        """``observe_unpriced`` for the rows and the trees' draft tokens."""
-        self.observe_unpriced(len(trees) if rows is None else rows, sum(len(tree) for tree in trees), seconds)
-
     __call__ = chain
 
     def one_row_table(self, key: CostKey, sizes: Sequence[int]) -> VerifyCost:
-        """The one-row chain times at ``sizes`` as a table (to cache as the next engine's prior):
-        the engine's own steps, without this load's ``overhead``."""
-        seconds = tuple(float(s) for s in self.decode_seconds(1, np.asarray(sizes) - 1))
+        """The one-row chain times at ``sizes`` as a table (to cache as the next engine's prior)."""
+        seconds = tuple(float(s) for s in self.chain(np.asarray(sizes)))
         return VerifyCost(key, 0, tuple(sizes), seconds, seconds)

@@ -207,9 +207,6 @@ class CorrectedCost:
                 shape = BlockShape(len(trees[0]) + 1)
             self.observe(shape, trees[0].is_chain(), seconds)
 
-    def observe_unpriced_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
-        """A step beside other work tells nothing of one row's prices."""
-
     def block_shape(self, trees: Sequence[DraftTree]) -> BlockShape:
         """``VerifyCost.block_shape`` by the corrected prices, or, for one row, the alternative to a
         claim still being checked (see the class)."""

@@ -129,12 +129,6 @@ class StepCost(Protocol):
         """The step that verified ``trees`` took ``seconds`` (a cost that does not learn ignores it)."""
         ...
 
-    def observe_unpriced_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
-        """The step that verified ``trees`` took ``seconds`` but also ran work no step price covers
-        (a request's prefill joined it): what the engine spends beside its priced steps, which a
-        cost that prices the engine's whole time counts (``BatchCost.overhead``); others ignore it."""
-        ...
-
 
 @dataclass(frozen=True)
 class BlockShape:
@@ -202,9 +196,6 @@ class VerifyCost:
 
     def observe_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
         """A measured table learns nothing from the steps it prices (``corrected_cost.CorrectedCost`` does)."""
-
-    def observe_unpriced_step(self, trees: Sequence[DraftTree], seconds: float, rows: int | None = None) -> None:
-        """Nor from the steps it does not price."""
 
     def block_shape(self, trees: Sequence[DraftTree]) -> BlockShape:
         """How to verify one step of ``trees`` (one per row). One row runs at the cheapest block

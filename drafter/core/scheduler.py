@@ -263,21 +263,16 @@ class DraftScheduler:
         ``MIN_WAIT`` (a fast step must not rule out a healthy datastore's ordinary round trip)."""
         return max(self.step_seconds() * self.overlap.deadline, MIN_WAIT)
 
-    def verified(self, seconds: float, trees: Sequence[DraftTree] | None = None, *, priced: bool = True) -> None:
+    def verified(self, seconds: float, trees: Sequence[DraftTree] | None = None) -> None:
         """The step that verified the trees of the last ``step`` took ``seconds`` (or, where the
         engine verified less than it was handed, ``trees``): the deadlines follow it, and the cost
-        learns from it (``StepCost.observe_step``), the same way for every engine. Not ``priced``:
-        the step also ran work of another kind (a request's prefill joined it), whose time the cost
-        counts as the engine's own beside its steps (``StepCost.observe_unpriced_step``), and the
-        deadlines do not follow it."""
-        if priced:
-            self._forwards.append(seconds)
+        learns from it (``StepCost.observe_step``), the same way for every engine."""
+        self._forwards.append(seconds)
         cost, handed = self.cost, self._handed
         self._handed = None  # a step is observed once
         if cost is not None and (handed is not None or trees is not None):
             verified = handed[0] if trees is None else list(trees)
-            observe = cost.observe_step if priced else cost.observe_unpriced_step
-            observe(verified, seconds, len(verified) if handed is None else handed[1])
+            cost.observe_step(verified, seconds, len(verified) if handed is None else handed[1])
 
     def step(
         self,
@@ -286,7 +281,6 @@ class DraftScheduler:
         *,
         batch: int | None = None,
         step_seconds: float | None = None,
-        step_priced: bool = True,
         ended: Sequence[Hashable] = (),
         admit: BatchRule | None = None,
         accepted: Sequence[Sequence[int]] | None = None,
@@ -299,13 +293,13 @@ class DraftScheduler:
         tokens and its own: ``StepDrafter.advance``); ``batch``, the rows the
         step runs (default: ``len(rows)``; rows that cannot draft still cost); ``step_seconds``,
         what the step that verified the last call's trees took (None: not timed; else as
-        ``verified``, and ``step_priced`` its ``priced``); ``ended``, requests that ended since the last step; ``admit``, the engine's
+        ``verified``); ``ended``, requests that ended since the last step; ``admit``, the engine's
         batch rule (``finish_step``).
 
         Whether to draft at all is decided here (the module docstring); trees that are drafted are
         then prepared ahead for the next step where overlap is on (``speculate``)."""
         if step_seconds is not None:
-            self.verified(step_seconds, priced=step_priced)
+            self.verified(step_seconds)
         if ended:
             self.finish(ended)
         size = len(rows) if batch is None else batch

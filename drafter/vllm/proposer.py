@@ -28,9 +28,7 @@ acceptance while they raise its expected tokens per second (``selection.select_b
 step where nothing pays drafts nothing. Prices are vLLM's own, by rows and draft tokens
 (``batch_cost.BatchCost``): the time between two calls is one engine step without the drafting,
 observed for every step of decode rows, from the first step on (a cached table from an earlier
-engine, per model, vLLM version, dtype and threads, is only the prior); a step a request's prefill
-joined counts, beyond its decode rows' price, toward the engine's time beside its priced steps,
-which every step's price carries a share of (``BatchCost.overhead``). Where the drafting itself
+engine, per model, vLLM version, dtype and threads, is only the prior). Where the drafting itself
 (the drafter's own time) costs more than its expected gain at a batch size, drafting is skipped at
 that size for a while, twice as long each time it still does not pay: the scheduler decides that,
 by the rule every engine follows (``DraftScheduler.step``, ``worth.DraftingWorth``).
@@ -243,8 +241,7 @@ class ProposerStats(UploadStats):
     ``observed`` steps timed, seconds spent,
     ``first_draft_call`` (the number of the first call that drafted; 0: none yet), the step cost
     as last learned (``per_token_ms``, a draft token's price; ``largest_base_ms``, a step of the
-    most rows seen, drafting nothing; ``overhead_ms``, the engine's time beside its priced steps, per
-    step: ``BatchCost.overhead``); and its outputs (``UploadStats``)."""
+    most rows seen, drafting nothing); and its outputs (``UploadStats``)."""
 
     calls: int = 0
     rows: int = 0
@@ -257,7 +254,6 @@ class ProposerStats(UploadStats):
     first_draft_call: int = 0
     per_token_ms: float = 0.0
     largest_base_ms: float = 0.0
-    overhead_ms: float = 0.0
 
 
 class RestProposer:
@@ -302,8 +298,8 @@ class RestProposer:
             raise
         self._cached = False  # the learned cost written for the next engine
         self._link = None  # drafter.vllm.shim.RunnerLink, once load_model has run
-        # the last call: its end, its rows, whether all of them decode (no prefill)
-        self._last: tuple[float, frozenset[str], bool] | None = None
+        # the last call: its end, its rows, the draft tokens it handed vLLM (None: not a clean step)
+        self._last: tuple[float, frozenset[str], int | None] | None = None
         self._steps: deque[float] = deque(maxlen=32)
         self.uploads = OutputUploader(self.source, self.stats)  # never on the engine's step
         log.info(
@@ -335,7 +331,7 @@ class RestProposer:
         start = time.perf_counter()
         drafts: list[list[int]] = [[] for _ in range(rows)]
         batch = self._batch(rows)
-        seconds, priced = self._observe(start, batch, sampled_token_ids)
+        seconds = self._observe(start, batch, sampled_token_ids)
         eligible = [
             i for i in range(rows) if self._eligible(i, batch, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         ]
@@ -352,11 +348,10 @@ class RestProposer:
             [batch[i][0] for i in eligible],
             batch=rows,
             step_seconds=seconds,
-            step_priced=priced,
             admit=admit,
             accepted=[sampled_token_ids[i] for i in eligible],  # what vLLM committed: accepted drafts + its own
         )  # the scheduler feeds the step's time to the cost
-        if seconds is not None and priced:
+        if seconds is not None:
             self._learned()
         for i, chain in zip(eligible, chains):
             drafts[i] = chain.tokens.tolist()
@@ -364,7 +359,7 @@ class RestProposer:
         self.stats.skipped = self.scheduler.stats.skipped
         clean = all(len(s) > 0 for s in sampled_token_ids)
         end = time.perf_counter()
-        self._last = (end, frozenset(rid for rid, _ in batch), clean)
+        self._last = (end, frozenset(rid for rid, _ in batch), sum(len(d) for d in drafts) if clean else None)
         self.stats.calls += 1
         self.stats.rows += rows
         self.stats.rows_drafted += sum(1 for d in drafts if d)
@@ -424,30 +419,27 @@ class RestProposer:
                 return False
         return True
 
-    def _observe(self, now: float, batch, sampled) -> tuple[float | None, bool]:
-        """Time the step that just ran: its seconds (None when not timed: there was no last call, or
-        the interval spans idle time) and whether it is priced: it verified what the last call
-        returned, the same requests ran again, all of them decoding (no prefill, before or after).
-        An unpriced step's time is the engine's beside its priced steps (``BatchCost.overhead``).
-        The scheduler tells the cost (``DraftScheduler.verified``)."""
+    def _observe(self, now: float, batch, sampled) -> float | None:
+        """Time the step that just ran (its seconds; None when not timed): it verified what the last
+        call returned if the same requests ran again, all of them decoding (no prefill), and it did
+        not span idle time. The scheduler tells the cost (``DraftScheduler.verified``)."""
         if self._last is None:
-            return None, False
-        end, rows, clean = self._last
+            return None
+        end, rows, drafted = self._last
         seconds = now - end
+        if drafted is None or rows != frozenset(rid for rid, _ in batch) or not all(len(s) for s in sampled):
+            return None
         median = statistics.median(self._steps) if self._steps else None
         if median is not None and seconds > GAP_FACTOR * median:
-            return None, False
-        if not clean or rows != frozenset(rid for rid, _ in batch) or not all(len(s) for s in sampled):
-            return seconds, False
+            return None
         self._steps.append(seconds)
-        return seconds, True
+        return seconds
 
     def _learned(self) -> None:
         """A step's time went to the cost: report it, and cache the cost once it has seen enough."""
         self.stats.observed += 1
         self.stats.per_token_ms = 1e3 * self.cost.per_token
         self.stats.largest_base_ms = 1e3 * self.cost.base(self.cost.largest_rows)
-        self.stats.overhead_ms = 1e3 * self.cost.overhead
         if self.cost.steps >= CACHE_AFTER and not self._cached:
             self._cache_cost()
 
