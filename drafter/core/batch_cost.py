@@ -59,7 +59,7 @@ class BatchCost:
     Steps a request's prefill joined are not priced, nor spread over the steps that are: the
     prefill work is the same whatever is drafted, so the tokens per second of the decode steps
     alone are what drafting should raise. Spreading it (2026-12-02, ``benchmarks/README.md``, "The
-    time of prefill steps") drafted 10-100% more tokens at 16 requests and ran no faster."""
+    time of prefill steps") drafted a median 35% more tokens at 16 requests and ran no faster."""
 
     def __init__(self, prior: VerifyCost | None = None, *, count_set_up: bool = False) -> None:
         """``count_set_up``: count every step, a token count's first too (as before 2026-11-28:
