@@ -148,6 +148,35 @@ def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_own_index_argument(p: argparse.ArgumentParser, streams: Sequence[str], method: str) -> None:
+    """``--own-index STREAM=DIR``, repeatable: the model's own corpus of a stream
+    (``benchmarks.own_corpus``: ``indexes/own/code``), opened beside the stream's index by
+    ``method``; ``args.own_index`` a dict, checked by ``require_own_index``."""
+
+    def parse(text: str) -> tuple[str, Path]:
+        stream, sep, path = text.partition("=")
+        if stream not in streams or not sep or not path:
+            raise argparse.ArgumentTypeError(f"must be STREAM=DIR, STREAM one of {','.join(streams)}; not {text!r}")
+        return stream, Path(path)
+
+    p.add_argument(
+        "--own-index",
+        type=parse,
+        action="append",
+        default=[],
+        metavar="STREAM=DIR",
+        help=f"the model's own corpus of a stream (benchmarks.own_corpus), for {method}; repeat per stream",
+    )
+
+
+def require_own_index(p: argparse.ArgumentParser, args: argparse.Namespace, method: str, chosen: Sequence[str]) -> None:
+    """``args.own_index`` as a dict; an error naming the streams without one when ``method`` is
+    among the ``chosen`` methods."""
+    args.own_index = dict(args.own_index)
+    if method in chosen and (missing := sorted(set(args.sets) - set(args.own_index))):
+        p.error(f"{method} needs --own-index STREAM=DIR for {', '.join(missing)}")
+
+
 def comma_list(choices: Sequence[str] | None = None, *, item: Callable[[str], object] = str, empty: bool = False):
     """An argparse ``type`` for a comma-separated list (``--sets humaneval,sharegpt``,
     ``--concurrency 1,8``): a list of ``item(part)``, each part one of ``choices`` where given, at

@@ -30,7 +30,10 @@ replicas had served them:
   call a proposer makes when a request ends; every replica's proposer drafts from it and adds its
   own outputs to it (``rest``: over gRPC, index and store; ``rest-copy``: the index in the worker
   and a copy of the server's store, ``additional_config.rest.outputs_from``; ``--methods`` picks
-  the methods and their order);
+  the methods and their order). ``rest-own`` is a fresh fleet that loaded the model's own corpus
+  at start (``--own-index``, built by ``benchmarks.own_corpus``): ``rest-copy`` with that index
+  opened beside the set's as one and a store that no warm-up reached, run once, at the smallest N,
+  and set against suffix at every N (what REST can load at start against what suffix learns);
 - suffix: each replica's cache holds its share of the warm-up (prompt, output) pairs, loaded into
   the engine's ``SuffixDecodingCache`` the way its proposer stores a served request
   (``benchmarks.vllm_run.suffix_history``).
@@ -83,10 +86,12 @@ import numpy as np
 from benchmarks.common import (
     RESULTS,
     add_fleet_arguments,
+    add_own_index_argument,
     benchmark_parser,
     comma_list,
     compile_kernels,
     positive_int,
+    require_own_index,
     save_report,
     start_run,
 )
@@ -133,8 +138,10 @@ CODE_PROMPT_TOKENS = 512  # HumanEval's longest prompt is 395 tokens
 WARMUP_CHUNK = 500  # warm-up prompts decoded per engine, each chunk cached once decoded
 SERVER_WORKERS = 2
 # suffix; REST drafting over gRPC from the fleet's server (index and store); REST with the index in
-# the worker and a copy of the fleet's store (``additional_config.rest.outputs_from``)
-METHODS = ("suffix", "rest", "rest-copy")
+# the worker and a copy of the fleet's store (``additional_config.rest.outputs_from``); the same
+# with the model's own corpus opened beside the index and no warm-up in the store
+METHODS = ("suffix", "rest", "rest-copy", "rest-own")
+REST_METHODS = METHODS[1:]
 DEFAULT_OUTPUTS_MAX_TOKENS = 1_000_000  # rest-datastore serve's default store of outputs
 
 
@@ -147,9 +154,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--methods",
         type=comma_list(METHODS),
-        default=",".join(METHODS),
-        help="comma-separated (default: %(default)s; plain always runs)",
+        default=",".join(METHODS[:-1]),
+        help=f"comma-separated, of {','.join(METHODS)} (default: %(default)s; plain always runs)",
     )
+    add_own_index_argument(p, tuple(STREAMS), "rest-own")
     p.add_argument(
         "--warmup-concurrency",
         type=positive_int,
@@ -174,6 +182,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     args.warmup = sorted(set(args.warmup))
+    require_own_index(p, args, "rest-own", args.methods)
     if min(args.replicas) < 1 or min(args.concurrency) < 1 or min(args.warmup) < 0:
         p.error("every --replicas and --concurrency must be positive, every --warmup >= 0")
     if args.prompts < max(args.replicas):
@@ -521,6 +530,8 @@ def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurren
         block: dict = {}
         out["warmup"][str(n)] = block
         for method in args.methods:
+            if method == "rest-own" and n != args.warmup[0]:
+                continue  # no warm-up reaches its store: the same fleet at every N
             log.info("%s, warm-up %d: %s", where, n, method)
             try:
                 if method == "suffix":
@@ -534,9 +545,12 @@ def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurren
                         rest = rest_options(address, args)
                         if method == "rest-copy":
                             rest.update(datastore=str(index), outputs_from=address)
+                        elif method == "rest-own":
+                            rest.update(datastore=f"{index},{args.own_index[name]}", outputs_from=address)
                         return fleet_job("rest", held, parts, concurrency, args, k=args.k, rest=rest)
 
-                    result, store = rest_fleet(index, spec_of, warm_outputs[:n], most, server_log)
+                    warm = [] if method == "rest-own" else warm_outputs[:n]
+                    result, store = rest_fleet(index, spec_of, warm, most, server_log)
             except RuntimeError as exc:  # EngineFailed, or a datastore server that did not start
                 log.error("%s, warm-up %d: %s failed: %s", where, n, method, exc)
                 out["failed"][f"{method}, warm-up {n}"] = str(exc)[-4000:]
@@ -548,9 +562,11 @@ def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurren
                 cold[method] = block[method]
             elif method in cold:
                 block.setdefault("vs_cold", {})[method] = ratios(block[method], cold[method])
-        for method in ("rest", "rest-copy"):
-            if "suffix" in block and method in block:
-                block[f"{method.replace('-', '_')}_vs_suffix"] = ratios(block[method], block["suffix"])
+        own = out["warmup"][str(args.warmup[0])].get("rest-own")  # set against suffix at every N
+        for method in REST_METHODS:
+            run = own if method == "rest-own" else block.get(method)
+            if "suffix" in block and run is not None:
+                block[f"{method.replace('-', '_')}_vs_suffix"] = ratios(run, block["suffix"])
     log.info("%s: plain again", where)
     again = run_job(fleet_job("plain", held, parts, concurrency, args), timeout=ENGINE_TIMEOUT)
     out["plain_again"], _ = figures(again, concurrency, plain, order)
@@ -651,7 +667,7 @@ def summary(report: dict) -> str:
             f"{plain['tokens_per_second']:.1f} tok/s, again {again['tokens_per_second']:.1f}):",
             f"{'N':>5} | "
             + " | ".join(f"{method + ' tok/s':>14} {'x plain':>8} {'accept':>6} {'x cold':>6}" for method in METHODS)
-            + f" | {'REST x suffix':>13} {'copy x suffix':>13} | {'equal':>14}",
+            + f" | {'REST x suffix':>13} {'copy x suffix':>13} {'own x suffix':>13} | {'equal':>14}",
         ]
         for n, block in fleet["warmup"].items():
             cells, equal = [], []
@@ -667,11 +683,11 @@ def summary(report: dict) -> str:
                     f"{_f(m['mean_acceptance_length']):>6} {_f(cold):>6}"
                 )
                 equal.append(f"{m['equal_to_plain']}/{m['outputs']}")
-            versus = [block.get(f"{m}_vs_suffix", {}).get("median") for m in ("rest", "rest_copy")]
-            lines.append(
-                f"{n:>5} | {' | '.join(cells)} | {_f(versus[0]):>13} {_f(versus[1]):>13} | {' '.join(equal):>14}"
+            versus = " ".join(
+                f"{_f(block.get(f'{m}_vs_suffix', {}).get('median')):>13}" for m in ("rest", "rest_copy", "rest_own")
             )
-        for (n, block), method in itertools.product(fleet["warmup"].items(), ("rest", "rest-copy")):
+            lines.append(f"{n:>5} | {' | '.join(cells)} | {versus} | {' '.join(equal):>14}")
+        for (n, block), method in itertools.product(fleet["warmup"].items(), REST_METHODS):
             sources = (block.get(method) or {}).get("hindsight_per_source") or {}
             if sources:
                 lines.append(
@@ -716,6 +732,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "over AddOutput, every replica drafting from it and adding to it",
             "rest-copy": "rest's server, but every replica drafts from the index opened in its worker and a copy "
             "of the server's store of outputs (outputs_from), and adds its outputs to the server",
+            "rest-own": "rest-copy with the model's own corpus opened beside the index and no warm-up in the "
+            "store, run at the smallest N only; rest_own_vs_suffix at every N",
+            "own_index": {stream: str(path) for stream, path in args.own_index.items()},
         },
         "t_n": None,
         "streams": {},

@@ -57,11 +57,13 @@ import numpy as np
 
 from benchmarks.common import (
     add_fleet_arguments,
+    add_own_index_argument,
     benchmark_parser,
     comma_list,
     ensure_index,
     positive_int,
     report_header,
+    require_own_index,
     save_report,
 )
 from benchmarks.e2e import INDEXES, set_prompts
@@ -73,6 +75,7 @@ from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.merge import Attribution
 
 log = logging.getLogger("benchmarks.history")
+SETS = ("code", "chat")  # benchmarks.fleet's streams
 RESULTS = Path(__file__).resolve().parent / "results"
 DRAFTERS = ("suffix", "rest", "rest-no-index", "rest-outputs", "rest-own")
 REST_SOURCES = {
@@ -286,7 +289,7 @@ def run_fleet(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = benchmark_parser(__doc__, prompts_help="held-out prompts per set", sets=("code", "chat"))
+    p = benchmark_parser(__doc__, prompts_help="held-out prompts per set", sets=SETS)
     add_fleet_arguments(p)
     p.add_argument("--k", type=positive_int, default=8, help="draft tokens per step at most (default: %(default)s)")
     p.add_argument(
@@ -304,13 +307,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(DRAFTERS[:-1]),
         help=f"comma-separated, of {','.join(DRAFTERS)} (default: %(default)s)",
     )
-    p.add_argument(
-        "--own-index",
-        action="append",
-        default=[],
-        metavar="SET=DIR",
-        help="the model's own corpus of a set (benchmarks.own_corpus), for the rest-own drafter",
-    )
+    add_own_index_argument(p, SETS, "the rest-own drafter")
     p.add_argument(
         "--tune",
         type=int,
@@ -320,10 +317,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=RESULTS / "history.json")
     args = p.parse_args(argv)
-    args.own_index = dict(item.split("=", 1) for item in args.own_index)
+    require_own_index(p, args, "rest-own", args.drafters)
     args.warmup, args.replicas = sorted(args.warmup), sorted(args.replicas)
-    if "rest-own" in args.drafters and set(args.sets) - set(args.own_index):
-        p.error("the rest-own drafter needs --own-index SET=DIR for every set")
     if args.price < 0:
         p.error("--price must be >= 0")
     if min(args.warmup) < 0 or min(args.replicas) < 1 or args.prompts < max(args.replicas):
@@ -343,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = load_tokenizer(None)
     report = report_header("history", argv)
     report["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    report["config"]["own_index"] = {name: str(path) for name, path in args.own_index.items()}
     report["sets"] = {}
     for name in args.sets:
         index, warm_prompts, held_prompts = set_streams(name, tokenizer, max(args.warmup) + args.tune, args.prompts)
@@ -353,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.tune:
             result["tuning_split"] = f"warm-up requests {max(args.warmup) + 1}-{max(args.warmup) + args.tune} held out"
         if name in args.own_index:
-            result["own_index"] = args.own_index[name]
+            result["own_index"] = str(args.own_index[name])
         for n in args.warmup:  # the warm-up decoded as far as each N needs, so the small N report first
             warm = list(zip(warm_prompts[:n], greedy_outputs(warm_prompts[:n], args, cached_only=bool(args.tune))))
             for f in args.replicas:
@@ -361,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     d: run_fleet(
                         d,
                         args.k,
-                        [index, Path(args.own_index[name])] if d == "rest-own" else index,
+                        [index, args.own_index[name]] if d == "rest-own" else index,
                         warm,
                         held_out,
                         f,

@@ -59,3 +59,24 @@ def test_the_shared_options_read_as_each_benchmark_declares_them():
     for bad in (["--sets", "code,poetry"], ["--drafters", "rest,oracle"], ["--warmup", "x"]):
         with pytest.raises(SystemExit):
             history.parse_args(bad)
+
+
+def test_own_index_reads_stream_dir_pairs_and_is_required_by_the_methods_that_open_it(tmp_path, capsys):
+    from benchmarks import fleet, history
+
+    own = tmp_path / "own"
+    args = fleet.parse_args(["--sets", "code", "--methods", "suffix,rest-own", "--own-index", f"code={own}"])
+    assert args.own_index == {"code": own} and args.methods == ["suffix", "rest-own"]
+    assert fleet.parse_args([]).methods == ["suffix", "rest", "rest-copy"] and fleet.parse_args([]).own_index == {}
+    replay = history.parse_args(["--sets", "chat", "--drafters", "rest-own", "--own-index", f"chat={own}"])
+    assert replay.own_index == {"chat": own}
+    for parse, argv, says in (
+        (fleet.parse_args, ["--sets", "code,chat", "--methods", "rest-own", "--own-index", f"code={own}"], "for chat"),
+        (history.parse_args, ["--sets", "code", "--drafters", "rest-own"], "for code"),
+        (fleet.parse_args, ["--own-index", f"poetry={own}"], "STREAM one of code,chat; not 'poetry="),
+        (history.parse_args, ["--own-index", "code"], "must be STREAM=DIR"),
+        (fleet.parse_args, ["--own-index", "code="], "must be STREAM=DIR"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            parse(argv)
+        assert exited.value.code == 2 and says in capsys.readouterr().err

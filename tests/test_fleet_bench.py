@@ -2,7 +2,9 @@
 vLLM, two held-out HumanEval prompts of 8 new tokens; real engines (``benchmarks.vllm_run``) and a
 real ``rest-datastore serve``. The report has its figures, every output equals plain's, the shared
 store got every warm-up output over AddOutput (its own metrics say so), and each suffix replica's
-cache held its share of the warm-up before it served its share of the held-out prompts.
+cache held its share of the warm-up before it served its share of the held-out prompts. The fleet
+that loaded the model's own corpus (``rest-own``) opens it beside the set's index and starts from a
+store no warm-up reached.
 
 Skipped where vLLM is not installed: ``.venv-vllm/bin/python -m pytest tests/test_fleet_bench.py``.
 """
@@ -47,13 +49,24 @@ def test_a_suffix_history_is_what_the_proposer_drafts_from(monkeypatch):
 
 def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_path, monkeypatch):
     from benchmarks import fleet
+    from rest_spec.common.tokenizer import load_tokenizer
+    from rest_spec.datastore.format import read_manifest
+    from tests.helpers import write_index
 
+    tokenizer, manifest = load_tokenizer(None), read_manifest(stdlib_index)
+    own = write_index(
+        tmp_path / "own",
+        [tokenizer.encode(f"    return sorted(numbers)[{i}]\n") for i in range(4)],
+        manifest.tokenizer.vocab_size,
+        fingerprint=manifest.tokenizer.fingerprint,
+    )  # the model's own corpus, as benchmarks.own_corpus builds it, of this model's tokenizer
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a third of an engine's start-up (test_vllm)
     cache = tmp_path / "warmup.json"
     monkeypatch.setattr(fleet, "warmup_cache", lambda max_new_tokens: cache)  # decoded here, not read
     out = tmp_path / "fleet.json"
     argv = ["--sets", "code", "--replicas", "2", "--warmup", "2", "--prompts", "2", "--max-new-tokens", "8"]
     argv += ["--concurrency", "1", "--k", "4", "--no-measure-t", "--humaneval-index", str(stdlib_index)]
+    argv += ["--methods", "suffix,rest,rest-copy,rest-own", "--own-index", f"code={own}"]
     assert fleet.main([*argv, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["benchmark"] == "fleet" and report["every_output_equals_plain"] and not report["failed_engines"]
@@ -67,11 +80,13 @@ def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_
     assert fleet_["shares"] == [1, 1] and not fleet_["failed"]
     assert fleet_["plain"]["outputs"] == fleet_["plain_again"]["equal_to_plain"] == 2
     block = fleet_["warmup"]["2"]
-    for method in ("suffix", "rest", "rest-copy"):
+    for method in ("suffix", "rest", "rest-copy", "rest-own"):
         m = block[method]
         assert m["equal_to_plain"] == m["outputs"] == 2 and m["tokens_per_second"] > 0
         assert m["drafts"] >= 0 and len(m["replicas"]) == 2
     assert set(block["rest_vs_suffix"]) == set(block["rest_copy_vs_suffix"]) == {"median", "overall"}
+    assert set(block["rest_own_vs_suffix"]) == {"median", "overall"}
+    assert report["config"]["own_index"] == {"code": str(own)}
 
     # each suffix replica's cache held its one warm-up request, then its held-out one too
     for replica in block["suffix"]["replicas"]:
@@ -92,3 +107,8 @@ def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_
         assert replicas[0]["outputs_added"] + replicas[1]["outputs_added"] >= 1
         assert block[method]["attribution"]["hindsight"]["steps"] >= 0
         assert set(block[method]["hindsight_per_source"]) <= {"index", "request", "outputs"}
+
+    # the fleet with its own corpus: no warm-up output reached its store, its own outputs did
+    store = block["rest-own"]["store"]
+    assert store["warmup_outputs"] == 0 and store["after_warmup"] == {"tokens": 0, "add_output_calls": 0}, store
+    assert store["at_end"]["add_output_calls"] >= 1, store
