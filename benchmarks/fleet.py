@@ -50,8 +50,9 @@ prefilling a prompt from an earlier run.
 Per stream, concurrency, F and N: tokens/s of plain, suffix and REST over the fleet; each against
 plain and REST against suffix (the median of per-group ratios, a group being one prompt at
 concurrency 1, and overall); each method against itself cold (N = 0): speed with history / speed
-cold; vLLM's spec-decode counters; REST's attribution (``benchmarks.vllm_run``'s, summed over the
-replicas) and per source in hindsight (``hindsight_per_source``: tokens of what followed each
+cold; vLLM's spec-decode counters and the tokens per engine step they give (``tokens_per_step``,
+clock-free); REST's attribution (``benchmarks.vllm_run``'s, summed over the replicas) and per
+source in hindsight (``hindsight_per_source``: tokens of what followed each
 source's part of the merged trees held, tokens of it accepted); each suffix cache's size after its
 warm-up and at the end; the shared store's size (``rest_datastore_output_store_tokens``) and
 AddOutput calls after the warm-up and at the end. Every output must equal plain's (fp32): the run
@@ -515,6 +516,11 @@ def rest_fleet(index: Path, spec_of, warm: list[list[int]], max_tokens: int, ser
         stop(server)
 
 
+def versus_suffix(method: str) -> str:
+    """The report key of a REST method's speed against suffix at the same N."""
+    return f"{method.replace('-', '_')}_vs_suffix"
+
+
 def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurrency, args, server_log) -> dict:
     """Plain, then suffix and REST at each N, then plain again, for F = ``replicas`` at one concurrency."""
     parts = shares(len(held), replicas)
@@ -566,7 +572,7 @@ def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurren
         for method in REST_METHODS:
             run = own if method == "rest-own" else block.get(method)
             if "suffix" in block and run is not None:
-                block[f"{method.replace('-', '_')}_vs_suffix"] = ratios(run, block["suffix"])
+                block[versus_suffix(method)] = ratios(run, block["suffix"])
     log.info("%s: plain again", where)
     again = run_job(fleet_job("plain", held, parts, concurrency, args), timeout=ENGINE_TIMEOUT)
     out["plain_again"], _ = figures(again, concurrency, plain, order)
@@ -666,7 +672,10 @@ def summary(report: dict) -> str:
             f"\n{name}, concurrency {c}, {f} replica(s) ({stream['prompts']} held-out prompts; plain "
             f"{plain['tokens_per_second']:.1f} tok/s, again {again['tokens_per_second']:.1f}):",
             f"{'N':>5} | "
-            + " | ".join(f"{method + ' tok/s':>14} {'x plain':>8} {'accept':>6} {'x cold':>6}" for method in METHODS)
+            + " | ".join(
+                f"{method + ' tok/s':>14} {'x plain':>8} {'accept':>6} {'tok/st':>6} {'x cold':>6}"
+                for method in METHODS
+            )
             + f" | {'REST x suffix':>13} {'copy x suffix':>13} {'own x suffix':>13} | {'equal':>14}",
         ]
         for n, block in fleet["warmup"].items():
@@ -675,17 +684,15 @@ def summary(report: dict) -> str:
                 m = block.get(method)
                 if m is None:
                     missing = "FAILED" if f"{method}, warm-up {n}" in fleet["failed"] else "-"
-                    cells.append(f"{missing:>{width}} {'':>8} {'':>6} {'':>6}")
+                    cells.append(f"{missing:>{width}} {'':>8} {'':>6} {'':>6} {'':>6}")
                     continue
                 cold = block.get("vs_cold", {}).get(method, {}).get("overall")
                 cells.append(
                     f"{m['tokens_per_second']:>{width}.1f} {m['median_speed_vs_plain']:>8.2f} "
-                    f"{_f(m['mean_acceptance_length']):>6} {_f(cold):>6}"
+                    f"{_f(m['mean_acceptance_length']):>6} {_f(m.get('tokens_per_step')):>6} {_f(cold):>6}"
                 )
                 equal.append(f"{m['equal_to_plain']}/{m['outputs']}")
-            versus = " ".join(
-                f"{_f(block.get(f'{m}_vs_suffix', {}).get('median')):>13}" for m in ("rest", "rest_copy", "rest_own")
-            )
+            versus = " ".join(f"{_f(block.get(versus_suffix(m), {}).get('median')):>13}" for m in REST_METHODS)
             lines.append(f"{n:>5} | {' | '.join(cells)} | {versus} | {' '.join(equal):>14}")
         for (n, block), method in itertools.product(fleet["warmup"].items(), REST_METHODS):
             sources = (block.get(method) or {}).get("hindsight_per_source") or {}

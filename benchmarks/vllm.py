@@ -256,6 +256,13 @@ def spec_metrics(counters: dict) -> dict:
     }
 
 
+def tokens_per_step(tokens: int, counters: dict) -> float | None:
+    """New tokens over the engine steps that made them (every step yields one token beyond those it
+    accepted): the clock-free figure, comparable across engines whose step times differ."""
+    steps = tokens - counters["spec_decode_num_accepted_tokens"]
+    return tokens / steps if steps > 0 else None
+
+
 def step_split(run: dict) -> dict | None:
     """The REST proposer's counters over a run (None for the other modes) and where an engine step's
     time goes: ``ms_per_step`` (the run's seconds over its steps, the proposer's calls) and
@@ -289,6 +296,7 @@ def summarize(run: dict, reference: dict | None) -> dict:
         "overall_speed_vs_plain": overall / plain_overall,
         "equal_to_plain": len(run["outputs"]) - len(differ),
         "outputs": len(run["outputs"]),
+        "tokens_per_step": tokens_per_step(tokens, run["spec"]),
         "first_difference": {str(i): d for i, d in differ.items()},  # prompt -> first differing token
         **spec_metrics(run["spec"]),
         "proposer": step_split(run),

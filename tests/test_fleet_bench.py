@@ -84,6 +84,7 @@ def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_
         m = block[method]
         assert m["equal_to_plain"] == m["outputs"] == 2 and m["tokens_per_second"] > 0
         assert m["drafts"] >= 0 and len(m["replicas"]) == 2
+        assert m["tokens_per_step"] == m["new_tokens"] / (m["new_tokens"] - m["accepted"]) >= 1
     assert set(block["rest_vs_suffix"]) == set(block["rest_copy_vs_suffix"]) == {"median", "overall"}
     assert set(block["rest_own_vs_suffix"]) == {"median", "overall"}
     assert report["config"]["own_index"] == {"code": str(own)}
