@@ -52,11 +52,11 @@ plain and REST against suffix (the median of per-group ratios, a group being one
 concurrency 1, and overall); each method against itself cold (N = 0): speed with history / speed
 cold; vLLM's spec-decode counters and the tokens per engine step they give (``tokens_per_step``,
 clock-free); REST's attribution (``benchmarks.vllm_run``'s, summed over the replicas) and per
-source in hindsight (``hindsight_per_source``: tokens of what followed each
-source's part of the merged trees held, tokens of it accepted); each suffix cache's size after its
-warm-up and at the end; the shared store's size (``rest_datastore_output_store_tokens``) and
-AddOutput calls after the warm-up and at the end. Every output must equal plain's (fp32): the run
-exits with status 1 otherwise, or when an engine fails. Prints one JSON object, saves it (default
+source in hindsight (``hindsight_per_source``: tokens of what followed each source's part of the
+merged trees held, tokens of it accepted); each suffix cache's size after its warm-up and at the
+end; the shared store's size (``rest_datastore_output_store_tokens``) and AddOutput calls after
+the warm-up and at the end. Every output must equal plain's (fp32): the run exits with status 1
+otherwise, or when an engine fails. Prints one JSON object, saves it (default
 ``benchmarks/results/fleet/fleet.json``) and prints a summary table on stderr.
 """
 
