@@ -7,7 +7,10 @@ default run (``pytest``) keeps the tests of no tier and those marked ``core``: e
 once, in a few minutes. ``--full`` (or ``REST_TESTS=full``) runs every test, as CI does; ``-m TIER``
 runs one tier (``-m "model and not server"``, and so on), whatever the default would keep.
 Hypothesis properties run ``tiers.examples``' full count of examples with ``--full`` and a fifth
-of it otherwise. The session's fixtures work under pytest-xdist (``-n 2 --dist loadfile``, as CI
+of it otherwise. ``--beyond-default`` (or ``REST_TESTS=beyond-default``) runs what ``--full`` adds
+to the default run: every test the default run leaves out, and the default run's properties again
+on the rest of their full count (four fifths). CI runs the default run then this: together the
+full suite, each test once (the properties in two parts), each example count whole. The session's fixtures work under pytest-xdist (``-n 2 --dist loadfile``, as CI
 runs the full suite): the stdlib index is built once for all workers, and for the test runs of the
 other environments after them.
 """
@@ -48,6 +51,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run every tier (default: the unit tests and those marked core; also REST_TESTS=full)",
     )
     parser.addoption(
+        "--beyond-default",
+        action="store_true",
+        default=os.environ.get("REST_TESTS", "").lower() == "beyond-default",
+        help="run what --full adds to the default run: the tests it leaves out, and its Hypothesis properties on "
+        "the rest of their full count of examples (CI, after the default run; also REST_TESTS=beyond-default)",
+    )
+    parser.addoption(
         "--record-durations",
         action="store_true",
         help=f"write each test's seconds (setup, call, teardown summed) to {DURATIONS.name} for this kind of run "
@@ -80,14 +90,18 @@ def pytest_configure(config: pytest.Config) -> None:
     for tier, cost in TIERS.items():
         config.addinivalue_line("markers", f"{tier}: {cost}")
     config.addinivalue_line("markers", f"{CORE}: part of the default run although it belongs to a tier")
+    if config.getoption("--full") and config.getoption("--beyond-default"):
+        raise pytest.UsageError(
+            "--full runs every test, --beyond-default those the default run leaves out: one of them"
+        )
     from tests import tiers
 
-    tiers.FULL_EXAMPLES = config.getoption("--full")
+    tiers.FULL_EXAMPLES = config.getoption("--full") or config.getoption("--beyond-default")
 
 
 def default_run(config: pytest.Config) -> bool:
-    """Whether this run keeps only the default tests: no --full, no -m of the caller's."""
-    return not config.getoption("--full") and not config.getoption("markexpr")
+    """Whether this run keeps only the default tests: no --full or --beyond-default, no -m of the caller's."""
+    return not (config.getoption("--full") or config.getoption("--beyond-default") or config.getoption("markexpr"))
 
 
 def in_default_run(item: pytest.Item) -> bool:
@@ -107,6 +121,8 @@ SHORTEST_RECORDED = 0.1  # a test under this is left to the estimate, keeping th
 
 
 def run_kind(config: pytest.Config) -> str:
+    if config.getoption("--beyond-default"):
+        return "beyond-default"
     return "default" if default_run(config) else "full"
 
 
@@ -117,7 +133,9 @@ def recorded_runs() -> dict[str, dict]:
     except (OSError, ValueError):
         return {}
     return {
-        kind: runs[kind] for kind in ("default", "full") if isinstance(runs, dict) and isinstance(runs.get(kind), dict)
+        kind: runs[kind]
+        for kind in ("default", "full", "beyond-default")
+        if isinstance(runs, dict) and isinstance(runs.get(kind), dict)
     }
 
 
@@ -125,7 +143,8 @@ def costliest_files_first(config: pytest.Config, items: list[pytest.Item]) -> No
     """Sort ``items`` by their file's cost (recorded seconds, else ``TIER_SECONDS``), dearest first,
     keeping the order within a file (the same on every worker: xdist checks that they collected
     alike)."""
-    recorded = recorded_runs().get(run_kind(config), {})
+    runs = recorded_runs()
+    recorded = runs.get(run_kind(config)) or runs.get("full", {})  # beyond-default: the full run's, where unrecorded
     costs: Counter[Path] = Counter()
     for item in items:
         seconds = recorded.get(item.nodeid)
@@ -157,11 +176,39 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         DURATIONS.write_text(json.dumps(runs, indent=1) + "\n")
 
 
+def examples_left(item: pytest.Item) -> int:
+    """For a Hypothesis property of the default run whose count comes from ``tiers.examples``: how
+    many of its full count the default run did not run, its settings now set to run that many (0
+    where none are left). 0 for any other test (one with a fixed count ran whole in the default run)."""
+    from hypothesis import is_hypothesis_test, settings
+
+    from tests.tiers import Examples
+
+    test = getattr(item, "obj", None)
+    test = getattr(test, "__func__", test)  # a method's function, which carries the settings
+    if test is None or not is_hypothesis_test(test):
+        return 0
+    # the settings as the module set them: a parametrized property's items share one function
+    full = getattr(test, "_rest_spec_full_settings", None) or getattr(test, "_hypothesis_internal_use_settings", None)
+    if full is None or not isinstance(full.max_examples, Examples):
+        return 0
+    left = full.max_examples - full.max_examples.default
+    if left > 0:
+        test._rest_spec_full_settings = full
+        test._hypothesis_internal_use_settings = settings(full, max_examples=left)
+    return max(left, 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if default_run(config):
+    kind = run_kind(config)
+    if kind != "full":
         keep, drop = [], []
         for item in items:
-            (keep if in_default_run(item) else drop).append(item)
+            if kind == "default":
+                kept = in_default_run(item)
+            else:  # beyond-default: what the default run leaves out, and the rest of its properties' examples
+                kept = not in_default_run(item) or examples_left(item) > 0
+            (keep if kept else drop).append(item)
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
@@ -172,6 +219,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_report_header(config: pytest.Config) -> str:
     if default_run(config):
         return "default run: the unit tests and each part end to end once; --full (REST_TESTS=full) runs every tier"
+    if config.getoption("--beyond-default"):
+        return "beyond the default run: the tests it leaves out, and the rest of its properties' examples"
     return "full run" if config.getoption("--full") else f"tiers: -m {config.getoption('markexpr')!r}"
 
 
