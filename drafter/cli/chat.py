@@ -4,7 +4,9 @@ Reads one user turn per line from stdin, renders the whole conversation with the
 template, streams the assistant's reply to stdout and ends each turn with a status line on stderr
 (new tokens, tokens/s, verifier steps, mean accepted length, context length). ``/reset`` forgets the
 conversation, ``/exit`` (or end of input) quits; Ctrl-C during a reply drops that turn, at the
-prompt it quits. The conversation itself is ``drafter.hf.session.ChatSession``.
+prompt it quits. The conversation itself is ``drafter.hf.session.ChatSession``. Replies decode as the
+model's generation config says (greedy for the packaged SmolLM2) unless the sampling flags say
+otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +15,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from rest_spec.drafter.cli.generation import EXIT_STATUSES, add_model_arguments, load_parts, parse_args, run_cli
+from rest_spec.drafter.cli.generation import (
+    DRAFTED_SEED_NOTE,
+    EXIT_STATUSES,
+    add_model_arguments,
+    add_sampling_arguments,
+    load_parts,
+    parse_args,
+    run_cli,
+    sampling_config,
+)
 from rest_spec.drafter.hf.session import ChatSession, Reply
 
 COMMANDS = {"/reset": "forget the conversation", "/exit": "quit (so does end of input)"}
@@ -80,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUSES,
     )
     add_model_arguments(parser)
+    add_sampling_arguments(parser, from_model=True, seed_note=DRAFTED_SEED_NOTE)
     parser.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     return parser
 
@@ -88,6 +100,12 @@ def run(args: argparse.Namespace) -> None:
     """Everything after argument parsing; raises on errors."""
     tokenizer, model, drafter = load_parts(args)
     try:
+        # the session decodes with the model's generation config: this process's model, set from the flags
+        model.generation_config = sampling_config(model, args)
+        if args.seed is not None:  # the session draws from torch's global generator
+            import torch
+
+            torch.manual_seed(args.seed)
         session = ChatSession(
             model,
             tokenizer,

@@ -15,6 +15,7 @@ from pathlib import Path
 from rest_spec.common.cli import EXIT_INTERRUPTED, exit_statuses, run_command, setup_logging
 from rest_spec.common.errors import UsageError
 from rest_spec.datastore.client import add_connection_arguments
+from rest_spec.drafter.cli.generation import add_sampling_arguments, check_sampling
 from rest_spec.drafter.cli.prompts import CHAT_HELP, PROMPTS_FILE_HELP, as_chat, encode_prompt, read_prompts
 from rest_spec.drafter.outputs_corpus import (
     DEFAULT_BATCH_SIZE,
@@ -156,17 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         + "); Ctrl-C abandons at most one batch",
     )
     parser.add_argument("--max-new-tokens", type=_positive_int, default=256, metavar="N", help="default: %(default)s")
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        metavar="T",
-        help="sample at this temperature (default: %(default)s, greedy)",
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=1.0, metavar="P", help="sampling: nucleus (default: %(default)s)"
-    )
-    parser.add_argument("--seed", type=int, metavar="S", help="sampling: the engine's random seed (default: unseeded)")
+    add_sampling_arguments(parser, top_k=False)  # the engines sample without a top-k cut
     parser.add_argument(
         "--with-prompt", action="store_true", help="store each prompt's tokens before its reply (default: the reply)"
     )
@@ -189,10 +180,8 @@ def check_arguments(args: argparse.Namespace) -> Sampling:
         raise UsageError(f"--engine llama.cpp needs --model FILE.gguf, not {args.model}")
     if args.dtype != "auto" and args.engine == "llama.cpp":
         raise UsageError("--dtype is for --engine transformers and vllm (a GGUF file has its own)")
-    try:
-        return Sampling(args.temperature, args.top_p, args.seed)
-    except ValueError as exc:
-        raise UsageError(str(exc).replace("top_p", "--top-p").replace("seed", "--seed")) from None
+    check_sampling(args)  # the values themselves argparse checked
+    return Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p, args.seed)
 
 
 def run(args: argparse.Namespace) -> int | None:

@@ -1,16 +1,26 @@
 """What every generation command shares (``rest-generate``, ``rest-chat``): the model arguments and
-their parsing into a ``DraftConfig``, the exit statuses, the command shell, and opening the parts
-(``drafter.hf.session.load_parts``) from the parsed arguments."""
+their parsing into a ``DraftConfig``, the sampling arguments (``--temperature``, ``--top-p``,
+``--top-k``, ``--seed``; ``rest-fill-outputs`` takes them too) and the ``GenerationConfig`` they make,
+the exit statuses, the command shell, and opening the parts (``drafter.hf.session.load_parts``) from
+the parsed arguments."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
+import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from rest_spec.common.cli import exit_statuses, run_command, setup_logging
+from rest_spec.common.errors import UsageError
 from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig
 from rest_spec.datastore.client import add_connection_arguments
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import GenerationConfig, PreTrainedModel
 
 EXIT_STATUSES = exit_statuses(
     (
@@ -91,14 +101,174 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress (and error tracebacks) to stderr")
 
 
+# --- sampling ------------------------------------------------------------------------------------
+
+SAMPLING_ONLY = ("top_p", "top_k", "seed")  # the flags that mean nothing to greedy decoding
+SEED_LIMIT = 2**32  # llama.cpp's seed is 32 bits (and -1 there means "random"); torch and vLLM take these
+
+
+def _number(kind: type, text: str) -> float | int:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
+
+
+def temperature_value(text: str) -> float:
+    value = _number(float, text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: greedy), got {text}")
+    return value
+
+
+def top_p_value(text: str) -> float:
+    value = _number(float, text)
+    if not 0 < value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1: the whole distribution), got {text}")
+    return value
+
+
+def top_k_value(text: str) -> int:
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no top-k cut), got {value}")
+    return value
+
+
+def seed_value(text: str) -> int:
+    value = _number(int, text)
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [0, {SEED_LIMIT - 1}], got {value}")
+    return value
+
+
+# Each step draws one token per position it verifies: where measured times size the steps, how many
+# draws each step takes varies from run to run, and so does the text a seed draws.
+DRAFTED_SEED_NOTE = (
+    ", where the steps are not sized by measured times (--adaptive, a cached verify-cost table, a remote "
+    "--datastore's deadlines): those change how many draws each step takes"
+)
+
+
+def add_sampling_arguments(
+    parser: argparse.ArgumentParser, *, top_k: bool = True, from_model: bool = False, seed_note: str = ""
+) -> None:
+    """``--temperature``, ``--top-p``, ``--top-k`` (unless not ``top_k``: an engine without one) and
+    ``--seed`` (``seed_note`` ends its help), each refusing a value out of range (status 2, naming the
+    flag). Greedy by default; ``from_model``: each flag not given is the model's generation
+    config's (``sampling_config``). ``check_sampling`` refuses sampling flags given to greedy
+    decoding."""
+    group = parser.add_argument_group(
+        "sampling",
+        "greedy unless --temperature is above 0"
+        if not from_model
+        else "each flag not given is the model's generation config's, as model.generate reads it (the packaged "
+        "SmolLM2's decodes greedily; given a --temperature above 0 it samples at top-k 50)",
+    )
+    parser.set_defaults(sampling_from_model=from_model)
+    default = "the model's" if from_model else None
+    group.add_argument(
+        "--temperature",
+        type=temperature_value,
+        default=None if from_model else 0.0,
+        metavar="T",
+        help="sample at this temperature; 0 decodes greedily (default: "
+        + (default or "%(default)s, greedy")
+        + "). Drafting keeps the model's distribution exactly: it changes the speed, not what is drawn from",
+    )
+    group.add_argument(
+        "--top-p",
+        type=top_p_value,
+        metavar="P",
+        help=f"sampling: keep the smallest set of tokens whose probability adds up to P (default: {default or 1})",
+    )
+    if top_k:
+        group.add_argument(
+            "--top-k",
+            type=top_k_value,
+            metavar="K",
+            help=f"sampling: keep the K likeliest tokens; 0: no cut (default: {default or 0})",
+        )
+    group.add_argument(
+        "--seed",
+        type=seed_value,
+        metavar="S",
+        help="sampling: seed the random draws, so that the same command with the same seed draws the same text"
+        + seed_note
+        + " (default: unseeded)",
+    )
+
+
+def given_sampling_flags(args: argparse.Namespace) -> list[str]:
+    """The sampling-only flags (``SAMPLING_ONLY``) given on the command line."""
+    return ["--" + name.replace("_", "-") for name in SAMPLING_ONLY if getattr(args, name, None) is not None]
+
+
+def sampling_only_error(flags: Sequence[str], why: str = "") -> UsageError:
+    """The usage error for sampling-only ``flags`` given to greedy decoding."""
+    names = " and ".join(flags) if len(flags) < 3 else ", ".join(flags[:-1]) + " and " + flags[-1]
+    verb = "applies" if len(flags) == 1 else "apply"
+    return UsageError(f"{names} {verb} to sampling: set --temperature above 0{why}")
+
+
+def check_sampling(args: argparse.Namespace) -> None:
+    """``UsageError`` for sampling-only flags given with ``--temperature`` 0 (given or the default);
+    a ``--temperature`` left to the model is checked by ``sampling_config``, once it is loaded."""
+    flags = given_sampling_flags(args)
+    if args.temperature == 0 and flags:
+        raise sampling_only_error(flags)
+
+
+def sampling_config(model: PreTrainedModel, args: argparse.Namespace) -> GenerationConfig:
+    """A copy of ``model``'s generation config decoding as ``add_sampling_arguments``' flags say:
+    greedy at ``--temperature`` 0, else sampling at it, with ``--top-p`` and ``--top-k``; a flag not
+    given is 1 (``--top-p``) or 0 (``--top-k``: no cut), or, where the flags default to the model's,
+    the model's own value (its ``do_sample`` for ``--temperature``). The rest of the model's config
+    (eos ids, repetition penalty, ...) is kept. ``UsageError`` for sampling-only flags when the
+    result decodes greedily."""
+    config = copy.deepcopy(model.generation_config)
+    from_model = getattr(args, "sampling_from_model", False)
+    sample = bool(config.do_sample) if args.temperature is None else args.temperature > 0
+    if not sample:
+        flags = given_sampling_flags(args)
+        if flags:
+            raise sampling_only_error(flags, " (the model's generation config decodes greedily)")
+        config.do_sample = False
+        return config
+    config.do_sample = True
+    if args.temperature is not None:
+        config.temperature = args.temperature
+    for name, unset in (("top_p", 1.0), ("top_k", 0)):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(config, name, value)
+        elif not from_model:
+            setattr(config, name, unset)
+    return config
+
+
+def seeded_generator(model: PreTrainedModel, seed: int | None) -> torch.Generator | None:
+    """A generator on ``model``'s device seeded with ``seed``; None (torch's global, unseeded
+    generator) without one."""
+    if seed is None:
+        return None
+    import torch
+
+    return torch.Generator(device=model.device).manual_seed(seed)
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """``parser``'s arguments (it has ``add_model_arguments``) with ``config``, their
-    ``DraftConfig``, built once for the drafter and every generation. A value the config refuses
-    is a usage error, like one argparse refuses (status 2, with the usage line)."""
+    """``parser``'s arguments (it has ``add_model_arguments`` and ``add_sampling_arguments``) with
+    ``config``, their ``DraftConfig``, built once for the drafter and every generation. A value the
+    config refuses, or sampling flags given to greedy decoding (``check_sampling``), is a usage
+    error, like one argparse refuses (status 2, with the usage line)."""
     args = parser.parse_args(argv)
     try:
         args.config = DraftConfig(budget=args.budget, max_depth=args.max_depth)
-    except ValueError as exc:
+        check_sampling(args)
+    except (ValueError, UsageError) as exc:
         parser.error(str(exc))
     return args
 

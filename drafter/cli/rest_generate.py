@@ -1,4 +1,5 @@
-"""``rest-generate``: greedy generation for prompts given on the command line or in a file.
+"""``rest-generate``: generation for prompts given on the command line or in a file, greedy unless
+``--temperature`` says to sample.
 
 A thin layer over ``drafter.hf.generate.generate`` (or llama.cpp with ``--engine llama.cpp``): parse
 arguments, read prompts, open the parts (``drafter.hf.session``), print results; the arguments,
@@ -18,17 +19,23 @@ from typing import TYPE_CHECKING
 
 from rest_spec.common.errors import CliError
 from rest_spec.drafter.cli.generation import (
+    DRAFTED_SEED_NOTE,
     EXIT_STATUSES,
     add_model_arguments,
+    add_sampling_arguments,
     load_parts,
     parse_args,
     positive_int,
     run_cli,
+    sampling_config,
+    seeded_generator,
 )
 from rest_spec.drafter.cli.prompts import CHAT_HELP, PROMPTS_FILE_HELP, Prompt, as_chat, encode_prompt, read_prompts
 from rest_spec.drafter.hf.session import no_draft_cost, open_drafter, remember_output
 
 if TYPE_CHECKING:
+    import torch
+
     from rest_spec.drafter.hf.generate import GenerationResult
     from rest_spec.drafter.llamacpp.draft_model import LlamaGeneration
 
@@ -38,8 +45,9 @@ log = logging.getLogger("rest_spec.drafter.cli.rest_generate")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rest-generate",
-        description="Greedy generation with retrieval-based speculative decoding (REST). Output is "
-        "token-identical to plain greedy decoding; the datastore only changes the speed.",
+        description="Generation with retrieval-based speculative decoding (REST). Greedy by default, and then "
+        "token-identical to plain greedy decoding; with --temperature above 0 it samples, each token drawn from "
+        "exactly the model's own distribution. Either way the datastore only changes the speed.",
         epilog="For an interactive chat that streams the replies, run rest-chat (python -m rest_spec.drafter.cli.chat). "
         + EXIT_STATUSES,
     )
@@ -57,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=CHAT_HELP,
     )
     add_model_arguments(parser)
+    add_sampling_arguments(parser, seed_note=DRAFTED_SEED_NOTE)
     parser.add_argument(
         "--engine",
         choices=("transformers", "llama.cpp"),
@@ -78,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         action="store_true",
         help="also decode each prompt without drafts (the same model in the same loop, at its fastest layout) and "
-        "end with one line: both speeds and whether every output is the same; both are warmed up before "
-        "anything is timed and take turns going first, so the machine's noise falls on both alike",
+        "end with one line: both speeds and, when greedy, whether every output is the same (a difference exits "
+        "1); sampled outputs differ by design and are not compared. Both are warmed up before anything is timed "
+        "and take turns going first, so the machine's noise falls on both alike",
     )
     return parser
 
@@ -136,17 +146,28 @@ def run(args: argparse.Namespace) -> None:
     tokenizer, model, drafter = load_parts(args)
     plain_cost = no_draft_cost(model) if drafter is None or args.compare else None
 
-    def decode(ids: list[int], drafted: bool, max_new_tokens: int = args.max_new_tokens) -> GenerationResult:
+    def decode(
+        ids: list[int],
+        drafted: bool,
+        max_new_tokens: int = args.max_new_tokens,
+        generator: torch.Generator | None = None,
+    ) -> GenerationResult:
         # with drafts, the drafter's own cost (--adaptive's measured table) sizes each step
         return generate(model, ids, drafter if drafted else None, max_new_tokens=max_new_tokens, config=args.config,
-                        overlap=args.overlap, cost=None if drafted else plain_cost)  # fmt: skip
+                        generation_config=generation, overlap=args.overlap, cost=None if drafted else plain_cost,
+                        generator=streams[drafted] if generator is None else generator)  # fmt: skip
 
     try:
+        generation = sampling_config(model, args)
+        # --seed: decoding with drafts and without draw from streams of their own, so --compare changes neither's
+        # text; the warm-ups draw from a third
+        streams = {drafted: seeded_generator(model, args.seed) for drafted in (True, False)}
         encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
-        comparison = Comparison() if args.compare else None
+        comparison = Comparison(sampled=bool(generation.do_sample)) if args.compare else None
         if comparison is not None:  # first calls pay for allocations, kernels and connections: neither way times them
-            decode(encoded[0], True, WARM_UP_TOKENS)
-            decode(encoded[0], False, WARM_UP_TOKENS)
+            warm_up = seeded_generator(model, 0)
+            decode(encoded[0], True, WARM_UP_TOKENS, warm_up)
+            decode(encoded[0], False, WARM_UP_TOKENS, warm_up)
         for number, ids in enumerate(encoded, start=1):
             log.info("generating %d/%d from %d prompt tokens", number, len(prompts), len(ids))
             if comparison is None:
@@ -167,10 +188,13 @@ def run(args: argparse.Namespace) -> None:
             timings = f"draft {result.draft_seconds:.3f} s, verify {result.verify_seconds:.2f} s"
             if comparison is not None:
                 record["without_drafts"] = comparison.add(number, result, baseline)
+                same = record["without_drafts"]["same_output"]
                 timings += (
-                    f"; without drafts {baseline.seconds:.2f} s ({baseline.tokens_per_second:.1f} tok/s), "
-                    f"{'the same output' if record['without_drafts']['same_output'] else 'A DIFFERENT OUTPUT'}"
-                )
+                    f"; without drafts {len(baseline.output_ids)} tokens in {baseline.seconds:.2f} s "
+                    f"({baseline.tokens_per_second:.1f} tok/s), "
+                    + ("outputs not compared (sampled)" if same is None else "the same output" if same
+                       else "A DIFFERENT OUTPUT")
+                )  # fmt: skip
             print_result(args, record, number, len(prompts), timings)
     finally:
         if drafter is not None:
@@ -183,24 +207,30 @@ def run(args: argparse.Namespace) -> None:
 
 
 class Comparison:
-    """``--compare``'s tally: tokens and seconds with drafts and without, and the prompts whose
-    outputs differ (greedy decoding with drafts is token for token the model's own)."""
+    """``--compare``'s tally: tokens and seconds with drafts and without, and, greedy, the prompts
+    whose outputs differ (greedy decoding with drafts is token for token the model's own). Sampled
+    (``sampled``), the two runs draw different texts by design (each has the model's distribution,
+    not its draws): only the speeds are compared."""
 
-    def __init__(self) -> None:
-        self.tokens = self.seconds = self.baseline_seconds = 0.0
+    def __init__(self, sampled: bool = False) -> None:
+        self.sampled = sampled
+        self.tokens = self.seconds = self.baseline_tokens = self.baseline_seconds = 0.0
         self.prompts = 0
         self.differing: list[int] = []
 
     def add(self, number: int, result: GenerationResult, baseline: GenerationResult) -> dict:
-        """Count prompt ``number``; returns the ``--json`` record of its run without drafts."""
-        same = result.output_ids == baseline.output_ids
-        if not same:
+        """Count prompt ``number``; returns the ``--json`` record of its run without drafts
+        (``same_output`` null when sampled: not compared)."""
+        same = None if self.sampled else result.output_ids == baseline.output_ids
+        if same is False:
             self.differing.append(number)
         self.prompts += 1
         self.tokens += len(result.output_ids)
         self.seconds += result.seconds
+        self.baseline_tokens += len(baseline.output_ids)
         self.baseline_seconds += baseline.seconds
         return {
+            "new_tokens": len(baseline.output_ids),
             "seconds": round(baseline.seconds, 4),
             "tokens_per_second": round(baseline.tokens_per_second, 2),
             "steps": baseline.steps,
@@ -208,19 +238,30 @@ class Comparison:
         }
 
     def summary(self, datastore: str) -> str:
-        """One plain line: both speeds, the ratio, and whether the outputs matched."""
-        rate, baseline_rate = self.tokens / self.seconds, self.tokens / self.baseline_seconds
-        same = self.prompts - len(self.differing)
-        return (
+        """One plain line: both speeds, the ratio, and whether the outputs matched (or, sampled,
+        that they were not compared)."""
+        rate, baseline_rate = self.tokens / self.seconds, self.baseline_tokens / self.baseline_seconds
+        speeds = (
             f"REST (drafts from {datastore}): {self.tokens:.0f} tokens in {self.seconds:.1f} s ({rate:.1f} tok/s); "
-            f"the model alone: {self.baseline_seconds:.1f} s ({baseline_rate:.1f} tok/s). "
-            f"{rate / baseline_rate:.2f}x the speed, the same output on {same} of {self.prompts} prompt(s)."
+            f"the model alone: "
+        )
+        if not self.sampled:
+            same = self.prompts - len(self.differing)
+            return (
+                f"{speeds}{self.baseline_seconds:.1f} s ({baseline_rate:.1f} tok/s). "
+                f"{rate / baseline_rate:.2f}x the speed, the same output on {same} of {self.prompts} prompt(s)."
+            )
+        return (
+            f"{speeds}{self.baseline_tokens:.0f} tokens in {self.baseline_seconds:.1f} s ({baseline_rate:.1f} tok/s). "
+            f"{rate / baseline_rate:.2f}x the speed in tokens per second over {self.prompts} prompt(s); outputs not "
+            "compared: decoding is sampled, and the two runs draw different texts by design."
         )
 
 
 def run_llama(args: argparse.Namespace, prompts: list[Prompt]) -> None:
     """``run`` on llama.cpp: the GGUF file's own tokenizer (read by transformers) encodes the prompts
-    and decodes the replies; llama-cpp-python decodes greedily, drafting with ``RestDraftModel``."""
+    and decodes the replies; llama-cpp-python decodes (greedily unless ``--temperature``), drafting
+    with ``RestDraftModel``."""
     import os
 
     from rest_spec.common.tokenizer import load_tokenizer, packaged_smollm2
@@ -237,6 +278,8 @@ def run_llama(args: argparse.Namespace, prompts: list[Prompt]) -> None:
     path = packaged_smollm2() if args.model is None else Path(args.model)
     if path.suffix != ".gguf" or not path.is_file():
         raise CliError(f"--engine llama.cpp needs --model FILE.gguf; {path} is not a GGUF file")
+    # greedy at temperature 0; else the flags alone (llama-cpp-python's own defaults add top-k 40 and min-p 0.05)
+    sampling = {"temp": args.temperature, "top_p": args.top_p or 1.0, "top_k": args.top_k or 0, "min_p": 0.0}
     drafter = None if args.no_draft else open_drafter(args.datastore, tls_ca=args.tls_ca, auth_token=args.auth_token)
     try:
         tokenizer = load_tokenizer(path)
@@ -249,13 +292,15 @@ def run_llama(args: argparse.Namespace, prompts: list[Prompt]) -> None:
             "n_threads_batch": threads,
             "verbose": False,
         }
+        if args.seed is not None:
+            options["seed"] = args.seed
         if drafter is None:
             llm = llama_cpp.Llama(str(path), **options)
         else:
             llm = rest_llama(path, drafter, config=args.config, **options)
         for number, ids in enumerate(encoded, start=1):
             drafted = llm.draft_model.stats.seconds if drafter is not None else 0.0
-            result = llama_generate(llm, ids, args.max_new_tokens)
+            result = llama_generate(llm, ids, args.max_new_tokens, **sampling)
             draft_seconds = llm.draft_model.stats.seconds - drafted if drafter is not None else 0.0
             remember_output(drafter, result.output_ids)
             text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
