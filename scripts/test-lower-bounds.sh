@@ -11,6 +11,15 @@
 # in one process (CI runs it beside the vLLM tests). Where the floors cannot be installed (no package
 # index reachable), it says so and tests on transformers' floor alone. Extra pytest arguments are passed
 # to both runs.
+#
+# Why CI runs the default run's tests here although its gate ran them already: the gate ran them on the
+# newest release of every dependency (.venv), this runs them on the oldest (.venv-lower); a range is
+# tested at both ends, so each end needs the tests that reach the dependencies (numpy, numba, protobuf,
+# grpcio, tokenizers, transformers...), and the default run is the cheapest set that reaches them all. On
+# the newest releases the default run is run once (the gate) and the tests beyond it once (CI's
+# REST_TESTS=beyond-default); here the default run, and the tiers only where the floors change what
+# they test (transformers' internals, Ray). Its cost is mostly hidden: CI runs it beside the vLLM tests,
+# whose engines leave a third of the two cores idle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "test-lower-bounds: run scripts/setup.sh first" >&2; exit 1; }
