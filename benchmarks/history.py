@@ -15,10 +15,13 @@ order, then each held-out request's output once it finished):
 - ``suffix``: Arctic Inference's ``SuffixDecodingCache`` with vLLM's ``suffix`` settings (tree depth
   24, at most k tokens, spec factor 1, min token probability 0.1), fed as vLLM's proposer feeds it;
 - ``rest``: the adaptive drafter vLLM's proposer runs (index, the request's own text and the store
-  of outputs, merged and scored), its chain the root path of most expected tokens (verification
-  priced flat: what its sources hold, not what this CPU can afford);
+  of outputs, merged and scored), its chain the root path of most expected tokens per step priced
+  by ``--price``, admitted as the proposer admits it (``select_batch_chains``) on scores calibrated
+  by the chains verified before (``drafter.core.chain_calibration``);
 - ``rest-no-index``: the same without the index (the request and the store only: suffix's sources);
 - ``rest-outputs``: the store of outputs alone;
+- ``rest-raw``: ``rest`` with its chains scored by the merge alone (no ``ChainCalibration``), as
+  before 2026-12-06: what the calibration of the chains changes;
 - ``rest-own``: ``rest`` with the model's own corpus (``--own-index``, built by
   ``benchmarks.own_corpus``) opened with the set's index as one.
 
@@ -28,7 +31,9 @@ out ShareGPT 41-80 (first user turns of the sharegpt index's held-out conversati
 the held-out conversations from the 81st on, then conversations inside the index. F replicas
 (``--replicas``) each serve their round-robin share. Reports, per set, F and warm-up size N, tokens
 per step and accepted tokens per step of each drafter,
-their lift over no history, and for the REST drafters their attribution in hindsight per source
+their lift over no history, what their chains claimed against what they got accepted (``claims``:
+the sum of a chain's scores over its accepted tokens, per leading source and match length; suffix's
+``score``), and for the REST drafters their attribution in hindsight per source
 (``drafter.core.merge.Attribution``: tokens each source held of what followed, tokens accepted).
 
 ``--price p`` prices a draft token at p of a row's plain step (vLLM on this CPU: about 0.04 at one
@@ -72,14 +77,17 @@ from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
-from rest_spec.drafter.core.merge import Attribution
+from rest_spec.drafter.core.merge import MATCH_LENGTH_EDGES, Attribution, MergedTree, length_class
+from rest_spec.drafter.core.selection import select_batch_chains
+from rest_spec.drafter.core.steps import finish_step
 
 log = logging.getLogger("benchmarks.history")
 SETS = ("code", "chat")  # benchmarks.fleet's streams
 RESULTS = Path(__file__).resolve().parent / "results"
-DRAFTERS = ("suffix", "rest", "rest-no-index", "rest-outputs", "rest-own")
+DRAFTERS = ("suffix", "rest", "rest-no-index", "rest-outputs", "rest-own", "rest-raw")
 REST_SOURCES = {
     "rest": ("index", "request", "outputs"),
+    "rest-raw": ("index", "request", "outputs"),
     "rest-own": ("index", "request", "outputs"),
     "rest-no-index": ("request", "outputs"),
     "rest-outputs": ("outputs",),
@@ -132,6 +140,58 @@ def tuning_split(warm: list[list[int]], tune: int) -> tuple[list[list[int]], lis
 # ---- the drafters, replayed ---------------------------------------------------------------------------
 
 
+def match_cell(length: int) -> str:
+    """The match-length class of ``length`` as its range (``drafter.core.merge.MATCH_LENGTH_EDGES``)."""
+    c = int(length_class([length])[0])
+    low = MATCH_LENGTH_EDGES[c]
+    return f"{low}-{MATCH_LENGTH_EDGES[c + 1] - 1}" if c + 1 < len(MATCH_LENGTH_EDGES) else f"{low}+"
+
+
+class Claims:
+    """What a drafter's chains claimed (the sum of their scores: the tokens it expects accepted)
+    beside what they got accepted, per cell (a chain's leading source and match length; one cell
+    for ``suffix``): whether a drafter's chains are priced as surer than they are."""
+
+    def __init__(self) -> None:
+        self.cells: dict[str, list[float]] = {}  # cell -> [claimed, accepted, chains]
+        self._held: tuple[str, float] | None = None
+
+    def hold(self, cell: str, claimed: float) -> None:
+        """A chain claiming ``claimed`` tokens was drafted; ``credit`` says what it got."""
+        self._held = (cell, claimed)
+
+    def credit(self, accepted: int) -> None:
+        if self._held is not None:
+            cell, claimed = self._held
+            figures = self.cells.setdefault(cell, [0.0, 0.0, 0])
+            figures[0] += claimed
+            figures[1] += accepted
+            figures[2] += 1
+            self._held = None
+
+    def merge(self, other: Claims) -> None:
+        for cell, figures in other.cells.items():
+            mine = self.cells.setdefault(cell, [0.0, 0.0, 0])
+            for i, value in enumerate(figures):
+                mine[i] += value
+
+    def report(self) -> dict:
+        """Claimed over accepted, overall and per cell (with each cell's chains)."""
+        claimed = sum(figures[0] for figures in self.cells.values())
+        accepted = sum(figures[1] for figures in self.cells.values())
+        return {
+            "claimed_over_accepted": round(claimed / accepted, 4) if accepted else None,
+            "by_cell": {
+                cell: {
+                    "claimed_over_accepted": round(figures[0] / figures[1], 4) if figures[1] else None,
+                    "chains": int(figures[2]),
+                    "accepted": int(figures[1]),
+                }
+                for cell, figures in sorted(self.cells.items())
+            },
+        }
+
+
 class SuffixReplay:
     """A replica's vLLM ``suffix`` proposer around Arctic Inference's cache, fed the same way."""
 
@@ -139,6 +199,7 @@ class SuffixReplay:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.k, self.cache, self.depth = k, SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000), 24
+        self.claims = Claims()
 
     def serve(self, rid: str, prompt: list[int], output: list[int]) -> None:
         self.cache.start_request(rid, np.asarray(prompt, dtype=np.int32))
@@ -152,23 +213,46 @@ class SuffixReplay:
         self.cache.add_active_response(rid, sampled)
         pattern = np.asarray(context[-self.depth :], dtype=np.int32)
         draft = self.cache.speculate(rid, pattern, max_spec_tokens=self.k, max_spec_factor=1.0, min_token_prob=0.1)
+        if draft.token_ids:
+            self.claims.hold("suffix", float(draft.score))
         return list(draft.token_ids)
+
+    def credit(self, accepted: int) -> None:
+        self.claims.credit(accepted)
 
     def finish(self, rid: str, output: list[int]) -> None:
         self.cache.stop_request(rid)
+
+
+class PricedStep:
+    """A step of ``rows`` rows verifying ``drafted`` draft tokens costs rows + ``price`` x drafted
+    plain one-row steps: ``BatchCost``'s shape with a fixed price, for the batch admission."""
+
+    def __init__(self, price: float) -> None:
+        self.price = price
+
+    def seconds(self, rows: int, drafted: int | np.ndarray) -> np.ndarray:
+        return rows + self.price * np.asarray(drafted, np.float64)
 
 
 class RestReplay:
     """A replica's REST proposer: the adaptive drafter vLLM's proposer runs (``sources``) over
     ``base`` (the index and the fleet's one store of outputs), choosing the chain of most expected
     tokens per step time, at most k long, a draft token costing ``price`` of a plain step (0: flat,
-    the chain of most expected tokens)."""
+    the chain of most expected tokens), then admitted as vLLM's proposer admits it
+    (``select_batch_chains`` at one row), its scores calibrated on the chains verified unless
+    ``calibrate`` is off (``rest-raw``). Keeps what the admitted chains' scores claimed beside
+    what they got accepted, overall and by the leading source and match length of their first
+    token (``claims``)."""
 
-    def __init__(self, k: int, base: LocalDrafter, sources: Sequence[str], price: float = 0.0) -> None:
+    def __init__(
+        self, k: int, base: LocalDrafter, sources: Sequence[str], price: float = 0.0, calibrate: bool = True
+    ) -> None:
         seconds = tuple(1.0 + price * n for n in range(k + 1))
         priced = VerifyCost(CostKey("priced", "", 1, "cpu", "float32"), 256, tuple(range(1, k + 2)), seconds)
-        self.k, self.base = k, base
-        self.adaptive = AdaptiveDrafter(base, cost=priced, sources=sources, chains=True)
+        self.k, self.base, self.sources, self.step = k, base, tuple(sources), PricedStep(price)
+        self.adaptive = AdaptiveDrafter(base, cost=priced, sources=sources, chains=True, calibrate_chains=calibrate)
+        self.claims = Claims()
 
     def serve(self, rid: str, prompt: list[int], output: list[int]) -> None:
         self.base.add_output(output)
@@ -177,8 +261,20 @@ class RestReplay:
         pass
 
     def draft(self, rid: str, context: list[int], sampled: list[int]) -> list[int]:
-        [chain] = self.adaptive.draft_batch([context], DraftConfig(max_depth=self.k), requests=[rid])
+        config = self.adaptive.candidates(DraftConfig(max_depth=self.k))
+        sessions = self.adaptive.advance([context], [rid])
+        shared = self.adaptive.start_shared([context], config).result()
+        [chain] = finish_step(
+            self.adaptive, sessions, shared, config, lambda chains: select_batch_chains(chains, self.step, 1)
+        )
+        if len(chain):
+            leading = int(np.argmax(chain.source_probs[0])) if isinstance(chain, MergedTree) else 0
+            length = int(chain.source_match_len[leading]) if isinstance(chain, MergedTree) else chain.match_len
+            self.claims.hold(f"{self.sources[leading]}, match {match_cell(length)}", float(chain.scores.sum()))
         return [int(t) for t in chain.tokens]  # a chain's nodes are in depth order
+
+    def credit(self, accepted: int) -> None:
+        self.claims.credit(accepted)
 
     def finish(self, rid: str, output: list[int]) -> None:
         self.adaptive.finish([rid])
@@ -228,6 +324,7 @@ def replay(drafter, held_out: list[tuple[int, Example]], tally: Tally) -> None:
         while position < len(output):
             chain = drafter.draft(rid, context, sampled) if position else []  # the first token is the prefill's
             n = accepted_length(chain, output[position:])
+            drafter.credit(n)
             take = min(n + 1, len(output) - position)
             sampled = output[position : position + take]
             context += sampled
@@ -253,7 +350,7 @@ def run_fleet(
     cache each; REST's share the index and one store of outputs (every warm-up output, and each
     held-out output once served), each with a proposer (calibration, sessions) of its own. ``index``:
     one index directory or several opened as one."""
-    tally = Tally()
+    tally, claims = Tally(), Claims()
     numbered = list(enumerate(held_out))
     if name == "suffix":
         for r in range(replicas):
@@ -261,15 +358,17 @@ def run_fleet(
             for i, (prompt, output) in enumerate(warm[r::replicas]):
                 suffix.serve(f"warm-{i}", prompt, output)
             replay(suffix, numbered[r::replicas], tally)
-        return tally.figures(price)
+            claims.merge(suffix.claims)
+        return {**tally.figures(price), "claims": claims.report()}
     base = LocalDrafter.open(index, outputs_max_tokens=50_000_000)
     try:
         for _, output in warm:
             base.add_output(output)
         attribution = Attribution(REST_SOURCES[name])
         for r in range(replicas):
-            rest = RestReplay(k, base, REST_SOURCES[name], price)
+            rest = RestReplay(k, base, REST_SOURCES[name], price, calibrate=name != "rest-raw")
             replay(rest, numbered[r::replicas], tally)
+            claims.merge(rest.claims)
             for count in Attribution.COUNTS:
                 getattr(attribution, count)[...] += getattr(rest.adaptive.attribution, count)
     finally:
@@ -279,6 +378,7 @@ def run_fleet(
     cells = attribution.report()
     return {
         **tally.figures(price),
+        "claims": claims.report(),
         "hindsight": attribution.hindsight(),
         "by_source": hindsight_per_source(cells),
         "attribution": cells,

@@ -333,6 +333,23 @@ class DraftTree:
             scores=self.scores[: keep.size],
         )
 
+    def rescored(self, scores: np.ndarray) -> DraftTree:
+        """This tree with ``scores`` (float64 [n], in [0, 1], never growing down a path: the
+        caller's to keep, as a calibration's running products are) in place of its own."""
+        scores = np.asarray(scores, np.float64)
+        if scores.shape != self.scores.shape:
+            raise ValueError(f"scores must be [{len(self)}], got shape {scores.shape}")
+        keep = np.arange(len(self))
+        return self._take(
+            keep,
+            self.parents,
+            self.depths,
+            match_len=self.match_len,
+            num_matches=self.num_matches,
+            num_sampled=self.num_sampled,
+            scores=scores,
+        )
+
     def accepted_nodes(self, appended: Sequence[int]) -> np.ndarray:
         """int64 [k]: the nodes on the longest path from the root that ``appended`` (the tokens
         committed since this tree was drafted) follows, root first: the nodes the verifier

@@ -186,18 +186,26 @@ def test_history_replay_sizes_rest_chains_by_the_price_of_a_draft_token(tmp_path
     docs = synthetic_corpus()
     index = write_index(tmp_path / "index", docs, CORPUS_VOCAB)
     examples = [(doc[:10], doc[10:60]) for doc in docs if len(doc) >= 60][:12]
-    figures = {}
+    figures, claims = {}, {}
     for price in (0.0, 0.3, 5.0):
         with LocalDrafter.open(index) as base:
             tally = Tally()
-            replay(RestReplay(8, base, ("index", "request", "outputs"), price), list(enumerate(examples)), tally)
-        figures[price] = tally.figures(price)
+            rest = RestReplay(8, base, ("index", "request", "outputs"), price)
+            replay(rest, list(enumerate(examples)), tally)
+        figures[price], claims[price] = tally.figures(price), rest.claims.report()
         modeled = tally.tokens / (tally.steps + price * tally.drafted)
         assert figures[price]["modeled_speed_vs_plain"] == round(modeled, 4)
     drafted = [figures[price]["drafted_per_step"] for price in (0.0, 0.3, 5.0)]
     assert drafted[0] > drafted[1] > drafted[2] == 0
     assert figures[0.0]["accepted_per_step"] > figures[5.0]["accepted_per_step"] == 0
     assert tuning_split([[1], [2]], 2) == ([], [[1], [2]])  # every request held out, the warm-up empty
+    # what the chains claimed is counted per leading source and match length, every chain once
+    cells = claims[0.3]["by_cell"]
+    assert cells and {cell.split(",")[0] for cell in cells} <= {"index", "request", "outputs"}
+    assert sum(cell["accepted"] for cell in cells.values()) == round(
+        figures[0.3]["accepted_per_step"] * figures[0.3]["steps"]
+    )
+    assert claims[0.3]["claimed_over_accepted"] > 0 and claims[5.0]["by_cell"] == {}
 
 
 def test_cost_trace_tells_a_shapes_set_up_from_its_steady_price():

@@ -37,6 +37,7 @@ import numpy as np
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.core.batch_step import merge_rows
+from rest_spec.drafter.core.chain_calibration import ChainCalibration
 from rest_spec.drafter.core.corrected_cost import CorrectedCost
 from rest_spec.drafter.core.cost import StepCost, VerifyCost
 from rest_spec.drafter.core.cost_cache import keep_healed
@@ -110,6 +111,9 @@ class _Session:
     # merged trees waiting for the tokens that followed them: (context length then, the length at which
     # the tree matures (that plus its depth), the tree, tokens accepted of it)
     hindsight: deque[tuple[int, int, MergedTree, int]] = dataclasses.field(default_factory=deque)
+    # with a chain calibration: what the merged tree claimed of each token of ``tree`` (its conditional
+    # score) and the token's leading source, which the calibration learns from once the chain is verified
+    claims: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class AdaptiveDrafter:
@@ -136,6 +140,10 @@ class AdaptiveDrafter:
     cache_healed at ``close``, cache what the steps taught a measured ``cost`` in place of the
                  cached table it started from (``drafter.core.cost_cache.keep_healed``), so the next
                  process starts healed; for a table read from or written to the cache
+    calibrate_chains  with ``chains``: score each chosen chain by what such chains get accepted
+                 (``drafter.core.chain_calibration``), learned from the chains verified, so that an
+                 engine's batch admission weighs the tokens it will really get; the chain itself is
+                 still chosen on the merged scores (vLLM's proposer)
 
     ``draft(context, config)``: the loop's ``config`` caps the verified tree (``budget`` nodes,
     ``max_depth`` levels) on top of the candidates' own config. Rows of ``draft_batch`` keep
@@ -154,9 +162,12 @@ class AdaptiveDrafter:
         calibration: SourceCalibration | None = None,
         chains: bool = False,
         cache_healed: bool = False,
+        calibrate_chains: bool = False,
     ) -> None:
         if chains and cost is None:
             raise ValueError("choosing chains needs a verify cost")
+        if calibrate_chains and not chains:
+            raise ValueError("calibrate_chains needs chains")
         if cache_healed and not isinstance(cost, VerifyCost | CorrectedCost):
             raise ValueError("cache_healed needs a measured verify cost (a VerifyCost or CorrectedCost)")
         self.cache_healed = cache_healed
@@ -185,6 +196,9 @@ class AdaptiveDrafter:
         # trees verified (tree, tokens its context gained, its accepted count to fill) and matured
         # (tree, tokens that followed, the accepted count of its verified part), not counted yet
         self._verified: tuple[list[MergedTree], list[list[int]], list[list[int]]] = ([], [], [])
+        # the claims of the verified chains (``_Session.claims``) and their accepted counts, to learn from
+        self._claimed: list[tuple[tuple[np.ndarray, np.ndarray], list[int]]] = []
+        self.chain_calibration = ChainCalibration(num_sources) if calibrate_chains else None
         self._matured: tuple[list[MergedTree], list[list[int]], list[Sequence[int]]] = ([], [], [])
         self.accepted_mismatches = 0  # rows whose engine-reported tokens were not what their context gained
         self.source, self.config, self.chains = as_source(base), config, chains
@@ -237,6 +251,9 @@ class AdaptiveDrafter:
                         verified[0].append(session.tree)
                         verified[1].append(gained)
                         verified[2].append(accepted_count)
+                        if session.claims is not None:
+                            claimed, leading = session.claims
+                            self._claimed.append(((claimed[: len(session.tree)], leading), accepted_count))
                     if isinstance(session.merged, MergedTree):
                         start = session.mark.length
                         session.hindsight.append(
@@ -244,6 +261,7 @@ class AdaptiveDrafter:
                         )
                 self._look_back(session, row, matured)
             session.mark, session.tree, session.merged = Mark.of(row), _EMPTY_TREE, _EMPTY_TREE
+            session.claims = None
             self._rows.append(session)
         if "request" in self.sources:
             extend_requests([session.matcher for session in self._rows], rows)
@@ -288,6 +306,10 @@ class AdaptiveDrafter:
             self._attribution.observe_nodes(nodes)
             for accepted_count, count in zip(verified[2], nodes.accepted_count.tolist()):
                 accepted_count[0] = count
+        if self._claimed:
+            claims, counts = zip(*self._claimed)
+            self.chain_calibration.observe(claims, [count for (count,) in counts])
+            self._claimed.clear()
         if matured[0]:
             in_hindsight = TreeNodes.along(*matured[:2], num_sources)
             self._calibration.observe_nodes(in_hindsight)
@@ -369,10 +391,25 @@ class AdaptiveDrafter:
             prices = np.asarray(self.cost.chain(np.arange(1, config.max_depth + 2)), dtype=np.float64)
         merged, chains = merge_rows(rows, weights, config.budget, prices)
         if chains is not None:
+            if self.chain_calibration is not None:
+                chains = self._calibrated(sessions, chains)
             return chains, merged
         if self.cost is None:
             return merged, merged
         return [select_tree(tree, self.cost) for tree in merged], merged
+
+    def _calibrated(self, sessions: Sequence[_Session], chains: list[DraftTree]) -> list[DraftTree]:
+        """Each chain scored by the chain calibration, what it claimed kept in its session."""
+        scored = []
+        for session, chain in zip(sessions, chains):
+            if not len(chain):
+                session.claims = None
+                scored.append(chain)
+                continue
+            claimed, leading = self.chain_calibration.claims(chain)
+            session.claims = (claimed, leading)
+            scored.append(chain.rescored(self.chain_calibration.scores_of(claimed, leading)))
+        return scored
 
     def _row_trees(self, shared: SourceTrees, request: DraftTree) -> list[DraftTree]:
         """A row's trees in calibration order: the sources', then the index's for each cut."""

@@ -288,7 +288,7 @@ class RestProposer:
             )
             self.cost = BatchCost(table)
             self.adaptive = AdaptiveDrafter(
-                self.source, cost=self.cost, config=DraftConfig(max_depth=depth), chains=True
+                self.source, cost=self.cost, config=DraftConfig(max_depth=depth), chains=True, calibrate_chains=True
             )
             self.scheduler = DraftScheduler(
                 self.adaptive, DraftConfig(max_depth=depth), OverlapConfig(enabled=self.overlap), 0.05

@@ -1,0 +1,154 @@
+"""What a chosen chain's scores are worth: the merged score calibrated on the chains verified.
+
+``SourceCalibration`` weighs each source on every node of the merged trees in hindsight, and that
+leaves two things running high on the chain an engine verifies: the merged score (a noisy-OR of
+sources that often saw the same text, an output also in the index) and the choice itself (the
+chain picked as the best of several is, on average, one whose score erred upward). In vLLM the
+kept chains' scores summed to 1.18-1.32x the tokens accepted (``benchmarks/README.md``), so the
+batch admitted draft slots that did not pay.
+
+``ChainCalibration`` learns, from the chains verified, how often a chain's token is accepted once
+the tokens before it were, as a function of what the merged tree claimed for it (its conditional
+score, score / parent's score), per leading source (the source that gave the token its highest
+probability): histogram cells over [0, 1] (a claim of 1 a cell of its own), each pulled by
+``PRIOR_TRIALS`` pseudo-trials toward its claim scaled as the source errs over all its cells (before
+any trial, toward the claim itself), made monotone by pooling adjacent violators, read
+between the cells' points, fading with a half-life in trials so that a store of outputs that grows
+is followed. A chain's calibrated path scores are the running
+product of the mapped conditionals: they never grow down the chain, and their sum is the tokens
+the chain is expected to get accepted, what the batch admission (``select_batch_chains``) weighs
+against the step's price. The chain itself is still chosen on the merged scores; the calibration
+only decides how much of it is worth verifying.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from rest_spec.common.types import DraftTree
+
+CELLS = 21  # cells of the claimed conditional score: 20 of equal width over [0, 1), and claims of 1
+PRIOR_TRIALS = 8.0  # pseudo-trials at each cell's claim, scaled by its source's overall error
+HALF_LIFE = 4096  # trials after which earlier ones count half
+REFIT_EVERY = 64  # trials between refits of the map
+
+
+def _pool_adjacent_violators(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence nearest ``values`` in weighted least squares (one row)."""
+    blocks: list[list[float]] = []  # [mean, weight, cells]
+    for value, weight in zip(values.tolist(), weights.tolist()):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, total, cells = blocks.pop()
+            before = blocks[-1]
+            merged = before[1] + total
+            before[0] = (before[0] * before[1] + mean * total) / merged
+            before[1], before[2] = merged, before[2] + cells
+    return np.repeat([mean for mean, _, _ in blocks], [cells for _, _, cells in blocks])
+
+
+Claims = tuple[np.ndarray, np.ndarray]  # per token of a chain: its claimed conditional score, its leading source
+
+
+class ChainCalibration:
+    """The map from a chain token's claimed conditional score to how often such tokens are
+    accepted, per leading source (see the module). ``observe`` chains with the tokens accepted of
+    each; ``scores`` a chain's calibrated path scores. Not thread-safe: one per drafter."""
+
+    def __init__(self, num_sources: int = 1) -> None:
+        if num_sources < 1:
+            raise ValueError(f"num_sources must be positive, got {num_sources}")
+        self.num_sources = num_sources
+        # each cell's centre: an empty cell's point of the map (a claim of 1 has a cell of its own:
+        # one continuation seen is the commonest claim, and the least sure)
+        self.centres = np.append((np.arange(CELLS - 1) + 0.5) / (CELLS - 1), 1.0)
+        self._trials = np.zeros((num_sources, CELLS))
+        self._hits = np.zeros((num_sources, CELLS))
+        self._claimed = np.zeros((num_sources, CELLS))  # sum of the claims observed per cell
+        self._since_fit = 0
+        self._points = np.tile(self.centres, (num_sources, 1))  # [S, CELLS]: each cell's mean claim
+        self._map = np.tile(self.centres, (num_sources, 1))  # [S, CELLS]: and the rate accepted there
+        self.trials = 0  # every trial observed
+
+    @staticmethod
+    def _cells(conditional: np.ndarray) -> np.ndarray:
+        return np.minimum((np.clip(conditional, 0.0, 1.0) * (CELLS - 1)).astype(np.int64), CELLS - 1)
+
+    def claims(self, chain: DraftTree) -> Claims:
+        """What the merged tree claimed of each of ``chain``'s tokens (root first): its conditional
+        score (score over its parent's) and its leading source (the source that gave it its highest
+        probability; 0 where the chain has no per-source columns)."""
+        scores = np.asarray(chain.scores, np.float64)
+        above = np.concatenate(([1.0], scores[:-1]))
+        claimed = np.divide(scores, above, out=np.zeros_like(scores), where=above > 0)
+        probs = getattr(chain, "source_probs", None)
+        if probs is None or probs.ndim != 2 or probs.shape != (len(chain), self.num_sources):
+            return claimed, np.zeros(len(chain), np.int64)
+        return claimed, np.argmax(probs, axis=1)
+
+    def scores_of(self, claimed: np.ndarray, leading: np.ndarray) -> np.ndarray:
+        """The calibrated path scores of a chain with these ``claims``: the running product of each
+        token's mapped conditional (the map read between its cells' points), the expected acceptance
+        of each token."""
+        conditional = np.empty(claimed.shape, np.float64)
+        for source in np.unique(leading).tolist():
+            mine = leading == source
+            conditional[mine] = np.interp(claimed[mine], self._points[source], self._map[source])
+        return np.cumprod(np.clip(conditional, 0.0, 1.0))
+
+    def scores(self, chain: DraftTree) -> np.ndarray:
+        """``chain``'s calibrated path scores (root first)."""
+        return self.scores_of(*self.claims(chain))
+
+    def observe(self, claims: Sequence[Claims], accepted: Sequence[int]) -> None:
+        """Chains with these ``claims`` (``claims``; each cut to the tokens verified) were verified
+        and the first ``accepted[i]`` tokens of chain i accepted: each token up to the first rejected
+        is a trial, a hit when accepted."""
+        tried = [min(int(n) + 1, len(claimed)) for (claimed, _), n in zip(claims, accepted)]
+        if not sum(tried):
+            return
+        conditional = np.concatenate([claimed[:t] for (claimed, _), t in zip(claims, tried)])
+        source = np.concatenate([leading[:t] for (_, leading), t in zip(claims, tried)])
+        hit = np.concatenate([np.arange(t) < int(n) for t, n in zip(tried, accepted)]).astype(np.float64)
+        fade = 0.5 ** (conditional.size / HALF_LIFE)
+        for table in (self._trials, self._hits, self._claimed):
+            table *= fade
+        cells = self._cells(conditional)
+        np.add.at(self._trials, (source, cells), 1.0)
+        np.add.at(self._hits, (source, cells), hit)
+        np.add.at(self._claimed, (source, cells), conditional)
+        self.trials += conditional.size
+        self._since_fit += conditional.size
+        if self._since_fit >= REFIT_EVERY:
+            self.fit()
+
+    def fit(self) -> None:
+        """Re-map from the trials so far (see the module)."""
+        self._since_fit = 0
+        self._points = (self._claimed + PRIOR_TRIALS * self.centres) / (self._trials + PRIOR_TRIALS)
+        # a cell with little evidence follows its source's claims scaled as the source errs overall
+        scale = (self._hits.sum(axis=1, keepdims=True) + PRIOR_TRIALS) / (
+            self._claimed.sum(axis=1, keepdims=True) + PRIOR_TRIALS
+        )
+        prior = np.minimum(self.centres * scale, 1.0)
+        rate = (self._hits + PRIOR_TRIALS * prior) / (self._trials + PRIOR_TRIALS)
+        for s in range(self.num_sources):
+            self._map[s] = _pool_adjacent_violators(rate[s], self._trials[s] + PRIOR_TRIALS)
+
+    @property
+    def table(self) -> np.ndarray:
+        """[S, CELLS]: the accepted rate mapped to each cell of claimed conditional score (read-only)."""
+        view = self._map.view()
+        view.flags.writeable = False
+        return view
+
+    def state(self) -> dict:
+        """The trials and hits per source and cell, and the map: what a report shows."""
+        return {
+            "trials": int(self.trials),
+            "cells": CELLS,
+            "map": np.round(self._map, 4).tolist(),
+            "cell_trials": np.round(self._trials, 1).tolist(),
+        }
