@@ -2,8 +2,9 @@
 
 A moved module is the same module object under its old name (``import``, ``from ... import`` and
 ``python -m`` alike), found by a finder that ``rest_spec`` installs on import; a name that moved out
-of a module that became a package, or of a module split, is resolved by that module's ``__getattr__``
-(``moved_name``).
+of a module that became a package, or of a module split, is resolved by a ``__getattr__`` the same
+finder gives that module as it is loaded (``moved_name``): the modules themselves know nothing of
+their old names, and nothing imports this module but ``rest_spec`` itself.
 Each use of an old name warns once (``DeprecationWarning``) with the name to use instead.
 """
 
@@ -102,15 +103,61 @@ class _Alias(importlib.abc.Loader):
         return importlib.util.find_spec(self.target).loader.get_code(self.target)
 
 
+class _AnswersMovedNames:
+    """Loads a module of ``MOVED_NAMES`` with its own loader, then gives it a ``__getattr__`` that
+    answers the names that moved out of it (PEP 562). The module's spec and ``__loader__`` are its
+    own loader's, as if this one were not there."""
+
+    def __init__(self, loader, name: str) -> None:
+        self.loader, self.name = loader, name
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__spec__.loader = module.__loader__ = self.loader
+        self.loader.exec_module(module)
+        if "__getattr__" not in vars(module):
+            module.__getattr__ = _moved_names_of(self.name)
+
+    def __getattr__(self, name: str):  # get_code, get_source, is_package...: the module's own loader's
+        return getattr(self.loader, name)
+
+
+def _moved_names_of(package: str):
+    def __getattr__(name: str):  # a frame of its own: moved_name's warning points at the line using the name
+        return moved_name(package, name)
+
+    return __getattr__
+
+
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path``: an old module name as its new module, and a module of
+    ``MOVED_NAMES`` found by the finders after it, to be loaded by ``_AnswersMovedNames``; any other
+    name is left to them."""
+
     def find_spec(self, fullname: str, path, target=None):
         moved = MOVED_MODULES.get(fullname)
-        return None if moved is None else importlib.util.spec_from_loader(fullname, _Alias(moved))
+        if moved is not None:
+            return importlib.util.spec_from_loader(fullname, _Alias(moved))
+        if fullname not in MOVED_NAMES:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and not isinstance(spec.loader, _AnswersMovedNames):
+                    spec.loader = _AnswersMovedNames(spec.loader, fullname)
+                return spec
+        return None
 
 
 def install() -> None:
+    """Put ``MovedModuleFinder`` first on ``sys.meta_path`` (once), before any module of
+    ``MOVED_NAMES`` is imported: ``rest_spec`` calls it before importing anything of its own."""
     if not any(isinstance(finder, MovedModuleFinder) for finder in sys.meta_path):
-        sys.meta_path.append(MovedModuleFinder())
+        sys.meta_path.insert(0, MovedModuleFinder())
 
 
 def moved_name(package: str, name: str):

@@ -282,9 +282,3 @@ def shape_problems(cost: VerifyCost) -> dict[int, str]:
                 ratio = max(tree, chain) / min(tree, chain)
                 problems.setdefault(cost.sizes[i], f"{time(dearer, i)} is {ratio:.1f}x {time(cheaper, i)}")
     return dict(sorted(problems.items()))
-
-
-def __getattr__(name: str):  # the names that lived here before the cost model's split (rest_spec._moved)
-    from rest_spec._moved import moved_name
-
-    return moved_name(__name__, name)

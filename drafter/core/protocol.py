@@ -42,7 +42,6 @@ from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTree
 
 if TYPE_CHECKING:
     from rest_spec.drafter.core.cost import StepCost
-    from rest_spec.drafter.core.steps import DraftSource
 
 __all__ = ["BatchRule", "Drafter", "Pending", "SourceDrafter", "StepDrafter"]
 
@@ -99,7 +98,7 @@ class StepDrafter(Protocol):
     from (its capabilities are the scheduler's to read); ``cost``, where the drafter sizes trees
     by a measured verification cost, is corrected by the loop from the steps it times."""
 
-    source: DraftSource
+    source: Drafter  # a drafter.core.steps.DraftSource (steps imports this module: not the other way)
     cost: StepCost | None
 
     def advance(
@@ -145,9 +144,3 @@ class StepDrafter(Protocol):
 
 
 BatchRule = Callable[[list[DraftTree]], list[DraftTree]]  # a batch's trees -> the parts its step verifies
-
-
-def __getattr__(name: str):  # the helpers that lived here before drafter.core.steps (rest_spec._moved)
-    from rest_spec._moved import moved_name
-
-    return moved_name(__name__, name)

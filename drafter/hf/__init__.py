@@ -1,7 +1,1 @@
 """The transformers engine: the REST decoding loop and its tree-attention verifier (see ``rest_spec.drafter``)."""
-
-
-def __getattr__(name: str):  # names documented when this package was one module (rest_spec._moved)
-    from rest_spec._moved import moved_name
-
-    return moved_name(__name__, name)

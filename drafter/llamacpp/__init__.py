@@ -1,7 +1,1 @@
 """REST inside llama.cpp (llama-cpp-python): the draft model (see ``rest_spec.drafter``)."""
-
-
-def __getattr__(name: str):  # names documented when this package was one module (rest_spec._moved)
-    from rest_spec._moved import moved_name
-
-    return moved_name(__name__, name)
