@@ -234,7 +234,7 @@ def test_refusals_are_one_line(tmp_path, capsys):
         one_line_error(capsys, main(["--prompts", str(prompts), *outs, "--engine", "llama.cpp"]), "llama-cpp-python")
     for usage, fragment in (
         (["--journal", "j"], "--journal is for --datastore"),
-        (["--top-p", "0.9"], "--top-p and --seed apply to sampling"),
+        (["--top-p", "0.9"], "--top-p applies to sampling: set --temperature above 0"),
         (["--threads", "2"], "--threads is for --engine llama.cpp"),
     ):
         one_line_error(capsys, main(["--prompts", str(prompts), *outs, *usage]), fragment)
