@@ -99,7 +99,18 @@ from benchmarks.common import (
 from benchmarks.e2e import add_set_arguments, set_index, set_prompts, sharegpt_prompt
 from benchmarks.load import start_datastore
 from benchmarks.overlap import stop
-from benchmarks.vllm import ENGINE_MODEL, ENGINE_TIMEOUT, job, measure_t, rest_options, spec_metrics, summarize
+from benchmarks.vllm import (
+    ENGINE_MODEL,
+    ENGINE_TIMEOUT,
+    _f,
+    job,
+    measure_t,
+    rest_options,
+    spec_metrics,
+    summarize,
+    time_table,
+    time_table_lines,
+)
 from benchmarks.vllm_run import PROPOSER_STATES, VLLM_ENV, attribution_report, run_job
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records, open_corpus
 from rest_spec.common.cache import cache_dir
@@ -568,6 +579,9 @@ def run_fleet(name, held, index, warm_prompts, warm_outputs, replicas, concurren
                 cold[method] = block[method]
             elif method in cold:
                 block.setdefault("vs_cold", {})[method] = ratios(block[method], cold[method])
+        block["time_table"] = time_table(
+            {"plain": out["plain"], **{m: block[m] for m in METHODS if isinstance(block.get(m), dict)}}
+        )
         own = out["warmup"][str(args.warmup[0])].get("rest-own")  # set against suffix at every N
         for method in REST_METHODS:
             run = own if method == "rest-own" else block.get(method)
@@ -657,10 +671,6 @@ def failures(report: dict) -> list[str]:
     return lines
 
 
-def _f(value, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def summary(report: dict) -> str:
     """A table per stream, concurrency and fleet size: each N's suffix and REST speeds, against
     plain, each other and themselves cold; REST's sources in hindsight."""
@@ -694,6 +704,9 @@ def summary(report: dict) -> str:
                 equal.append(f"{m['equal_to_plain']}/{m['outputs']}")
             versus = " ".join(f"{_f(block.get(versus_suffix(m), {}).get('median')):>13}" for m in REST_METHODS)
             lines.append(f"{n:>5} | {' | '.join(cells)} | {versus} | {' '.join(equal):>14}")
+        for n, block in fleet["warmup"].items():
+            if block.get("time_table"):
+                lines += [f"  warm-up {n}:", *time_table_lines(block["time_table"])]
         for (n, block), method in itertools.product(fleet["warmup"].items(), REST_METHODS):
             sources = (block.get(method) or {}).get("hindsight_per_source") or {}
             if sources:

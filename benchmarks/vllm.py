@@ -277,6 +277,69 @@ def step_split(run: dict) -> dict | None:
     }
 
 
+def step_costs(figures: dict) -> dict:
+    """Where a mode's steps go (``summarize``'s figures): per row-step (each yields one token beyond
+    those it accepted) its tokens, its draft tokens, its milliseconds, and of those the proposer's
+    own (``drafting``) and its time getting the sources (``sources``: a datastore's reply, or the
+    index searched in process); None where the mode has no proposer of this project's."""
+    steps = figures["new_tokens"] - (figures["accepted"] or 0)
+    proposer = figures.get("proposer") or {}
+
+    def per_step(value: float | None) -> float | None:
+        return 1e3 * value / steps if steps and value is not None else None
+
+    return {
+        "tokens_per_step": figures["tokens_per_step"],
+        "draft_tokens_per_step": (figures["draft_tokens"] or 0) / steps if steps else None,
+        "ms_per_step": per_step(figures["seconds"]),
+        "drafting_ms_per_step": per_step(proposer.get("seconds")),
+        "sources_ms_per_step": per_step(proposer.get("source_seconds")),
+    }
+
+
+def time_table(modes: dict[str, dict]) -> dict[str, dict]:
+    """Every mode's ``step_costs``, with what a draft token cost vLLM's step (``verify_ms_per_draft_token``:
+    its step less plain's and less its own drafting, over its draft tokens), and for each mode that
+    drafted against ``suffix`` (where both ran) the speed ratio, the tokens-a-step ratio, and their quotient,
+    ``efficiency``: how much of a lead in tokens a step became speed (1: all of it)."""
+    table = {mode: step_costs(figures) for mode, figures in modes.items()}
+    plain = table.get("plain", {}).get("ms_per_step")
+    for mode, row in table.items():
+        drafts, ms = row["draft_tokens_per_step"], row["ms_per_step"]
+        if plain is not None and drafts and ms is not None:
+            row["verify_ms_per_draft_token"] = (ms - (row["drafting_ms_per_step"] or 0.0) - plain) / drafts
+        if "suffix" in modes and mode != "suffix" and drafts and table["suffix"]["tokens_per_step"]:
+            speed = modes[mode]["tokens_per_second"] / modes["suffix"]["tokens_per_second"]
+            steps = row["tokens_per_step"] / table["suffix"]["tokens_per_step"]
+            row["vs_suffix"] = {"speed": speed, "tokens_per_step": steps, "efficiency": speed / steps}
+    return table
+
+
+def time_table_lines(table: dict[str, dict]) -> list[str]:
+    """``time_table`` as lines of text (a blank cell: not measured for that mode)."""
+    lines = [
+        f"  {'where the time goes':<20} {'tok/step':>8} {'drafts/step':>11} {'ms/step':>8} {'drafting':>8} "
+        f"{'sources':>8} {'ms/draft tok':>12} {'x suffix: speed, tok/step, efficiency':>38}"
+    ]
+    for mode, row in table.items():
+        versus = row.get("vs_suffix")
+        lines.append(
+            f"  {mode:<20} {_f(row['tokens_per_step']):>8} {_f(row['draft_tokens_per_step']):>11} "
+            f"{_f(row['ms_per_step'], '.1f'):>8} {_f(row['drafting_ms_per_step']):>8} {_f(row['sources_ms_per_step']):>8} "
+            f"{_f(row.get('verify_ms_per_draft_token')):>12} "
+            + (
+                f"{versus['speed']:>14.3f} {versus['tokens_per_step']:>9.3f} {versus['efficiency']:>12.3f}"
+                if versus
+                else ""
+            )
+        )
+    return lines
+
+
+def _f(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def summarize(run: dict, reference: dict | None) -> dict:
     """One mode's figures, against ``reference`` (the first plain run of its set and concurrency;
     None for that run itself)."""
@@ -392,11 +455,8 @@ def run_concurrency(name: str, prompts, index: Path, concurrency: int, args, ser
                 raise  # no reference: nothing else can be compared
             log.error("%s, concurrency %d: %s failed: %s", name, concurrency, mode, exc)
             failures[mode] = str(exc)[-4000:]
-    result = {
-        "order": order,
-        "modes": {mode: summarize(run, None if mode == "plain" else runs["plain"]) for mode, run in runs.items()},
-        "failed": failures,
-    }
+    modes = {mode: summarize(run, None if mode == "plain" else runs["plain"]) for mode, run in runs.items()}
+    result = {"order": order, "modes": modes, "time_table": time_table(modes), "failed": failures}
     try:
         result["partings"] = partings(prompts, runs, args.max_new_tokens)
     except RuntimeError as exc:
@@ -512,6 +572,7 @@ def summary(report: dict) -> str:
                     f"{m['equal_to_plain']:>3}/{m['outputs']:<3} {step:>19}"
                 )
             lines += [f"{mode:<12} FAILED" for mode in block["failed"]]
+            lines += time_table_lines(block.get("time_table") or time_table(block["modes"]))
             for mode, m in block["modes"].items():
                 hindsight = (m.get("attribution") or {}).get("hindsight")
                 if hindsight and hindsight["steps"]:

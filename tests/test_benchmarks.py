@@ -254,3 +254,38 @@ def test_cost_trace_shows_a_fresh_engines_dearer_drafts_by_phase():
     assert phases["0-100"]["slope_ms"] == pytest.approx(1.0, rel=1e-6)
     assert phases["100-300"]["slope_ms"] == phases["300-500"]["slope_ms"] == pytest.approx(0.5, rel=1e-6)
     assert phases["0-100"]["drafting_nothing"] > 0.6 > 0.2 > phases["100-300"]["drafting_nothing"]
+
+
+def test_the_time_table_sets_each_mode_against_suffix_in_speed_and_in_tokens_a_step():
+    """``benchmarks.vllm.time_table``: 100 tokens in 60 steps for suffix, 50 for REST; REST's steps
+    dearer by its draft tokens and its drafting. Its speed ratio over its tokens-a-step ratio is the
+    share of its lead that became speed."""
+    from benchmarks.vllm import time_table, time_table_lines
+
+    def figures(seconds, accepted, drafted, proposer=None):
+        return {
+            "new_tokens": 100,
+            "seconds": seconds,
+            "tokens_per_second": 100 / seconds,
+            "accepted": accepted,
+            "draft_tokens": drafted,
+            "tokens_per_step": 100 / (100 - accepted) if accepted is not None else 1.0,
+            "proposer": proposer,
+        }
+
+    modes = {
+        "plain": figures(1.0, None, None),  # 100 steps of 10 ms
+        "suffix": figures(0.72, 40, 90),  # 60 steps of 12 ms
+        "rest": figures(0.65, 50, 150, {"seconds": 0.05, "source_seconds": 0.02}),  # 50 steps of 13 ms
+    }
+    table = time_table(modes)
+    rest = table["rest"]
+    assert rest["ms_per_step"] == pytest.approx(13.0) and rest["draft_tokens_per_step"] == pytest.approx(3.0)
+    assert (rest["drafting_ms_per_step"], rest["sources_ms_per_step"]) == pytest.approx((1.0, 0.4))
+    assert rest["verify_ms_per_draft_token"] == pytest.approx((13.0 - 1.0 - 10.0) / 3.0)
+    assert table["suffix"]["verify_ms_per_draft_token"] == pytest.approx((12.0 - 10.0) / 1.5)
+    speed, steps = 0.72 / 0.65, 2.0 / (100 / 60)
+    assert rest["vs_suffix"] == pytest.approx({"speed": speed, "tokens_per_step": steps, "efficiency": speed / steps})
+    assert "vs_suffix" not in table["suffix"] and "vs_suffix" not in table["plain"]
+    lines = time_table_lines(table)
+    assert len(lines) == 4 and lines[3].split()[0] == "rest" and lines[1].split()[4:6] == ["-", "-"]

@@ -163,6 +163,26 @@ def test_greedy_in_process_equals_plain(plain, rest_local):
     assert plain["runs"][0]["proposer"] is None  # no REST proposer there
 
 
+def test_the_time_table_splits_a_rest_step_into_drafting_sources_and_the_engine(plain, rest_local):
+    """``benchmarks.vllm.time_table`` on real runs: a REST step carries more than one token and some
+    draft tokens, the proposer's time is part of the step and its sources part of that; plain has
+    no drafts and no proposer."""
+    from benchmarks import vllm as bench
+
+    runs = {"plain": plain["runs"][0], "rest": rest_local["runs"][1]}
+    modes = {
+        mode: bench.summarize({**run, "startup_seconds": 0.0}, None if mode == "plain" else runs["plain"])
+        for mode, run in runs.items()
+    }
+    table = bench.time_table(modes)
+    rest, alone = table["rest"], table["plain"]
+    assert rest["tokens_per_step"] > 1 and rest["draft_tokens_per_step"] > 0, rest
+    assert 0 < rest["sources_ms_per_step"] <= rest["drafting_ms_per_step"] < rest["ms_per_step"], rest
+    assert "verify_ms_per_draft_token" in rest and "vs_suffix" not in rest  # no suffix run to set it against
+    assert alone["draft_tokens_per_step"] == 0 and alone["drafting_ms_per_step"] is None, alone
+    assert alone["tokens_per_step"] == 1.0
+
+
 def test_partings_report_the_top_two_tokens(monkeypatch, checkpoint, prompts, plain):
     from benchmarks import vllm as bench
 

@@ -118,6 +118,8 @@ class DraftingStats:
     cancelled     datastore calls given up (stale speculation, or past the deadline)
     breaker_open_steps  steps that did not ask the datastore, its circuit breaker open
     probes        calls sent to a datastore whose breaker was open, to see whether it is back
+    source_seconds  seconds the steps spent getting their sources: waiting for a datastore's reply (or
+                  for the speculation's), or searching an index in process
     """
 
     steps: int = 0
@@ -131,6 +133,7 @@ class DraftingStats:
     cancelled: int = 0
     breaker_open_steps: int = 0
     probes: int = 0
+    source_seconds: float = 0.0
 
     def summary(self) -> dict:
         """The figures ``rest-generate --json`` prints: shares, milliseconds, counts."""
@@ -380,14 +383,18 @@ class DraftScheduler:
         ahead, self._ahead = self._ahead, None
         shared: list[SourceTrees | None] = [None] * len(contexts)
         remote_ok, ready = True, ahead is not None and ahead.job.done()
+        fetch = time.perf_counter()
         if ahead is not None:
             remote_ok = self._collect(ahead, contexts, rows, shared)
+        self.stats.source_seconds += time.perf_counter() - fetch
         self._rows = rows
         sessions = self.sources.advance(contexts, requests, accepted)  # the background job has finished: safe
         missing = [i for i, trees in enumerate(shared) if trees is None]
         if missing:
             # read within this call, before the engine writes on (a probe's answer only tells the breaker)
+            fetch = time.perf_counter()
             fresh = self._fresh([contexts[i] for i in missing], config, remote_ok)
+            self.stats.source_seconds += time.perf_counter() - fetch
             for i, trees in zip(missing, fresh):
                 shared[i] = trees
         trees = finish_step(self.sources, sessions, shared, config, admit)

@@ -238,7 +238,8 @@ class ProposerStats(UploadStats):
     ``rows_drafted`` with a non-empty chain, ``skipped`` calls that did not draft at all (drafting
     did not pay at that batch size: ``DraftingStats.skipped``), ``expected`` draft tokens accepted by the
     drafts' scores (against vLLM's count of those accepted: how well the scores are calibrated),
-    ``observed`` steps timed, seconds spent,
+    ``observed`` steps timed, seconds spent (``source_seconds`` of them getting the sources: a
+    datastore's reply, or the index searched in process),
     ``first_draft_call`` (the number of the first call that drafted; 0: none yet), the step cost
     as last learned (``per_token_ms``, a draft token's price; ``largest_base_ms``, a step of the
     most rows seen, drafting nothing); and its outputs (``UploadStats``)."""
@@ -251,6 +252,7 @@ class ProposerStats(UploadStats):
     observed: int = 0
     skipped: int = 0
     seconds: float = 0.0
+    source_seconds: float = 0.0
     first_draft_call: int = 0
     per_token_ms: float = 0.0
     largest_base_ms: float = 0.0
@@ -357,6 +359,7 @@ class RestProposer:
             drafts[i] = chain.tokens.tolist()
         self.stats.expected += sum(float(chain.scores.sum()) for chain in chains)
         self.stats.skipped = self.scheduler.stats.skipped
+        self.stats.source_seconds = self.scheduler.stats.source_seconds
         clean = all(len(s) > 0 for s in sampled_token_ids)
         end = time.perf_counter()
         self._last = (end, frozenset(rid for rid, _ in batch), sum(len(d) for d in drafts) if clean else None)
