@@ -23,6 +23,8 @@ them: the run is then one group, and its speed the overall tokens/s. Modes:
   engine's earlier outputs), ``--k`` tokens at most, vLLM's other defaults;
 - ``rest``: ``RestProposer`` with the set's index opened in the engine's worker (its store of
   outputs starts empty and gets each finished request);
+- ``rest-raw``: ``rest`` with its chains admitted on the merge's scores (``calibrate_chains``
+  off), as before the chain calibration (2026-12-06): what that calibration changes;
 - ``rest-grpc``: the same drafting from a ``rest-datastore serve`` process on loopback, a fresh
   server for every run (so its store of outputs also starts empty), stopped after it (its log:
   the report's path with ``.server.log``);
@@ -71,7 +73,7 @@ from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
 log = logging.getLogger("benchmarks.vllm")
 
-MODES = ("plain", "ngram", "suffix", "rest", "rest-grpc", "oracle")
+MODES = ("plain", "ngram", "suffix", "rest", "rest-raw", "rest-grpc", "oracle")
 DEFAULT_SETS = ("humaneval", "sharegpt")
 DEFAULT_NGRAM_SETTINGS = "4:1:3,4:2:5,8:2:5,8:3:8"
 MEASURE_T_TOKENS = 512  # new tokens of the t(n) measurement: enough steps for the proposer to cache what it learned
@@ -194,8 +196,9 @@ def mode_job(mode: str, prompts, args, concurrency: int, index: Path, references
         return job("ngram", *common, k=k, ngram=[low, high])
     if mode == "suffix":
         return job("suffix", *common, k=args.k)
-    if mode == "rest":
-        return job("rest", *common, k=args.k, rest=rest_options(str(index), args))
+    if mode in ("rest", "rest-raw"):  # rest-raw: chains admitted on the merge's scores, uncalibrated
+        options = rest_options(str(index), args) | ({"calibrate_chains": False} if mode == "rest-raw" else {})
+        return job("rest", *common, k=args.k, rest=options)
     if mode == "oracle":
         return job("oracle", *common, k=args.k, oracle=[[p, o] for p, o in zip(prompts, references)])
     raise ValueError(f"no job for mode {mode!r}")

@@ -30,6 +30,8 @@ def test_options_parse_with_environment_fallbacks():
     assert from_env.datastore == "h:1" and from_env.remeasure is True
     assert OPTIONS["outputs_dir"] == "REST_OUTPUTS_DIR"
     assert RestOptions.parse({"datastore": "idx"}, environ={"REST_OUTPUTS_FROM": "h:2"}).outputs_from == "h:2"
+    assert RestOptions.parse({"datastore": "idx"}, environ={}).calibrate_chains is True  # on unless turned off
+    assert RestOptions.parse({"datastore": "idx"}, environ={"REST_CALIBRATE_CHAINS": "0"}).calibrate_chains is False
     # the configuration wins over the environment
     assert RestOptions.parse({"datastore": "a"}, environ={"REST_DATASTORE": "b"}).datastore == "a"
 

@@ -85,6 +85,7 @@ class RestOptions:
     outputs_from: str | None = None
     overlap: bool | None = None  # None: ``overlap_default`` of the datastore
     remeasure: bool = False
+    calibrate_chains: bool = True
 
     @classmethod
     def parse(cls, section: object, environ: Mapping[str, str] = os.environ) -> RestOptions:
@@ -290,7 +291,11 @@ class RestProposer:
             )
             self.cost = BatchCost(table)
             self.adaptive = AdaptiveDrafter(
-                self.source, cost=self.cost, config=DraftConfig(max_depth=depth), chains=True, calibrate_chains=True
+                self.source,
+                cost=self.cost,
+                config=DraftConfig(max_depth=depth),
+                chains=True,
+                calibrate_chains=self.options.calibrate_chains,
             )
             self.scheduler = DraftScheduler(
                 self.adaptive, DraftConfig(max_depth=depth), OverlapConfig(enabled=self.overlap), 0.05
