@@ -10,6 +10,7 @@ from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.batch_cost import BatchCost
 from rest_spec.drafter.core.chain_calibration import CELLS, ChainCalibration
 from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.merge import length_class
 from rest_spec.drafter.core.selection import select_batch_chains
 from rest_spec.drafter.core.steps import finish_step
 from tests.helpers import MODEL_VOCAB, write_index
@@ -75,17 +76,31 @@ def test_with_nothing_observed_a_claim_keeps_its_value_within_a_cell():
     assert ChainCalibration().scores(DraftTree.empty()).size == 0
 
 
-def test_each_leading_source_is_calibrated_apart():
+def test_each_leading_source_is_calibrated_apart_and_its_unseen_matches_follow_it():
     rng = np.random.default_rng(2)
     calibration = ChainCalibration(num_sources=2)
     for _ in range(2000):
         claimed = rng.uniform(0.6, 1.0, 4)
         for source, truth in ((0, claimed), (1, 0.3 * claimed)):  # source 1 claims three times too much
-            leading = np.full(4, source)
-            calibration.observe([(claimed, leading)], [accepted_of(truth, rng)])
+            group = np.full(4, source * calibration.lengths)  # the shortest matches of each
+            calibration.observe([(claimed, group)], [accepted_of(truth, rng)])
     cell = CELLS - 3  # claims of 0.90-0.95
     assert calibration.table[0, cell] == pytest.approx(0.925, abs=0.05)
-    assert calibration.table[1, cell] == pytest.approx(0.3 * 0.925, abs=0.05)
+    assert calibration.table[calibration.lengths, cell] == pytest.approx(0.3 * 0.925, abs=0.05)
+    # a longer match of source 1, never seen, follows what source 1's shorter ones taught
+    assert calibration.table[calibration.lengths + 3, cell] == pytest.approx(0.3 * 0.925, abs=0.1)
+
+
+def test_short_and_long_matches_of_one_source_are_calibrated_apart():
+    rng = np.random.default_rng(3)
+    calibration = ChainCalibration()
+    for _ in range(2000):
+        claimed = rng.uniform(0.6, 1.0, 3)
+        for group, truth in ((0, 0.4 * claimed), (5, claimed)):  # 2-token matches err, long ones hold
+            calibration.observe([(claimed, np.full(3, group))], [accepted_of(truth, rng)])
+    cell = CELLS - 3
+    assert calibration.table[0, cell] == pytest.approx(0.4 * 0.925, abs=0.06)
+    assert calibration.table[5, cell] == pytest.approx(0.925, abs=0.06)
 
 
 def test_a_token_after_the_first_rejected_is_no_trial():
@@ -116,6 +131,9 @@ def test_the_adaptive_drafter_learns_its_chains_from_what_was_accepted(tmp_path)
 
         first = step(drafter, [30, 1, 2], "r0")
         assert first.tokens.tolist()[:3] == [3, 4, 5]
+        # each token's group: the index (source 0), and the match it continues (1 2, then 1 2 3, ...)
+        groups = drafter.chain_calibration.claims(first)[1]
+        assert groups.tolist() == length_class(2 + np.arange(len(first))).tolist()
         claimed = float(first.scores.sum())
         assert claimed == pytest.approx(float(step(raw, [30, 1, 2], "r0").scores.sum()), abs=0.2)
         for i in range(200):  # each time only the first token is right: 1 2 3, then 50

@@ -9,16 +9,16 @@ batch admitted draft slots that did not pay.
 
 ``ChainCalibration`` learns, from the chains verified, how often a chain's token is accepted once
 the tokens before it were, as a function of what the merged tree claimed for it (its conditional
-score, score / parent's score), per leading source (the source that gave the token its highest
-probability): histogram cells over [0, 1] (a claim of 1 a cell of its own), each pulled by
-``PRIOR_TRIALS`` pseudo-trials toward its claim scaled as the source errs over all its cells (before
-any trial, toward the claim itself), made monotone by pooling adjacent violators, read
-between the cells' points, fading with a half-life in trials so that a store of outputs that grows
-is followed. A chain's calibrated path scores are the running
-product of the mapped conditionals: they never grow down the chain, and their sum is the tokens
-the chain is expected to get accepted, what the batch admission (``select_batch_chains``) weighs
-against the step's price. The chain itself is still chosen on the merged scores; the calibration
-only decides how much of it is worth verifying.
+score, score / parent's score), per group: the token's leading source (the source that gave it its
+highest probability) and the class of the match it continues. Histogram cells over [0, 1] (a claim
+of 1 a cell of its own), each pulled by ``PRIOR_TRIALS`` pseudo-trials toward its claim scaled as
+its group errs over all its cells (a group with little evidence as its source errs; before any
+trial, toward the claim itself), made monotone by pooling adjacent violators, read between the
+cells' points, fading with a half-life in trials so that a store of outputs that grows is followed.
+A chain's calibrated path scores are the running product of the mapped conditionals: they never grow
+down the chain, and their sum is the tokens the chain is expected to get accepted, what the batch
+admission (``select_batch_chains``) weighs against the step's price. The chain itself is still
+chosen on the merged scores; the calibration only decides how much of it is worth verifying.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from rest_spec.common.types import DraftTree
+from rest_spec.drafter.core.merge import MATCH_LENGTH_EDGES, length_class
 
 CELLS = 21  # cells of the claimed conditional score: 20 of equal width over [0, 1), and claims of 1
 PRIOR_TRIALS = 8.0  # pseudo-trials at each cell's claim, scaled by its source's overall error
@@ -49,27 +50,32 @@ def _pool_adjacent_violators(values: np.ndarray, weights: np.ndarray) -> np.ndar
     return np.repeat([mean for mean, _, _ in blocks], [cells for _, _, cells in blocks])
 
 
-Claims = tuple[np.ndarray, np.ndarray]  # per token of a chain: its claimed conditional score, its leading source
+Claims = tuple[np.ndarray, np.ndarray]  # per token of a chain: its claimed conditional score, its group
 
 
 class ChainCalibration:
     """The map from a chain token's claimed conditional score to how often such tokens are
-    accepted, per leading source (see the module). ``observe`` chains with the tokens accepted of
-    each; ``scores`` a chain's calibrated path scores. Not thread-safe: one per drafter."""
+    accepted, per group: the token's leading source and the class of the match it continues (the
+    source's match plus the chain above the token, ``drafter.core.merge.length_class``: a branch
+    that has held for a few tokens is a longer match). A group with little evidence follows its
+    source's. ``observe`` chains with the tokens accepted of each; ``scores`` a chain's calibrated
+    path scores. Not thread-safe: one per drafter."""
 
     def __init__(self, num_sources: int = 1) -> None:
         if num_sources < 1:
             raise ValueError(f"num_sources must be positive, got {num_sources}")
         self.num_sources = num_sources
+        self.lengths = len(MATCH_LENGTH_EDGES)
+        groups = num_sources * self.lengths
         # each cell's centre: an empty cell's point of the map (a claim of 1 has a cell of its own:
         # one continuation seen is the commonest claim, and the least sure)
         self.centres = np.append((np.arange(CELLS - 1) + 0.5) / (CELLS - 1), 1.0)
-        self._trials = np.zeros((num_sources, CELLS))
-        self._hits = np.zeros((num_sources, CELLS))
-        self._claimed = np.zeros((num_sources, CELLS))  # sum of the claims observed per cell
+        self._trials = np.zeros((groups, CELLS))
+        self._hits = np.zeros((groups, CELLS))
+        self._claimed = np.zeros((groups, CELLS))  # sum of the claims observed per cell
         self._since_fit = 0
-        self._points = np.tile(self.centres, (num_sources, 1))  # [S, CELLS]: each cell's mean claim
-        self._map = np.tile(self.centres, (num_sources, 1))  # [S, CELLS]: and the rate accepted there
+        self._points = np.tile(self.centres, (groups, 1))  # [G, CELLS]: each cell's mean claim
+        self._map = np.tile(self.centres, (groups, 1))  # [G, CELLS]: and the rate accepted there
         self.trials = 0  # every trial observed
 
     @staticmethod
@@ -78,24 +84,27 @@ class ChainCalibration:
 
     def claims(self, chain: DraftTree) -> Claims:
         """What the merged tree claimed of each of ``chain``'s tokens (root first): its conditional
-        score (score over its parent's) and its leading source (the source that gave it its highest
-        probability; 0 where the chain has no per-source columns)."""
+        score (score over its parent's) and its group (leading source: the source that gave it its
+        highest probability, 0 where the chain has no per-source columns; and match class)."""
         scores = np.asarray(chain.scores, np.float64)
         above = np.concatenate(([1.0], scores[:-1]))
         claimed = np.divide(scores, above, out=np.zeros_like(scores), where=above > 0)
         probs = getattr(chain, "source_probs", None)
-        if probs is None or probs.ndim != 2 or probs.shape != (len(chain), self.num_sources):
-            return claimed, np.zeros(len(chain), np.int64)
-        return claimed, np.argmax(probs, axis=1)
+        if probs is not None and probs.ndim == 2 and probs.shape == (len(chain), self.num_sources):
+            leading = np.argmax(probs, axis=1)
+            matched = np.asarray(chain.source_match_len)[leading]
+        else:
+            leading, matched = np.zeros(len(chain), np.int64), np.full(len(chain), chain.match_len)
+        return claimed, leading * self.lengths + length_class(matched + np.arange(len(chain)))
 
-    def scores_of(self, claimed: np.ndarray, leading: np.ndarray) -> np.ndarray:
+    def scores_of(self, claimed: np.ndarray, groups: np.ndarray) -> np.ndarray:
         """The calibrated path scores of a chain with these ``claims``: the running product of each
         token's mapped conditional (the map read between its cells' points), the expected acceptance
         of each token."""
         conditional = np.empty(claimed.shape, np.float64)
-        for source in np.unique(leading).tolist():
-            mine = leading == source
-            conditional[mine] = np.interp(claimed[mine], self._points[source], self._map[source])
+        for group in np.unique(groups).tolist():
+            mine = groups == group
+            conditional[mine] = np.interp(claimed[mine], self._points[group], self._map[group])
         return np.cumprod(np.clip(conditional, 0.0, 1.0))
 
     def scores(self, chain: DraftTree) -> np.ndarray:
@@ -110,15 +119,15 @@ class ChainCalibration:
         if not sum(tried):
             return
         conditional = np.concatenate([claimed[:t] for (claimed, _), t in zip(claims, tried)])
-        source = np.concatenate([leading[:t] for (_, leading), t in zip(claims, tried)])
+        groups = np.concatenate([group[:t] for (_, group), t in zip(claims, tried)])
         hit = np.concatenate([np.arange(t) < int(n) for t, n in zip(tried, accepted)]).astype(np.float64)
         fade = 0.5 ** (conditional.size / HALF_LIFE)
         for table in (self._trials, self._hits, self._claimed):
             table *= fade
         cells = self._cells(conditional)
-        np.add.at(self._trials, (source, cells), 1.0)
-        np.add.at(self._hits, (source, cells), hit)
-        np.add.at(self._claimed, (source, cells), conditional)
+        np.add.at(self._trials, (groups, cells), 1.0)
+        np.add.at(self._hits, (groups, cells), hit)
+        np.add.at(self._claimed, (groups, cells), conditional)
         self.trials += conditional.size
         self._since_fit += conditional.size
         if self._since_fit >= REFIT_EVERY:
@@ -128,18 +137,21 @@ class ChainCalibration:
         """Re-map from the trials so far (see the module)."""
         self._since_fit = 0
         self._points = (self._claimed + PRIOR_TRIALS * self.centres) / (self._trials + PRIOR_TRIALS)
-        # a cell with little evidence follows its source's claims scaled as the source errs overall
-        scale = (self._hits.sum(axis=1, keepdims=True) + PRIOR_TRIALS) / (
-            self._claimed.sum(axis=1, keepdims=True) + PRIOR_TRIALS
-        )
-        prior = np.minimum(self.centres * scale, 1.0)
+        # a cell with little evidence follows its group's claims scaled as the group errs overall,
+        # and a group with little its source's
+        hits = self._hits.reshape(self.num_sources, self.lengths, CELLS).sum(axis=2)
+        claimed = self._claimed.reshape(self.num_sources, self.lengths, CELLS).sum(axis=2)
+        source = (hits.sum(axis=1, keepdims=True) + PRIOR_TRIALS) / (claimed.sum(axis=1, keepdims=True) + PRIOR_TRIALS)
+        group = (hits + PRIOR_TRIALS * source) / (claimed + PRIOR_TRIALS)
+        prior = np.minimum(self.centres * group.reshape(-1, 1), 1.0)
         rate = (self._hits + PRIOR_TRIALS * prior) / (self._trials + PRIOR_TRIALS)
-        for s in range(self.num_sources):
-            self._map[s] = _pool_adjacent_violators(rate[s], self._trials[s] + PRIOR_TRIALS)
+        for g in range(rate.shape[0]):
+            self._map[g] = _pool_adjacent_violators(rate[g], self._trials[g] + PRIOR_TRIALS)
 
     @property
     def table(self) -> np.ndarray:
-        """[S, CELLS]: the accepted rate mapped to each cell of claimed conditional score (read-only)."""
+        """[S x L, CELLS]: the accepted rate mapped to each cell of claimed conditional score, per
+        group (source s, match class l: row s * L + l; read-only)."""
         view = self._map.view()
         view.flags.writeable = False
         return view
