@@ -284,7 +284,8 @@ def step_costs(figures: dict) -> dict:
     """Where a mode's steps go (``summarize``'s figures): per row-step (each yields one token beyond
     those it accepted) its tokens, its draft tokens, its milliseconds, and of those the proposer's
     own (``drafting``) and its time getting the sources (``sources``: a datastore's reply, or the
-    index searched in process); None where the mode has no proposer of this project's."""
+    index searched in process), and what its chains' scores claimed over the tokens accepted; None
+    where the mode has no proposer of this project's."""
     steps = figures["new_tokens"] - (figures["accepted"] or 0)
     proposer = figures.get("proposer") or {}
 
@@ -297,6 +298,10 @@ def step_costs(figures: dict) -> dict:
         "ms_per_step": per_step(figures["seconds"]),
         "drafting_ms_per_step": per_step(proposer.get("seconds")),
         "sources_ms_per_step": per_step(proposer.get("source_seconds")),
+        # the admitted chains' scores over the tokens vLLM accepted: 1 where they are priced as sure as they are
+        "claimed_over_accepted": proposer["expected"] / figures["accepted"]
+        if proposer.get("expected") is not None and figures["accepted"]
+        else None,
     }
 
 
@@ -322,14 +327,14 @@ def time_table_lines(table: dict[str, dict]) -> list[str]:
     """``time_table`` as lines of text (a blank cell: not measured for that mode)."""
     lines = [
         f"  {'where the time goes':<20} {'tok/step':>8} {'drafts/step':>11} {'ms/step':>8} {'drafting':>8} "
-        f"{'sources':>8} {'ms/draft tok':>12} {'x suffix: speed, tok/step, efficiency':>38}"
+        f"{'sources':>8} {'ms/draft tok':>12} {'claimed':>7} {'x suffix: speed, tok/step, efficiency':>38}"
     ]
     for mode, row in table.items():
         versus = row.get("vs_suffix")
         lines.append(
             f"  {mode:<20} {_f(row['tokens_per_step']):>8} {_f(row['draft_tokens_per_step']):>11} "
             f"{_f(row['ms_per_step'], '.1f'):>8} {_f(row['drafting_ms_per_step']):>8} {_f(row['sources_ms_per_step']):>8} "
-            f"{_f(row.get('verify_ms_per_draft_token')):>12} "
+            f"{_f(row.get('verify_ms_per_draft_token')):>12} {_f(row['claimed_over_accepted']):>7} "
             + (
                 f"{versus['speed']:>14.3f} {versus['tokens_per_step']:>9.3f} {versus['efficiency']:>12.3f}"
                 if versus

@@ -276,13 +276,14 @@ def test_the_time_table_sets_each_mode_against_suffix_in_speed_and_in_tokens_a_s
     modes = {
         "plain": figures(1.0, None, None),  # 100 steps of 10 ms
         "suffix": figures(0.72, 40, 90),  # 60 steps of 12 ms
-        "rest": figures(0.65, 50, 150, {"seconds": 0.05, "source_seconds": 0.02}),  # 50 steps of 13 ms
+        "rest": figures(0.65, 50, 150, {"seconds": 0.05, "source_seconds": 0.02, "expected": 55.0}),  # 50 of 13 ms
     }
     table = time_table(modes)
     rest = table["rest"]
     assert rest["ms_per_step"] == pytest.approx(13.0) and rest["draft_tokens_per_step"] == pytest.approx(3.0)
     assert (rest["drafting_ms_per_step"], rest["sources_ms_per_step"]) == pytest.approx((1.0, 0.4))
     assert rest["verify_ms_per_draft_token"] == pytest.approx((13.0 - 1.0 - 10.0) / 3.0)
+    assert rest["claimed_over_accepted"] == pytest.approx(1.1) and table["suffix"]["claimed_over_accepted"] is None
     assert table["suffix"]["verify_ms_per_draft_token"] == pytest.approx((12.0 - 10.0) / 1.5)
     speed, steps = 0.72 / 0.65, 2.0 / (100 / 60)
     assert rest["vs_suffix"] == pytest.approx({"speed": speed, "tokens_per_step": steps, "efficiency": speed / steps})

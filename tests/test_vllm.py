@@ -179,6 +179,7 @@ def test_the_time_table_splits_a_rest_step_into_drafting_sources_and_the_engine(
     assert rest["tokens_per_step"] > 1 and rest["draft_tokens_per_step"] > 0, rest
     assert 0 < rest["sources_ms_per_step"] <= rest["drafting_ms_per_step"] < rest["ms_per_step"], rest
     assert "verify_ms_per_draft_token" in rest and "vs_suffix" not in rest  # no suffix run to set it against
+    assert 0 < rest["claimed_over_accepted"] < 10, rest
     assert alone["draft_tokens_per_step"] == 0 and alone["drafting_ms_per_step"] is None, alone
     assert alone["tokens_per_step"] == 1.0
 
