@@ -16,7 +16,6 @@ import sys
 from collections.abc import Sequence
 
 from rest_spec.drafter.cli.generation import (
-    DRAFTED_SEED_NOTE,
     EXIT_STATUSES,
     add_model_arguments,
     add_sampling_arguments,
@@ -91,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXIT_STATUSES,
     )
     add_model_arguments(parser)
-    add_sampling_arguments(parser, from_model=True, seed_note=DRAFTED_SEED_NOTE)
+    add_sampling_arguments(parser, from_model=True, drafted=True)
     parser.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
     return parser
 

@@ -150,16 +150,19 @@ DRAFTED_SEED_NOTE = (
     ", where the steps are not sized by measured times (--adaptive, a cached verify-cost table, a remote "
     "--datastore's deadlines): those change how many draws each step takes"
 )
+DRAFTED_TEMPERATURE_NOTE = (
+    ". Drafting keeps the model's distribution exactly: it changes the speed, not what is drawn from"
+)
 
 
 def add_sampling_arguments(
-    parser: argparse.ArgumentParser, *, top_k: bool = True, from_model: bool = False, seed_note: str = ""
+    parser: argparse.ArgumentParser, *, top_k: bool = True, from_model: bool = False, drafted: bool = False
 ) -> None:
     """``--temperature``, ``--top-p``, ``--top-k`` (unless not ``top_k``: an engine without one) and
-    ``--seed`` (``seed_note`` ends its help), each refusing a value out of range (status 2, naming the
-    flag). Greedy by default; ``from_model``: each flag not given is the model's generation
-    config's (``sampling_config``). ``check_sampling`` refuses sampling flags given to greedy
-    decoding."""
+    ``--seed``, each refusing a value out of range (status 2, naming the flag). Greedy by default;
+    ``from_model``: each flag not given is the model's generation config's (``sampling_config``).
+    ``drafted``: a command that drafts, whose help says what drafting does to sampling.
+    ``check_sampling`` refuses sampling flags given to greedy decoding."""
     group = parser.add_argument_group(
         "sampling",
         "greedy unless --temperature is above 0"
@@ -176,7 +179,8 @@ def add_sampling_arguments(
         metavar="T",
         help="sample at this temperature; 0 decodes greedily (default: "
         + (default or "%(default)s, greedy")
-        + "). Drafting keeps the model's distribution exactly: it changes the speed, not what is drawn from",
+        + ")"
+        + (DRAFTED_TEMPERATURE_NOTE if drafted else ""),
     )
     group.add_argument(
         "--top-p",
@@ -196,7 +200,7 @@ def add_sampling_arguments(
         type=seed_value,
         metavar="S",
         help="sampling: seed the random draws, so that the same command with the same seed draws the same text"
-        + seed_note
+        + (DRAFTED_SEED_NOTE if drafted else "")
         + " (default: unseeded)",
     )
 

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 from rest_spec.common.errors import CliError
 from rest_spec.drafter.cli.generation import (
-    DRAFTED_SEED_NOTE,
     EXIT_STATUSES,
     add_model_arguments,
     add_sampling_arguments,
@@ -65,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=CHAT_HELP,
     )
     add_model_arguments(parser)
-    add_sampling_arguments(parser, seed_note=DRAFTED_SEED_NOTE)
+    add_sampling_arguments(parser, drafted=True)
     parser.add_argument(
         "--engine",
         choices=("transformers", "llama.cpp"),
