@@ -1,50 +1,23 @@
-"""Prompts as token ids: the one place a chat is rendered, so ``rest-generate``, ``rest-chat`` and
-the benchmarks feed the model the same tokens for the same conversation; and the one reader of the
-prompts files (JSON lines) ``rest-generate`` and ``rest-fill-outputs`` take."""
+"""The one reader of the prompts files (JSON lines) ``rest-generate`` and ``rest-fill-outputs``
+take, and their help. A prompt as token ids (``Prompt``, ``encode_prompt``, ``chat_ids``,
+``as_chat``) is ``common.prompts``', which the engines use too; its names answer here as well, for
+the commands."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from rest_spec.common.errors import CliError
+from rest_spec.common.prompts import Prompt, as_chat, chat_ids, encode_prompt
+
+__all__ = ["CHAT_HELP", "PROMPTS_FILE_HELP", "Prompt", "as_chat", "chat_ids", "encode_prompt", "read_prompts"]
 
 PROMPTS_FILE_HELP = (
     'one prompt per line: {"prompt": "raw text"} or {"messages": [{"role": ..., "content": ...}]} '
     "(rendered with the tokenizer's chat template and a generation prompt)"
 )
 CHAT_HELP = "render raw-text prompts as one user message with the tokenizer's chat template"
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One prompt: raw ``text`` or chat ``messages`` (rendered with the tokenizer's template)."""
-
-    text: str | None = None
-    messages: tuple[dict, ...] | None = None
-
-
-def chat_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template and a generation
-    prompt. The template writes its own special tokens, so the tokenizer adds none."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
-def as_chat(prompt: Prompt) -> Prompt:
-    """A raw-text prompt as one user message (chat prompts unchanged)."""
-    if prompt.messages is not None:
-        return prompt
-    return Prompt(messages=({"role": "user", "content": prompt.text},))
-
-
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt: raw text as the tokenizer encodes it, chat messages by ``chat_ids``."""
-    if prompt.messages is None:
-        return tokenizer(prompt.text).input_ids
-    return chat_ids(tokenizer, prompt.messages)
 
 
 def read_prompts(path: Path) -> list[Prompt]:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rest_spec.common.errors import CliError, NoOutputStoreError
+from rest_spec.common.prompts import Prompt, encode_prompt
 from rest_spec.common.types import DEFAULT_CONFIG, DraftConfig, DraftTree
-from rest_spec.drafter.cli.prompts import Prompt, encode_prompt
 from rest_spec.drafter.core.sources import open_datastore
 
 if TYPE_CHECKING:
