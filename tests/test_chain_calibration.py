@@ -8,7 +8,7 @@ import pytest
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.batch_cost import BatchCost
-from rest_spec.drafter.core.chain_calibration import CELLS, ChainCalibration
+from rest_spec.drafter.core.chain_calibration import CELLS, ChainCalibration, setting_class
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.merge import length_class
 from rest_spec.drafter.core.selection import select_batch_chains
@@ -103,6 +103,24 @@ def test_short_and_long_matches_of_one_source_are_calibrated_apart():
     assert calibration.table[5, cell] == pytest.approx(0.925, abs=0.06)
 
 
+def test_sampled_rows_are_calibrated_apart_from_greedy_ones():
+    """Sampled, a drafted token is accepted with the model's probability of it, not when it is the
+    argmax: the same claims are worth less, and the hotter the sampling the less."""
+    assert [setting_class(t) for t in (None, 0.0, 0.3, 0.7, 1.0)] == [0, 0, 1, 2, 3]
+    rng = np.random.default_rng(4)
+    calibration = ChainCalibration()
+    for _ in range(2000):
+        claimed = rng.uniform(0.6, 1.0, 3)
+        drafted = chain(claimed)
+        for temperature, truth in ((0.0, claimed), (0.7, 0.6 * claimed)):
+            setting = setting_class(temperature)
+            calibration.observe([calibration.claims(drafted, setting)], [accepted_of(truth, rng)])
+    drafted = chain(np.full(3, 0.925))
+    greedy, sampled = calibration.scores(drafted, 0), calibration.scores(drafted, setting_class(0.7))
+    assert greedy[0] == pytest.approx(0.925, abs=0.05) and sampled[0] == pytest.approx(0.6 * 0.925, abs=0.05)
+    assert calibration.scores(drafted, setting_class(1.0))[0] == pytest.approx(0.925, abs=0.03)  # not seen: the claim
+
+
 def test_a_token_after_the_first_rejected_is_no_trial():
     calibration = ChainCalibration()
     claimed = np.full(6, 0.9)
@@ -124,8 +142,8 @@ def test_the_adaptive_drafter_learns_its_chains_from_what_was_accepted(tmp_path)
         )
         raw = AdaptiveDrafter(base, cost=cost, config=config, sources=("index",), chains=True)
 
-        def step(which, context, request):
-            sessions = which.advance([context], [request])
+        def step(which, context, request, temperature=0.0):
+            sessions = which.advance([context], [request], temperatures=[temperature])
             shared = which.start_shared([context], config).result()
             return finish_step(which, sessions, shared, config)[0]
 
@@ -146,6 +164,9 @@ def test_the_adaptive_drafter_learns_its_chains_from_what_was_accepted(tmp_path)
         # admitted at a price of a third of a step a draft token: the raw chain is kept, the learned one cut
         cost.per_token = 0.3
         assert len(select_batch_chains([learned], cost, 1)[0]) < len(select_batch_chains([first], cost, 1)[0])
+        # a sampled request's chains are priced apart: nothing learned for them yet
+        sampled = step(drafter, [30, 1, 2], "hot", temperature=1.0)
+        assert float(sampled.scores.sum()) == pytest.approx(claimed, abs=0.2)
 
 
 def test_calibrate_chains_needs_chains(tmp_path):

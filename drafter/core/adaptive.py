@@ -37,7 +37,7 @@ import numpy as np
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.core.batch_step import merge_rows
-from rest_spec.drafter.core.chain_calibration import ChainCalibration
+from rest_spec.drafter.core.chain_calibration import ChainCalibration, setting_class
 from rest_spec.drafter.core.corrected_cost import CorrectedCost
 from rest_spec.drafter.core.cost import StepCost, VerifyCost
 from rest_spec.drafter.core.cost_cache import keep_healed
@@ -114,6 +114,7 @@ class _Session:
     # with a chain calibration: what the merged tree claimed of each token of ``tree`` (its conditional
     # score) and the token's leading source, which the calibration learns from once the chain is verified
     claims: tuple[np.ndarray, np.ndarray] | None = None
+    setting: int = 0  # the sampling setting's class (``chain_calibration.setting_class``): 0, greedy
 
 
 class AdaptiveDrafter:
@@ -222,6 +223,7 @@ class AdaptiveDrafter:
         rows: Sequence[Sequence[int]],
         requests: Sequence[Hashable],
         accepted: Sequence[Sequence[int]] | None = None,
+        temperatures: Sequence[float] | None = None,
     ) -> list[_Session]:
         """Each row's session: its request's, crediting what the verifier accepted of the tree
         recorded for it (the calibration learns from the merged trees in hindsight,
@@ -230,6 +232,7 @@ class AdaptiveDrafter:
         reports them for all the context gained, else what the context gained; a report that
         disagrees with the context is counted (``accepted_mismatches``) and logged once, since
         it means the engine's adapter hands contexts that are not what the engine committed.
+        ``temperatures`` (None: greedy) set how the chain calibration prices each row's chain.
         Reads each context's new tokens and tail only."""
         self._rows = []
         verified, matured = self._verified, self._matured
@@ -252,8 +255,8 @@ class AdaptiveDrafter:
                         verified[1].append(gained)
                         verified[2].append(accepted_count)
                         if session.claims is not None:
-                            claimed, leading = session.claims
-                            self._claimed.append(((claimed[: len(session.tree)], leading), accepted_count))
+                            claimed, groups = session.claims
+                            self._claimed.append(((claimed[: len(session.tree)], groups), accepted_count))
                     if isinstance(session.merged, MergedTree):
                         start = session.mark.length
                         session.hindsight.append(
@@ -262,6 +265,7 @@ class AdaptiveDrafter:
                 self._look_back(session, row, matured)
             session.mark, session.tree, session.merged = Mark.of(row), _EMPTY_TREE, _EMPTY_TREE
             session.claims = None
+            session.setting = 0 if temperatures is None else setting_class(temperatures[i])
             self._rows.append(session)
         if "request" in self.sources:
             extend_requests([session.matcher for session in self._rows], rows)
@@ -406,9 +410,8 @@ class AdaptiveDrafter:
                 session.claims = None
                 scored.append(chain)
                 continue
-            claimed, leading = self.chain_calibration.claims(chain)
-            session.claims = (claimed, leading)
-            scored.append(chain.rescored(self.chain_calibration.scores_of(claimed, leading)))
+            session.claims = self.chain_calibration.claims(chain, session.setting)
+            scored.append(chain.rescored(self.chain_calibration.scores_of(*session.claims)))
         return scored
 
     def _row_trees(self, shared: SourceTrees, request: DraftTree) -> list[DraftTree]:

@@ -9,8 +9,9 @@ batch admitted draft slots that did not pay.
 
 ``ChainCalibration`` learns, from the chains verified, how often a chain's token is accepted once
 the tokens before it were, as a function of what the merged tree claimed for it (its conditional
-score, score / parent's score), per group: the token's leading source (the source that gave it its
-highest probability) and the class of the match it continues. Histogram cells over [0, 1] (a claim
+score, score / parent's score), per group: the row's sampling setting (greedy, or a temperature
+class), the token's leading source (the source that gave it its highest probability) and the class
+of the match it continues. Histogram cells over [0, 1] (a claim
 of 1 a cell of its own), each pulled by ``PRIOR_TRIALS`` pseudo-trials toward its claim scaled as
 its group errs over all its cells (a group with little evidence as its source errs; before any
 trial, toward the claim itself), made monotone by pooling adjacent violators, read between the
@@ -34,6 +35,17 @@ CELLS = 21  # cells of the claimed conditional score: 20 of equal width over [0,
 PRIOR_TRIALS = 8.0  # pseudo-trials at each cell's claim, scaled by its source's overall error
 HALF_LIFE = 4096  # trials after which earlier ones count half
 REFIT_EVERY = 64  # trials between refits of the map
+# The sampling settings calibrated apart, by temperature: greedy (0), then up to each bound. Sampled,
+# a drafted token is accepted with the probability the model gives it, not when it is the argmax:
+# the same claim is worth less the hotter the sampling.
+TEMPERATURE_BOUNDS = (0.0, 0.5, 0.85)
+
+
+def setting_class(temperature: float | None) -> int:
+    """The class of a sampling temperature (None or 0: greedy, class 0), ``TEMPERATURE_BOUNDS``."""
+    if temperature is None or temperature <= 0:
+        return 0
+    return int(np.searchsorted(TEMPERATURE_BOUNDS, temperature, side="left"))
 
 
 def _pool_adjacent_violators(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -55,10 +67,10 @@ Claims = tuple[np.ndarray, np.ndarray]  # per token of a chain: its claimed cond
 
 class ChainCalibration:
     """The map from a chain token's claimed conditional score to how often such tokens are
-    accepted, per group: the token's leading source and the class of the match it continues (the
-    source's match plus the chain above the token, ``drafter.core.merge.length_class``: a branch
-    that has held for a few tokens is a longer match). A group with little evidence follows its
-    source's. ``observe`` chains with the tokens accepted of each; ``scores`` a chain's calibrated
+    accepted, per group: the row's sampling setting (``setting_class``), the token's leading source
+    and the class of the match it continues (the source's match plus the chain above the token,
+    ``drafter.core.merge.length_class``: a branch that has held for a few tokens is a longer
+    match). A group with little evidence follows its source's in that setting. ``observe`` chains with the tokens accepted of each; ``scores`` a chain's calibrated
     path scores. Not thread-safe: one per drafter."""
 
     def __init__(self, num_sources: int = 1) -> None:
@@ -66,7 +78,8 @@ class ChainCalibration:
             raise ValueError(f"num_sources must be positive, got {num_sources}")
         self.num_sources = num_sources
         self.lengths = len(MATCH_LENGTH_EDGES)
-        groups = num_sources * self.lengths
+        self.settings = len(TEMPERATURE_BOUNDS) + 1
+        groups = self.settings * num_sources * self.lengths
         # each cell's centre: an empty cell's point of the map (a claim of 1 has a cell of its own:
         # one continuation seen is the commonest claim, and the least sure)
         self.centres = np.append((np.arange(CELLS - 1) + 0.5) / (CELLS - 1), 1.0)
@@ -82,10 +95,11 @@ class ChainCalibration:
     def _cells(conditional: np.ndarray) -> np.ndarray:
         return np.minimum((np.clip(conditional, 0.0, 1.0) * (CELLS - 1)).astype(np.int64), CELLS - 1)
 
-    def claims(self, chain: DraftTree) -> Claims:
-        """What the merged tree claimed of each of ``chain``'s tokens (root first): its conditional
-        score (score over its parent's) and its group (leading source: the source that gave it its
-        highest probability, 0 where the chain has no per-source columns; and match class)."""
+    def claims(self, chain: DraftTree, setting: int = 0) -> Claims:
+        """What the merged tree claimed of each of ``chain``'s tokens (root first) for a row of
+        sampling ``setting``: its conditional score (score over its parent's) and its group (the
+        setting; the leading source, the one that gave it its highest probability, 0 where the
+        chain has no per-source columns; and the match class)."""
         scores = np.asarray(chain.scores, np.float64)
         above = np.concatenate(([1.0], scores[:-1]))
         claimed = np.divide(scores, above, out=np.zeros_like(scores), where=above > 0)
@@ -95,7 +109,8 @@ class ChainCalibration:
             matched = np.asarray(chain.source_match_len)[leading]
         else:
             leading, matched = np.zeros(len(chain), np.int64), np.full(len(chain), chain.match_len)
-        return claimed, leading * self.lengths + length_class(matched + np.arange(len(chain)))
+        source = setting * self.num_sources + leading
+        return claimed, source * self.lengths + length_class(matched + np.arange(len(chain)))
 
     def scores_of(self, claimed: np.ndarray, groups: np.ndarray) -> np.ndarray:
         """The calibrated path scores of a chain with these ``claims``: the running product of each
@@ -107,9 +122,9 @@ class ChainCalibration:
             conditional[mine] = np.interp(claimed[mine], self._points[group], self._map[group])
         return np.cumprod(np.clip(conditional, 0.0, 1.0))
 
-    def scores(self, chain: DraftTree) -> np.ndarray:
-        """``chain``'s calibrated path scores (root first)."""
-        return self.scores_of(*self.claims(chain))
+    def scores(self, chain: DraftTree, setting: int = 0) -> np.ndarray:
+        """``chain``'s calibrated path scores (root first) for a row of sampling ``setting``."""
+        return self.scores_of(*self.claims(chain, setting))
 
     def observe(self, claims: Sequence[Claims], accepted: Sequence[int]) -> None:
         """Chains with these ``claims`` (``claims``; each cut to the tokens verified) were verified
@@ -139,8 +154,8 @@ class ChainCalibration:
         self._points = (self._claimed + PRIOR_TRIALS * self.centres) / (self._trials + PRIOR_TRIALS)
         # a cell with little evidence follows its group's claims scaled as the group errs overall,
         # and a group with little its source's
-        hits = self._hits.reshape(self.num_sources, self.lengths, CELLS).sum(axis=2)
-        claimed = self._claimed.reshape(self.num_sources, self.lengths, CELLS).sum(axis=2)
+        hits = self._hits.reshape(-1, self.lengths, CELLS).sum(axis=2)  # [settings x sources, lengths]
+        claimed = self._claimed.reshape(-1, self.lengths, CELLS).sum(axis=2)
         source = (hits.sum(axis=1, keepdims=True) + PRIOR_TRIALS) / (claimed.sum(axis=1, keepdims=True) + PRIOR_TRIALS)
         group = (hits + PRIOR_TRIALS * source) / (claimed + PRIOR_TRIALS)
         prior = np.minimum(self.centres * group.reshape(-1, 1), 1.0)
@@ -150,8 +165,8 @@ class ChainCalibration:
 
     @property
     def table(self) -> np.ndarray:
-        """[S x L, CELLS]: the accepted rate mapped to each cell of claimed conditional score, per
-        group (source s, match class l: row s * L + l; read-only)."""
+        """[T x S x L, CELLS]: the accepted rate mapped to each cell of claimed conditional score,
+        per group (setting t, source s, match class l: row (t * S + s) * L + l; read-only)."""
         view = self._map.view()
         view.flags.writeable = False
         return view

@@ -106,11 +106,13 @@ class StepDrafter(Protocol):
         rows: Sequence[Sequence[int]],
         requests: Sequence[Hashable],
         accepted: Sequence[Sequence[int]] | None = None,
+        temperatures: Sequence[float] | None = None,
     ) -> list[Any]:
         """Each row's request session, given its live context (read now, not kept: the engine
         may change it after the call), the name of its request and, where the engine reports
         them, ``accepted``: the tokens it committed for the row at its last step (the draft
-        tokens it accepted and its own); None: what each context gained tells."""
+        tokens it accepted and its own; None: what each context gained tells), and
+        ``temperatures``: each row's sampling temperature (None: greedy)."""
         ...
 
     def finish(self, requests: Sequence[Hashable]) -> None:

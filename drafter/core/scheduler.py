@@ -287,6 +287,7 @@ class DraftScheduler:
         ended: Sequence[Hashable] = (),
         admit: BatchRule | None = None,
         accepted: Sequence[Sequence[int]] | None = None,
+        temperatures: Sequence[float] | None = None,
     ) -> list[DraftTree]:
         """One tree per row to verify at the engine's next step (empty trees where the step does
         not draft), given what the engine knows: ``rows``, the live contexts of the rows that may
@@ -297,7 +298,8 @@ class DraftScheduler:
         step runs (default: ``len(rows)``; rows that cannot draft still cost); ``step_seconds``,
         what the step that verified the last call's trees took (None: not timed; else as
         ``verified``); ``ended``, requests that ended since the last step; ``admit``, the engine's
-        batch rule (``finish_step``).
+        batch rule (``finish_step``); ``temperatures``, each row's sampling temperature where the
+        engine samples some rows (None: all greedy), which the drafter prices its trees by.
 
         Whether to draft at all is decided here (the module docstring); trees that are drafted are
         then prepared ahead for the next step where overlap is on (``speculate``)."""
@@ -306,7 +308,7 @@ class DraftScheduler:
         if ended:
             self.finish(ended)
         size = len(rows) if batch is None else batch
-        trees = self._step(rows, request_ids, size, admit, accepted)
+        trees = self._step(rows, request_ids, size, admit, accepted, temperatures)
         self._handed = (trees, size)
         return trees
 
@@ -317,6 +319,7 @@ class DraftScheduler:
         size: int,
         admit: BatchRule | None,
         accepted: Sequence[Sequence[int]] | None,
+        temperatures: Sequence[float] | None = None,
     ) -> list[DraftTree]:
         if self.sources is None:
             return [DraftTree.empty()] * len(rows)
@@ -327,9 +330,9 @@ class DraftScheduler:
         self._live = set(requests)
         cost = self.cost
         if cost is not None and not self.worth.drafts(size):
-            self._skip(rows, requests, start, accepted)
+            self._skip(rows, requests, start, accepted, temperatures)
             return [DraftTree.empty()] * len(rows)
-        trees = self.trees(rows, requests, admit, accepted)
+        trees = self.trees(rows, requests, admit, accepted, temperatures)
         self.speculate(trees)
         if cost is not None:
             own = time.perf_counter() - start
@@ -350,11 +353,12 @@ class DraftScheduler:
         requests: Sequence[Hashable],
         start: float,
         accepted: Sequence[Sequence[int]] | None = None,
+        temperatures: Sequence[float] | None = None,
     ) -> None:
         """A step that does not draft: the rows decode on without drafts. The trees recorded for
         them were verified by the step that just ran: ``advance`` credits them, and leaves nothing
         recorded to credit for this step."""
-        self.sources.advance(rows, requests, accepted)
+        self.sources.advance(rows, requests, accepted, temperatures)
         self.stats.steps += 1
         self.stats.skipped += 1
         self.stats.fresh += len(rows)
@@ -368,6 +372,7 @@ class DraftScheduler:
         requests: Sequence[Hashable] | None = None,
         admit: BatchRule | None = None,
         accepted: Sequence[Sequence[int]] | None = None,
+        temperatures: Sequence[float] | None = None,
     ) -> list[DraftTree]:
         """One tree per live context (read now, not kept), its request named by ``requests``
         (default: the row's position): from the sources fetched ahead where the outcome was
@@ -388,7 +393,7 @@ class DraftScheduler:
             remote_ok = self._collect(ahead, contexts, rows, shared)
         self.stats.source_seconds += time.perf_counter() - fetch
         self._rows = rows
-        sessions = self.sources.advance(contexts, requests, accepted)  # the background job has finished: safe
+        sessions = self.sources.advance(contexts, requests, accepted, temperatures)  # the background job is done
         missing = [i for i, trees in enumerate(shared) if trees is None]
         if missing:
             # read within this call, before the engine writes on (a probe's answer only tells the breaker)

@@ -215,6 +215,7 @@ class PlainSteps:
         rows: Sequence[Sequence[int]],
         requests: Sequence[Hashable],
         accepted: Sequence[Sequence[int]] | None = None,
+        temperatures: Sequence[float] | None = None,
     ) -> list[None]:
         return [None] * len(rows)
 

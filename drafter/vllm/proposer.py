@@ -65,6 +65,7 @@ from rest_spec.drafter.core.selection import select_batch_chains
 from rest_spec.drafter.core.sources import open_datastore
 from rest_spec.drafter.core.steps import DraftSource
 from rest_spec.drafter.core.uploads import OutputUploader, UploadStats
+from rest_spec.drafter.vllm.shim import row_temperature
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +358,7 @@ class RestProposer:
             step_seconds=seconds,
             admit=admit,
             accepted=[sampled_token_ids[i] for i in eligible],  # what vLLM committed: accepted drafts + its own
+            temperatures=[row_temperature(batch[i][1]) for i in eligible],
         )  # the scheduler feeds the step's time to the cost
         if seconds is not None:
             self._learned()

@@ -118,6 +118,13 @@ class RunnerLink:
         return [(rid, runner.requests.get(rid)) for rid in ids[:count]]
 
 
+def row_temperature(state: Any) -> float:
+    """A row's sampling temperature from the runner's state of its request (``RunnerLink.rows``;
+    ``CachedRequestState.sampling_params``): 0 for greedy, or where the state says nothing."""
+    value = getattr(getattr(state, "sampling_params", None), "temperature", None)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
+
+
 def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803 (Triton's name)
     """Row i's value (``replace_from`` becomes ``replace_to``) repeated over its tokens, the rows'
     token ranges ending at ``cu_num_tokens``: written into ``output`` at the callers' dtypes."""
