@@ -8,8 +8,9 @@ A job::
     {"model": DIR, "dtype": "float32", "method": "plain" | "rest" | "ngram" | "suffix" | "oracle",
      "k": 8, "rest": {...additional_config.rest...}, "ngram": [min, max], "max_model_len": 2048,
      "max_num_seqs": 256, "oracle": [[token ids of each prompt's reference output], ...],
+     "oracle_depths": [draft tokens at most, one per reference],
      "runs": [{"prompts": [[token ids], ...], "sampling": {SamplingParams fields}, "concurrency": 1,
-               "seeds": false, "history": [[prompt ids, output ids], ...]}]}
+               "seeds": false, "seed": 0, "history": [[prompt ids, output ids], ...]}]}
 
 Each run (announced by a ``RUN i`` line) submits its prompts ``concurrency`` at a time
 (``"schedule": "groups"``, the default: one ``LLM.generate`` per group, which ends with its slowest
@@ -18,7 +19,9 @@ the job's ``max_num_seqs``; a request starts as soon as another ends, as in a se
 each output's token ids, the seconds of each group (one for the whole run when continuous) and its
 outputs (``groups``), vLLM's
 spec-decode counters over the run and the REST proposer's own (``proposer``: calls, rows drafted, its seconds, ``ms_per_call``;
+the oracle's: its steps timed by their draft tokens, ``StepShape``;
 ``attribution``, and its raw ``attribution_counts``, which add up across runs);
+with ``"seeds"``, prompt i samples with seed ``"seed"`` (default 0) + i;
 with ``"logprobs": n`` among its sampling fields, also each output position's n most likely tokens
 (``logprobs``: [[token, logprob], ...] per position, best first).
 A suffix engine's run with ``history`` starts from a fresh suffix cache holding those (prompt,
@@ -84,29 +87,66 @@ def speculative_config(job: dict) -> dict | None:
     raise ValueError(f"unknown method {method!r}")
 
 
+MAX_SHAPE_DRAFTS = 64  # the most draft tokens a step of ``OracleProposer`` times (k 8 at 8 rows)
+
+
+@dataclasses.dataclass
+class StepShape:
+    """What an ``OracleProposer`` step costs by its draft tokens: ``steps[d]`` steps that verified
+    d draft tokens (all rows together) took ``step_seconds[d]`` in all, timed from one call of the
+    proposer to the next where every row continued as drafted (its drafts accepted, its prefill done)."""
+
+    steps: list[int] = dataclasses.field(default_factory=lambda: [0] * (MAX_SHAPE_DRAFTS + 1))
+    step_seconds: list[float] = dataclasses.field(default_factory=lambda: [0.0] * (MAX_SHAPE_DRAFTS + 1))
+
+
 class OracleProposer:
     """The ceiling: drafts the next k tokens of each row's reference output (``additional_config
-    ["oracle"]``, the plain greedy outputs keyed by prompt), as far as the row still follows it."""
+    ["oracle"]``, the plain greedy outputs keyed by prompt), as far as the row still follows it; with
+    ``additional_config["oracle_depths"]`` (one per reference), at most that many for its rows. Times
+    each step by the draft tokens it verified (``stats``: ``StepShape``): with fixed depths, the
+    shape of vLLM's step in its draft tokens (``benchmarks.step_shape``)."""
 
     def __init__(self, vllm_config) -> None:
         self.k = vllm_config.speculative_config.num_speculative_tokens
-        self.references = [list(p) + list(o) for p, o in vllm_config.additional_config["oracle"]]
+        config = vllm_config.additional_config
+        self.references = [list(p) + list(o) for p, o in config["oracle"]]
+        self.depths = [min(int(d), self.k) for d in config.get("oracle_depths", [self.k] * len(self.references))]
+        self.stats = StepShape()
+        self._last: tuple[float, list[int], int] | None = None  # (time, each row's length then, drafted)
 
     def load_model(self, model) -> None:
         pass
 
     def propose(self, sampled, num_tokens, token_ids, *args, **kwargs) -> list[list[int]]:
+        now = time.perf_counter()
+        lengths = [int(num_tokens[i]) for i in range(len(sampled))]
         drafts = []
-        for i in range(len(sampled)):
-            n = int(num_tokens[i])
+        for i, n in enumerate(lengths):
             row = token_ids[i, :n].tolist()
             chain: list[int] = []
-            for reference in self.references:
+            for reference, depth in zip(self.references, self.depths):
                 if len(reference) > n and reference[:n] == row:
-                    chain = reference[n : n + self.k]
+                    chain = reference[n : n + depth]
                     break
             drafts.append(chain if sampled[i] else [])
+        self._time(now, lengths, sampled)
+        self._last = (now, lengths, [len(d) for d in drafts])
         return drafts
+
+    def _time(self, now: float, lengths: list[int], sampled) -> None:
+        """Count the step since the last call if every row continued it with its whole draft."""
+        if self._last is None:
+            return
+        then, before, drafted = self._last
+        if len(before) != len(lengths) or any(
+            n != b + d + 1 or len(s) != d + 1 for n, b, d, s in zip(lengths, before, drafted, sampled)
+        ):
+            return
+        total = sum(drafted)
+        if total <= MAX_SHAPE_DRAFTS:
+            self.stats.steps[total] += 1
+            self.stats.step_seconds[total] += now - then
 
 
 def counters(llm) -> dict:
@@ -135,8 +175,8 @@ def top_logprobs(positions) -> list[list[list]] | None:
 
 
 def drafter_stats(worker) -> dict | None:
-    """In the engine's worker: the REST proposer's counters (``ProposerStats``), None for any other
-    drafter."""
+    """In the engine's worker: the REST proposer's counters (``ProposerStats``) or the oracle's
+    (``StepShape``), None for any other drafter."""
     stats = getattr(getattr(worker.model_runner, "drafter", None), "stats", None)
     return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None
 
@@ -201,8 +241,16 @@ def proposer_difference(after: dict | None, before: dict | None) -> dict | None:
     its end: the engine's), and its seconds per call in ms."""
     if after is None or before is None:
         return None
-    out = {key: after[key] if key in PROPOSER_STATES else after[key] - before[key] for key in after}
-    out["ms_per_call"] = 1e3 * out["seconds"] / out["calls"] if out["calls"] else None
+    out = {}
+    for key, value in after.items():
+        if key in PROPOSER_STATES:
+            out[key] = value
+        elif isinstance(value, list):  # a histogram (``StepShape``)
+            out[key] = [a - b for a, b in zip(value, before[key])]
+        else:
+            out[key] = value - before[key]
+    if "calls" in out:
+        out["ms_per_call"] = 1e3 * out["seconds"] / out["calls"] if out["calls"] else None
     return out
 
 
@@ -221,6 +269,8 @@ def run(job: dict) -> dict:
         extra["additional_config"] = {"rest": job.get("rest", {})}
     elif job.get("method") == "oracle":
         extra["additional_config"] = {"oracle": job["oracle"]}
+        if "oracle_depths" in job:
+            extra["additional_config"]["oracle_depths"] = job["oracle_depths"]
     start = time.perf_counter()
     llm = LLM(
         model=job["model"],
@@ -241,7 +291,7 @@ def run(job: dict) -> dict:
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in spec["prompts"]]
         fields = spec.get("sampling", {"temperature": 0.0, "max_tokens": 128})
         params = [
-            SamplingParams(**fields, seed=i) if spec.get("seeds") else SamplingParams(**fields)
+            SamplingParams(**fields, seed=spec.get("seed", 0) + i) if spec.get("seeds") else SamplingParams(**fields)
             for i in range(len(prompts))
         ]
         group = spec.get("concurrency", 1) if spec.get("schedule", "groups") == "groups" else len(prompts)

@@ -290,3 +290,20 @@ def test_the_time_table_sets_each_mode_against_suffix_in_speed_and_in_tokens_a_s
     assert "vs_suffix" not in table["suffix"] and "vs_suffix" not in table["plain"]
     lines = time_table_lines(table)
     assert len(lines) == 4 and lines[3].split()[0] == "rest" and lines[1].split()[4:6] == ["-", "-"]
+
+
+def test_step_shape_fits_tell_a_set_up_from_a_slope():
+    """``benchmarks.step_shape``: a step of 50 ms, 5 more for verifying any draft and 2 a draft
+    token: the set-up shape recovers them, the line cannot (it spreads the set-up over the slope)."""
+    from benchmarks.step_shape import fit_shapes, shape_table
+
+    depths = np.arange(9)
+    ms = 50 + 5 * (depths > 0) + 2 * depths
+    table = shape_table({"steps": [10] * 9 + [0] * 3, "step_seconds": [10 * t / 1e3 for t in ms] + [0.0] * 3})
+    assert [row["draft_tokens"] for row in table] == list(range(9))
+    assert table[4]["ms_over_no_draft"] == pytest.approx(13.0)
+    fits = fit_shapes(depths, ms, np.full(9, 10))
+    assert fits["set_up"]["coefficients"] == pytest.approx([50, 5, 2], abs=1e-3)
+    assert fits["set_up"]["rms_ms"] < 1e-3 < fits["linear"]["rms_ms"]
+    assert fits["set_up_and_curve"]["coefficients"][3] == pytest.approx(0, abs=1e-3)
+    assert set(fit_shapes(np.array([0, 1]), np.array([50.0, 57.0]), np.array([3, 3]))) == {"linear"}

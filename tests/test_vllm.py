@@ -29,6 +29,7 @@ import time
 import urllib.request
 from collections import Counter
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/setup-vllm.sh, then use .venv-vllm")
@@ -182,6 +183,27 @@ def test_the_time_table_splits_a_rest_step_into_drafting_sources_and_the_engine(
     assert 0 < rest["claimed_over_accepted"] < 10, rest
     assert alone["draft_tokens_per_step"] == 0 and alone["drafting_ms_per_step"] is None, alone
     assert alone["tokens_per_step"] == 1.0
+
+
+def test_the_oracle_times_steps_by_their_draft_tokens(checkpoint, prompts, plain):
+    """``benchmarks.step_shape``'s apparatus: the oracle drafting a fixed number of the reference's
+    next tokens per prompt (0, 2, k, k), all accepted: its steps are timed by those counts (a few at
+    the outputs' ends draft fewer), and the outputs are plain's."""
+    from benchmarks.step_shape import fit_shapes, shape_table
+
+    reference = plain["runs"][0]["outputs"]
+    oracle = [[p, o] for p, o in zip(prompts, reference)]
+    result = run_job(job(checkpoint, "oracle", greedy_runs(prompts)[:1], oracle=oracle, oracle_depths=[0, 2, K, K]))
+    (run,) = result["runs"]
+    assert run["outputs"] == reference
+    shape = run["proposer"]
+    counted = {d: n for d, n in enumerate(shape["steps"]) if n}
+    assert counted[0] > 0 and counted[2] > 0 and counted[K] > 0, counted
+    assert sum(counted.get(d, 0) for d in (0, 2, K)) >= 0.8 * sum(counted.values()), counted
+    table = shape_table(shape)
+    assert all(row["ms"] > 0 for row in table) and table[0]["ms_over_no_draft"] == 0
+    fits = fit_shapes(*(np.array([row[key] for row in table]) for key in ("draft_tokens", "ms", "steps")))
+    assert fits["linear"]["coefficients"][0] > 0 and fits["linear"]["rms_ms"] >= 0
 
 
 def test_partings_report_the_top_two_tokens(monkeypatch, checkpoint, prompts, plain):
