@@ -41,6 +41,11 @@ row, 0.5 at 16): REST's chains are sized by it, and every drafter's speed agains
 tokens / (steps + p x draft tokens), drafting's own time left out -- what a drafter's chains can
 reach under load, without the noise of timed runs.
 
+``--versus-suffix`` replays suffix beside each REST replica on the same contexts: at every step both
+draft, REST's chain is verified, and suffix's is set against it (``versus_suffix``: the share of steps
+where REST's chain held at least what suffix's held, the tokens short a step, and per source that
+led REST's chain the steps where suffix's held more).
+
 ``--tune M`` replays a tuning split instead, so the drafting core's choices are made without the
 held-out sets: the held-out requests are the last M of the warm-up stream (drawn max(N) + M long,
 their outputs cached with the warm-up's) and the warm-up the requests before them. It never decodes:
@@ -160,6 +165,15 @@ class Claims:
         """A chain claiming ``claimed`` tokens was drafted; ``credit`` says what it got."""
         self._held = (cell, claimed)
 
+    @property
+    def holding(self) -> str | None:
+        """The cell of the chain drafted and not credited yet (None: none)."""
+        return None if self._held is None else self._held[0]
+
+    def drop(self) -> None:
+        """Forget the chain held: it was not verified."""
+        self._held = None
+
     def credit(self, accepted: int) -> None:
         if self._held is not None:
             cell, claimed = self._held
@@ -217,7 +231,7 @@ class SuffixReplay:
             self.claims.hold("suffix", float(draft.score))
         return list(draft.token_ids)
 
-    def credit(self, accepted: int) -> None:
+    def credit(self, accepted: int, following: Sequence[int]) -> None:
         self.claims.credit(accepted)
 
     def finish(self, rid: str, output: list[int]) -> None:
@@ -233,6 +247,14 @@ class PricedStep:
 
     def seconds(self, rows: int, drafted: int | np.ndarray) -> np.ndarray:
         return rows + self.price * np.asarray(drafted, np.float64)
+
+
+def suffix_replica(k: int, served: list[Example]) -> SuffixReplay:
+    """A suffix replica that has served ``served`` (prompt, output) requests."""
+    suffix = SuffixReplay(k)
+    for i, (prompt, output) in enumerate(served):
+        suffix.serve(f"warm-{i}", prompt, output)
+    return suffix
 
 
 class RestReplay:
@@ -273,12 +295,74 @@ class RestReplay:
             self.claims.hold(f"{self.sources[leading]}, match {match_cell(length)}", float(chain.scores.sum()))
         return [int(t) for t in chain.tokens]  # a chain's nodes are in depth order
 
-    def credit(self, accepted: int) -> None:
+    def credit(self, accepted: int, following: Sequence[int]) -> None:
         self.claims.credit(accepted)
 
     def finish(self, rid: str, output: list[int]) -> None:
         self.adaptive.finish([rid])
         self.base.add_output(output)
+
+
+class Shadowed:
+    """A REST replica with suffix's replica beside it on the same requests (``--versus-suffix``):
+    each step both draft from the same context, REST's chain is verified, and suffix's is set
+    against it (the tokens each would have got accepted there): whether REST's chain holds at least
+    what suffix's holds on every step, and where not, which of REST's sources led its chain."""
+
+    def __init__(self, rest: RestReplay, suffix: SuffixReplay) -> None:
+        self.rest, self.suffix = rest, suffix
+        self.claims = rest.claims
+        self.steps: dict[str, list[int]] = {}  # REST's leading source -> [steps, at least, short, tokens short]
+        self._chains: tuple[list[int], list[int], str] | None = None
+
+    def start(self, rid: str, prompt: list[int]) -> None:
+        self.rest.start(rid, prompt)
+        self.suffix.start(rid, prompt)
+
+    def draft(self, rid: str, context: list[int], sampled: list[int]) -> list[int]:
+        chain = self.rest.draft(rid, context, sampled)
+        theirs = self.suffix.draft(rid, context, sampled)
+        self._chains = (chain, theirs, (self.rest.claims.holding or "none").split(",")[0])
+        return chain
+
+    def credit(self, accepted: int, following: Sequence[int]) -> None:
+        self.rest.credit(accepted, following)
+        self.suffix.claims.drop()  # suffix's chain is not verified here: its claim is not counted
+        if self._chains is not None:
+            _, theirs, source = self._chains
+            cell = self.steps.setdefault(source, [0, 0, 0, 0])
+            short = accepted_length(theirs, following) - accepted
+            cell[0] += 1
+            cell[1] += short <= 0
+            cell[2] += short > 0
+            cell[3] += max(short, 0)
+            self._chains = None
+
+    def finish(self, rid: str, output: list[int]) -> None:
+        self.rest.finish(rid, output)
+        self.suffix.finish(rid, output)
+
+
+def versus_suffix(shadows: Sequence[Shadowed]) -> dict:
+    """The replicas' steps set against suffix's chains: the share where REST's chain held at least
+    as much, and per source that led REST's chain the steps where suffix's held more and the tokens
+    it held beyond REST's."""
+    cells: dict[str, list[int]] = {}
+    for shadow in shadows:
+        for source, counts in shadow.steps.items():
+            mine = cells.setdefault(source, [0, 0, 0, 0])
+            for i, value in enumerate(counts):
+                mine[i] += value
+    steps = sum(c[0] for c in cells.values())
+    return {
+        "steps": steps,
+        "at_least_suffix": round(sum(c[1] for c in cells.values()) / steps, 4) if steps else None,
+        "tokens_short_per_step": round(sum(c[3] for c in cells.values()) / steps, 4) if steps else None,
+        "by_rest_source": {
+            source: {"steps": c[0], "suffix_held_more": c[2], "tokens_short": c[3]}
+            for source, c in sorted(cells.items())
+        },
+    }
 
 
 @dataclasses.dataclass
@@ -324,7 +408,7 @@ def replay(drafter, held_out: list[tuple[int, Example]], tally: Tally) -> None:
         while position < len(output):
             chain = drafter.draft(rid, context, sampled) if position else []  # the first token is the prefill's
             n = accepted_length(chain, output[position:])
-            drafter.credit(n)
+            drafter.credit(n, output[position:])
             take = min(n + 1, len(output) - position)
             sampled = output[position : position + take]
             context += sampled
@@ -344,19 +428,19 @@ def run_fleet(
     held_out: list[Example],
     replicas: int,
     price: float = 0.0,
+    shadow: bool = False,
 ) -> dict:
     """Drafter ``name`` in a fleet of ``replicas``, each having served its share (round-robin) of
     ``warm``, then its share of ``held_out``, one replica after another: suffix's replicas keep a
     cache each; REST's share the index and one store of outputs (every warm-up output, and each
     held-out output once served), each with a proposer (calibration, sessions) of its own. ``index``:
-    one index directory or several opened as one."""
+    one index directory or several opened as one. With ``shadow``, each REST replica has suffix's
+    replica beside it (``Shadowed``), reported as ``versus_suffix``."""
     tally, claims = Tally(), Claims()
     numbered = list(enumerate(held_out))
     if name == "suffix":
         for r in range(replicas):
-            suffix = SuffixReplay(k)
-            for i, (prompt, output) in enumerate(warm[r::replicas]):
-                suffix.serve(f"warm-{i}", prompt, output)
+            suffix = suffix_replica(k, warm[r::replicas])
             replay(suffix, numbered[r::replicas], tally)
             claims.merge(suffix.claims)
         return {**tally.figures(price), "claims": claims.report()}
@@ -364,10 +448,12 @@ def run_fleet(
     try:
         for _, output in warm:
             base.add_output(output)
-        attribution = Attribution(REST_SOURCES[name])
+        attribution, shadows = Attribution(REST_SOURCES[name]), []
         for r in range(replicas):
             rest = RestReplay(k, base, REST_SOURCES[name], price, calibrate=name != "rest-raw")
-            replay(rest, numbered[r::replicas], tally)
+            if shadow:
+                shadows.append(Shadowed(rest, suffix_replica(k, warm[r::replicas])))
+            replay(shadows[-1] if shadow else rest, numbered[r::replicas], tally)
             claims.merge(rest.claims)
             for count in Attribution.COUNTS:
                 getattr(attribution, count)[...] += getattr(rest.adaptive.attribution, count)
@@ -379,6 +465,7 @@ def run_fleet(
     return {
         **tally.figures(price),
         "claims": claims.report(),
+        **({"versus_suffix": versus_suffix(shadows)} if shadow else {}),
         "hindsight": attribution.hindsight(),
         "by_source": hindsight_per_source(cells),
         "attribution": cells,
@@ -414,6 +501,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=0,
         metavar="M",
         help="hold out the last M warm-up requests instead of the set's held-out prompts (a tuning split)",
+    )
+    p.add_argument(
+        "--versus-suffix",
+        action="store_true",
+        help="replay suffix beside each REST replica on the same contexts: the share of steps where REST's chain "
+        "held at least what suffix's held, and where not, which source led REST's chain",
     )
     p.add_argument("--out", type=Path, default=RESULTS / "history.json")
     args = p.parse_args(argv)
@@ -462,6 +555,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         held_out,
                         f,
                         args.price,
+                        shadow=args.versus_suffix and d != "suffix",
                     )
                     for d in args.drafters
                 }
@@ -470,7 +564,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                     figures["lift_over_cold"] = round(figures["tokens_per_step"] / cold[d]["tokens_per_step"], 4)
                 result["fleets"][f"F={f} N={n}"] = row
                 line = ", ".join(
-                    f"{d} {r['tokens_per_step']:.3f} ({r['modeled_speed_vs_plain']:.3f}x)" for d, r in row.items()
+                    f"{d} {r['tokens_per_step']:.3f} ({r['modeled_speed_vs_plain']:.3f}x"
+                    + (
+                        f"; >= suffix on {r['versus_suffix']['at_least_suffix']:.1%} of steps"
+                        if "versus_suffix" in r
+                        else ""
+                    )
+                    + ")"
+                    for d, r in row.items()
                 )
                 print(f"{name} F={f} N={n}: tokens/step (modeled speed at price {args.price}) {line}", file=sys.stderr)
                 save_report(report, args.out, echo=False)  # what is measured so far, should a later N fail

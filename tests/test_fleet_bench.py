@@ -113,3 +113,35 @@ def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_
     store = block["rest-own"]["store"]
     assert store["warmup_outputs"] == 0 and store["after_warmup"] == {"tokens": 0, "add_output_calls": 0}, store
     assert store["at_end"]["add_output_calls"] >= 1, store
+
+
+def test_history_sets_rests_chains_against_suffixs_on_the_same_contexts(tmp_path):
+    """``benchmarks.history --versus-suffix`` without an engine: REST's replica and suffix's, both
+    having served the same outputs, replayed on those same requests again. Suffix holds every step
+    whole (its cache has the very outputs); REST's chain holds at least as much on most steps (the
+    same outputs in its store), and where not, the tokens short are counted under REST's source."""
+    from benchmarks.history import RestReplay, Shadowed, Tally, replay, run_fleet, suffix_replica
+    from rest_spec.drafter.core.local import LocalDrafter
+    from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
+
+    docs = synthetic_corpus()
+    index = write_index(tmp_path / "index", docs, CORPUS_VOCAB)
+    examples = [(doc[:10], doc[10:60]) for doc in docs if len(doc) >= 60][:6]
+    report = run_fleet("rest", 8, index, examples, examples, 2, 0.05, shadow=True)
+    versus = report["versus_suffix"]
+    assert versus["steps"] == report["steps"] - len(examples)  # every step but each request's first (the prefill's)
+    assert 0.5 <= versus["at_least_suffix"] <= 1.0, versus
+    short = sum(cell["tokens_short"] for cell in versus["by_rest_source"].values())
+    assert short == round(versus["tokens_short_per_step"] * versus["steps"]), versus
+    # the shadow changes nothing of REST's own replay
+    with LocalDrafter.open(index, outputs_max_tokens=1_000_000) as base:
+        for _, output in examples:
+            base.add_output(output)
+        alone, shadowed = Tally(), Tally()
+        replay(RestReplay(8, base, ("index", "request", "outputs"), 0.05), list(enumerate(examples)), alone)
+    with LocalDrafter.open(index, outputs_max_tokens=1_000_000) as base:
+        for _, output in examples:
+            base.add_output(output)
+        rest = RestReplay(8, base, ("index", "request", "outputs"), 0.05)
+        replay(Shadowed(rest, suffix_replica(8, examples)), list(enumerate(examples)), shadowed)
+    assert alone.figures(0.05) == shadowed.figures(0.05)
