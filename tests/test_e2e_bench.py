@@ -8,10 +8,25 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import tradeoff
-from benchmarks.common import chat_prompt, humaneval_inputs, humaneval_prompts
-from benchmarks.e2e import MODES, SIDE_BY_SIDE, codebase_prompt, parse_args, run_set, set_prompts, targets
+from benchmarks.common import GREEDY, Decoding, chat_prompt, humaneval_inputs, humaneval_prompts, kept_gain
+from benchmarks.e2e import (
+    MODES,
+    SIDE_BY_SIDE,
+    codebase_prompt,
+    generation_config,
+    hf_run,
+    kept_gain_lines,
+    kept_gains,
+    loop_run,
+    parse_args,
+    run_decodings,
+    run_set,
+    set_prompts,
+    targets,
+)
 from benchmarks.replay import greedy_path, replay
 from rest_spec.build_index.build import BuildConfig, build
 from rest_spec.build_index.corpora import CorpusSpec, Record, Turn, held_out_records
@@ -34,6 +49,52 @@ def test_arguments_are_checked_and_plain_always_runs():
     for bad in (["--modes", "plain,fast"], ["--sets", "mtbench"], ["--prompts", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_sampling_arguments_name_the_decodings_and_refuse_what_greedy_cannot_use(capsys):
+    assert parse_args([]).decodings == [GREEDY]
+    sampled = Decoding(temperature=0.7, top_p=0.95, seed=3)
+    assert parse_args(["--temperature", "0.7", "--top-p", "0.95", "--seed", "3"]).decodings == [sampled]
+    assert parse_args(["--temperature", "0.7"]).decodings == [Decoding(0.7, 1.0, 0)]  # top-p 1, seed 0
+    beside = parse_args(["--temperature", "0.7", "--top-p", "0.95", "--seed", "3", "--beside-greedy"])
+    assert beside.decodings == [GREEDY, sampled] and [d.name for d in beside.decodings] == ["greedy", "sampled"]
+    assert sampled.seed_of(0) == 3 and sampled.seed_of(5) == 8  # a seed per prompt: seed + its index
+    for bad, says in (
+        (["--top-p", "0.9"], "--top-p applies to sampling"),
+        (["--seed", "1"], "--seed applies to sampling"),
+        (["--beside-greedy"], "--beside-greedy sets sampled figures beside greedy ones"),
+        (["--temperature", "-1"], "--temperature: must be a finite number >= 0"),
+        (["--temperature", "0.7", "--top-p", "0"], "--top-p: must be in (0, 1]"),
+    ):
+        with pytest.raises(SystemExit) as exit:
+            parse_args(bad)
+        assert exit.value.code == 2 and says in capsys.readouterr().err, bad
+
+
+def test_kept_gain_is_the_share_of_the_greedy_gain_that_sampling_keeps():
+    assert kept_gain(1.57, 1.28) == pytest.approx(0.28 / 0.57)  # the issue's transformers figures on code
+    assert kept_gain(2.0, 2.0) == 1 and kept_gain(2.0, 1.0) == 0 and kept_gain(2.0, 0.9) == pytest.approx(-0.1)
+    assert kept_gain(1.0, 1.2) is None and kept_gain(0.8, 0.7) is None  # no greedy gain to keep
+    assert kept_gain(None, 1.2) is None and kept_gain(1.5, None) is None
+
+    def result(speeds: dict, side: dict) -> dict:
+        modes = {mode: {"median_speed_vs_plain": speed} for mode, speed in speeds.items()}
+        return {"modes": modes, **{f"median_speed_{pair}": speed for pair, speed in side.items()}}
+
+    greedy = result({"plain": 1.0, "hf": 1.1, "adaptive": 2.0, "pld": 0.9}, {"adaptive_vs_hf": 1.8})
+    sampled = result({"plain": 1.0, "hf": 1.05, "adaptive": 1.5, "pld": 0.7}, {"adaptive_vs_hf": 1.4})
+    gains = kept_gains(greedy, sampled)
+    assert set(gains) == {"hf_vs_plain", "adaptive_vs_plain", "pld_vs_plain", "adaptive_vs_hf"}
+    assert gains["adaptive_vs_plain"] == {"greedy_speedup": 2.0, "sampled_speedup": 1.5, "kept": 0.5}
+    assert gains["adaptive_vs_hf"]["kept"] == pytest.approx(0.5) and gains["pld_vs_plain"]["kept"] is None
+    report = {"sets": {}, "kept_gain": {"humaneval": gains}}
+    assert targets(report) == {
+        "humaneval: sampled, adaptive keeps >= 0.75 of its greedy gain over plain": False,
+        "every output equals plain decoding": None,  # nothing greedy ran: nothing compared
+    }
+    table = kept_gain_lines({"humaneval": gains}).splitlines()
+    assert table[0].split() == ["set", "speed-up", "of", "greedy", "sampled", "kept"]
+    assert "humaneval adaptive_vs_plain 2.00 1.50 0.50" in [" ".join(line.split()) for line in table]
 
 
 def test_humaneval_sets_are_the_raw_code_and_the_same_prompts_as_a_chat_turn():
@@ -118,6 +179,52 @@ def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index, monke
     assert {"humaneval: adaptive median speed >= 1.8x plain", "humaneval: adaptive median speed >= 1.3x pld"} <= set(
         checks
     )
+
+
+@pytest.mark.model
+def test_sampled_beside_greedy_every_mode_samples_with_a_seed_per_prompt(smollm2, stdlib_index, monkeypatch, tmp_path):
+    """2 prompts, 16 new tokens, temperature 0.7 beside greedy: every mode runs both ways, the greedy
+    ones equal plain's, the sampled ones are not compared; prompt i draws with seed + i, so a sampled
+    run is reproduced by ``generate`` (the loop) or ``model.generate`` (hf) given that seed."""
+    monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
+    model, tokenizer = smollm2
+    args = parse_args(["--prompts", "2", "--max-new-tokens", "16", "--temperature", "0.7", "--seed", "5"])
+    args.modes = ["plain", "hf", "pld", "adaptive", "oracle"]  # the loop's other modes decode as plain's do
+    args.beside_greedy, sampled = True, args.decodings[0]
+    prompts = humaneval_inputs(tokenizer, 2)
+    with LocalDrafter.open(stdlib_index) as greedy_base, LocalDrafter.open(stdlib_index) as sampled_base:
+        results = run_decodings(
+            "humaneval", prompts, [greedy_base, sampled_base], model, CPU_COST, args, [GREEDY, sampled]
+        )
+        # each decoding's adaptive mode fills its own store: the sampled runs draft no greedy output of their prompt
+        assert len(greedy_base.outputs) == len(sampled_base.outputs) == 2
+    greedy, drawn = results["greedy"], results["sampled"]
+    assert set(greedy["modes"]) == set(drawn["modes"]) == set(args.modes)
+    for mode in args.modes:
+        assert greedy["modes"][mode]["same_as_plain"] == 2, mode
+        assert drawn["modes"][mode]["same_as_plain"] is None, mode  # sampled: not compared
+        assert all(row["same_as_plain"] is None for row in drawn["per_prompt"][mode])
+        assert drawn["modes"][mode]["median_tokens_per_second"] > 0 and drawn["modes"][mode]["mean_accepted"] >= 1
+    assert drawn["decoding"]["decoding"] == "sampled" and drawn["decoding"]["temperature"] == 0.7
+    assert drawn["modes"]["pld"]["mean_verified_per_step"] > 1  # prompt lookup still drafts while sampling
+    config = generation_config(model, sampled)
+    assert config.do_sample and config.temperature == 0.7 and config.top_p == 1.0 and config.top_k == 0
+    for i, ids in enumerate(prompts):  # the loop's modes: generate's generator, seeded with seed + i
+        seeded = torch.Generator().manual_seed(5 + i)
+        again = generate(model, ids, None, max_new_tokens=16, generation_config=config, generator=seeded)
+        assert loop_run(model, ids, None, 16, DraftConfig(), decoding=sampled, seed=sampled.seed_of(i)).output_ids == (
+            again.output_ids
+        )
+    hf = [hf_run(model, ids, 16, decoding=sampled, seed=5) for ids in (prompts[0], prompts[0])]
+    assert hf[0].output_ids == hf[1].output_ids  # model.generate reproduced by its seed
+    gains = kept_gains(greedy, drawn)
+    assert {"adaptive_vs_plain", "adaptive_vs_hf", "oracle_vs_plain"} <= set(gains)
+    assert all(
+        g["kept"] is None or g["kept"] == kept_gain(g["greedy_speedup"], g["sampled_speedup"]) for g in gains.values()
+    )
+    checks = targets({"sets": {"humaneval": greedy}, "kept_gain": {"humaneval": gains}})
+    assert checks["every output equals plain decoding"] is True
+    assert "humaneval: adaptive median speed >= 1.8x plain" in checks  # the greedy targets, on the greedy figures
 
 
 @pytest.mark.model
