@@ -258,6 +258,21 @@ def test_sampling_has_vllms_own_distribution(plain, rest_local):
     assert len({tuple(o) for o in ours["outputs"]}) > 5
 
 
+def test_a_sampled_run_draws_prompt_i_with_seed_plus_i(checkpoint, prompts):
+    """``vllm_run``'s ``seeds`` with ``seed`` S: prompt i samples with seed S + i (how the benchmarks'
+    ``--seed`` reaches every engine), so a run starting at S + 1 draws its first prompt as a run
+    starting at S drew its second; one plain engine, 8 tokens."""
+    sampling = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 8}
+    runs = [
+        {"prompts": [prompts[0]] * 2, "sampling": sampling, "seeds": True, "seed": 10},
+        {"prompts": [prompts[0]], "sampling": sampling, "seeds": True, "seed": 11},
+        {"prompts": [prompts[0]], "sampling": sampling, "seeds": True},  # seed 0 + i, as before
+    ]
+    first, shifted, default = run_job(job(checkpoint, "plain", runs))["runs"]
+    assert shifted["outputs"][0] == first["outputs"][1]
+    assert all(len(output) == 8 for output in first["outputs"] + shifted["outputs"] + default["outputs"])
+
+
 @pytest.fixture(scope="module")
 def grpc_engine(checkpoint, prompts, stdlib_index, tmp_path_factory):
     """(results, outputs directory) of engine A drafting over gRPC from a real server that keeps its
