@@ -452,7 +452,7 @@ def open_engine(
         return LlamaCppEngine(
             path, max_new_tokens, sampling, n_ctx=longest_prompt + max_new_tokens + 1, threads=threads
         )
-    from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
+    from rest_spec.common.checkpoint import hf_checkpoint
 
     gguf = model is None or str(model).endswith(".gguf")
     checkpoint = str(hf_checkpoint(model)) if gguf else str(model)

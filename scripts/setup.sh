@@ -26,7 +26,7 @@ PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e ".[dev,bench,embedd
 import time
 start = time.perf_counter()
 from rest_spec.common.tokenizer import load_tokenizer
-from rest_spec.drafter.hf.model import hf_checkpoint
+from rest_spec.common.checkpoint import hf_checkpoint
 load_tokenizer(None)
 print(f"SmolLM2 converted in {time.perf_counter() - start:.1f} s: {hf_checkpoint().parent}")' 2>&1 | grep -v "it/s\]"
 echo "setup done: $(.venv/bin/python -c 'import torch, transformers, grpc; print("torch", torch.__version__, "transformers", transformers.__version__, "grpcio", grpc.__version__)')"

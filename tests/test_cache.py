@@ -164,8 +164,9 @@ def test_the_packaged_gguf_loads_from_its_conversion_as_it_loads_from_the_file(t
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rest_spec.common.checkpoint import hf_checkpoint
     from rest_spec.common.tokenizer import load_tokenizer, packaged_smollm2, tokenizer_fingerprint
-    from rest_spec.drafter.hf.model import hf_checkpoint, load_model
+    from rest_spec.drafter.hf.model import load_model
 
     monkeypatch.setenv("REST_MODELS_DIR", str(tmp_path))
     gguf = packaged_smollm2()

@@ -1,5 +1,5 @@
 """A GGUF model as the safetensors checkpoint vLLM loads (vLLM 0.32 has no GGUF loader in-tree):
-``drafter.hf.model.hf_checkpoint``, the conversion ``load_model`` reads too, cached under
+``common.checkpoint.hf_checkpoint``, the conversion ``drafter.hf.model.load_model`` reads too, cached under
 ``$REST_MODELS_DIR`` (default ``~/.cache/rest-spec/models``).
 
 ``python -m rest_spec.drafter.vllm.checkpoint [--model X.gguf]`` converts and prints the directory.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from rest_spec.drafter.hf.model import hf_checkpoint
+from rest_spec.common.checkpoint import hf_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
