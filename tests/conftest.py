@@ -4,14 +4,15 @@ and build: ``stdlib_index``).
 
 A test that costs more than a unit test carries the marker of what it costs (``TIERS``). The
 default run (``pytest``) keeps the tests of no tier and those marked ``core``: each part end to end
-once, in a few minutes. ``--full`` (or ``REST_TESTS=full``) runs every test, as CI does; ``-m TIER``
-runs one tier (``-m "model and not server"``, and so on), whatever the default would keep.
-Hypothesis properties run ``tiers.examples``' full count of examples with ``--full`` and a fifth
-of it otherwise. ``--beyond-default`` (or ``REST_TESTS=beyond-default``) runs what ``--full`` adds
-to the default run: every test the default run leaves out, and the default run's properties again
-on the rest of their full count (four fifths). CI runs the default run then this: together the
-full suite, each test once (the properties in two parts), each example count whole. The session's fixtures work under pytest-xdist (``-n 2 --dist loadfile``, as CI
-runs the full suite): the stdlib index is built once for all workers, and for the test runs of the
+once, in a few minutes. ``--full`` (or ``REST_TESTS=full``) runs every test; ``-m TIER`` runs one
+tier (``-m "model and not server"``, and so on), whatever the default would keep. Hypothesis
+properties run ``tiers.examples``' full count of examples with ``--full`` and a fifth of it
+otherwise. ``--beyond-default`` (or ``REST_TESTS=beyond-default``) runs what ``--full`` adds to the
+default run: every test the default run leaves out, and the default run's properties again on the
+rest of their full count (four fifths, drawn afresh). CI runs the default run (its gate), then
+this: together the full suite, no test but those properties twice, each property's full count of
+examples in all. The session's fixtures work under pytest-xdist (``-n 2 --dist loadfile``, as CI
+runs the suite): the stdlib index is built once for all workers, and for the test runs of the
 other environments after them.
 """
 
