@@ -233,7 +233,7 @@ def attribution_report(attribution) -> dict:
 
 
 # the proposer's figures that are the engine's state at the end of a run, not counts over it
-PROPOSER_STATES = ("first_draft_call", "per_token_ms", "largest_base_ms")
+PROPOSER_STATES = ("first_draft_call", "per_token_ms", "overhead_ms", "largest_base_ms")
 
 
 def proposer_difference(after: dict | None, before: dict | None) -> dict | None:

@@ -38,6 +38,31 @@ def test_it_learns_each_row_counts_base_and_the_shared_per_token_price():
     np.testing.assert_allclose(cost.chain(np.array([1, 9])), [step(1, 0), step(1, 8)], rtol=0.02)
 
 
+def test_a_steps_overhead_for_drafting_at_all_is_learned_beside_the_per_token_price():
+    """vLLM's step on a 2-core CPU: a step that drafts anything pays once for it (rejection sampling,
+    the draft positions' logits) beside each token's price. Learned apart, the first draft token is
+    priced at what it costs, not at the line's average; where a row count never drafts nothing,
+    nothing tells the overhead from the base and it stays at its prior, none."""
+    cost = BatchCost()
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        rows = int(rng.choice([1, 4]))
+        drafted = int(rng.integers(0, 4 * rows + 1))
+        cost.observe(rows, drafted, step(rows, drafted) + 0.005 * (drafted > 0))
+    cost.fit()
+    assert cost.overhead == pytest.approx(0.005, rel=0.1) and cost.per_token == pytest.approx(0.002, rel=0.05)
+    np.testing.assert_allclose(cost.seconds(4, np.array([0, 1, 6])), [0.049, 0.056, 0.066], rtol=0.02)
+    # a pending token and one draft cost the overhead too: a chain of one must pay for it
+    assert cost.chain(2) - cost.chain(1) == pytest.approx(0.007, rel=0.1)
+
+    always = BatchCost()
+    for _ in range(100):
+        drafted = int(rng.integers(1, 9))  # every step drafts: the overhead is the base's part
+        always.observe(1, drafted, step(1, drafted) + 0.005)
+    always.fit()
+    assert always.overhead == pytest.approx(0.0, abs=1e-4) and always.per_token == pytest.approx(0.002, rel=0.05)
+
+
 def test_a_stalled_step_moves_no_price():
     cost = BatchCost()
     for _ in range(8):

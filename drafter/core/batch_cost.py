@@ -22,6 +22,7 @@ CELL_WINDOW = 16  # recent steps per (rows, drafted) kept; their median prices t
 REFIT_EVERY = 8  # steps between refits
 HALF_LIFE = 512  # steps after which a cell not seen again counts half: old evidence yields to the prior
 PRIOR_WEIGHT = 8.0  # the prior slope counts as this many steps one drafted token from a row count's mean
+OVERHEAD_PRIOR_WEIGHT = 1.0  # no overhead counts as one step: a cell holds at most CELL_WINDOW of its own
 FORGET_AFTER = 12 * HALF_LIFE  # steps after which a cell not seen again is dropped (it counts 1/4096)
 
 
@@ -35,7 +36,15 @@ class _Cell:
 
 class BatchCost:
     """An engine's step time as a function of the rows it runs and the draft tokens it verifies
-    beside them, ``base(rows) + per_token * drafted``, learned from every step the engine runs.
+    beside them, ``base(rows) + overhead * [drafted > 0] + per_token * drafted``, learned from every
+    step the engine runs.
+
+    A step that verifies any draft at all pays ``overhead`` once beside each draft token's price:
+    vLLM's rejection sampling and the logits of the draft positions (on a 2-core CPU a step
+    drafting one token ran 6.9 ms over one drafting none, then 2.0 ms a token to 4: a line through
+    those prices the first token at 3 ms and every later one too high). It is fitted beside the
+    slope where a row count has steps with and without drafts, and held at 0 by a prior of
+    ``OVERHEAD_PRIOR_WEIGHT`` steps where it has not.
 
     A step of r rows and d draft tokens is not a one-row step of r + d tokens: each row brings the
     engine's per-row work (sampling, rejection, bookkeeping), which a one-row table never shows, and
@@ -73,6 +82,7 @@ class BatchCost:
         self.steps = 0
         self._since_fit = 0
         self.per_token = self.prior_slope
+        self.overhead = 0.0  # seconds a step pays for verifying any draft at all
         self._rows = np.ones(1)
         self._bases = np.ones(1)
         self._fitted_rows: set[int] = set()  # the row counts of the cells the last fit saw
@@ -108,18 +118,37 @@ class BatchCost:
         ages = self.steps - np.array([cell.last_seen for cell in self._cells.values()], np.float64)
         weights = np.array([len(cell.times) for cell in self._cells.values()], np.float64) * 0.5 ** (ages / HALF_LIFE)
         rows, inverse = np.unique(cells[:, 0], return_inverse=True)
+        drafted, any_draft = cells[:, 1], (cells[:, 1] > 0).astype(np.float64)
         total = np.bincount(inverse, weights)
-        mean_d = np.bincount(inverse, weights * cells[:, 1]) / total
-        mean_t = np.bincount(inverse, weights * medians) / total
-        spread = cells[:, 1] - mean_d[inverse]
+
+        def within(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Each row count's weighted mean of ``values``, and the values less their row count's."""
+            mean = np.bincount(inverse, weights * values) / total
+            return mean, values - mean[inverse]
+
+        mean_d, spread = within(drafted)
+        mean_z, switched = within(any_draft)
+        mean_t, residual = within(medians)
         plain = medians[cells[:, 1] == 0]
         reference = float(np.median(plain if plain.size else medians))
         prior = self.prior_slope * reference
-        slope = (np.sum(weights * spread * (medians - mean_t[inverse])) + PRIOR_WEIGHT * prior) / (
-            np.sum(weights * spread**2) + PRIOR_WEIGHT
+        # the slope and the overhead by weighted least squares on the cells, each pulled toward its
+        # prior (the slope's, with the weight of PRIOR_WEIGHT steps; none, of OVERHEAD_PRIOR_WEIGHT)
+        normal = np.array(
+            [
+                [np.sum(weights * spread**2) + PRIOR_WEIGHT, np.sum(weights * spread * switched)],
+                [np.sum(weights * spread * switched), np.sum(weights * switched**2) + OVERHEAD_PRIOR_WEIGHT],
+            ]
         )
-        self.per_token = max(float(slope), 0.0)
-        self._rows, self._bases = rows, np.maximum(mean_t - self.per_token * mean_d, 1e-9)
+        slope, overhead = np.linalg.solve(
+            normal, [np.sum(weights * spread * residual) + PRIOR_WEIGHT * prior, np.sum(weights * switched * residual)]
+        )
+        if overhead < 0:  # drafting cannot make a step cheaper: the line alone
+            overhead = 0.0
+            slope = (np.sum(weights * spread * residual) + PRIOR_WEIGHT * prior) / normal[0, 0]
+        self.per_token, self.overhead = max(float(slope), 0.0), float(overhead)
+        bases = mean_t - self.per_token * mean_d - self.overhead * mean_z
+        self._rows, self._bases = rows, np.maximum(bases, 1e-9)
         self._fitted_rows = set(rows.astype(int).tolist())
 
     @property
@@ -134,7 +163,8 @@ class BatchCost:
 
     def seconds(self, rows: int, drafted: int | np.ndarray) -> np.ndarray:
         """Seconds of a step of ``rows`` rows verifying ``drafted`` draft tokens beside them."""
-        return self.base(rows) + self.per_token * np.asarray(drafted, np.float64)
+        drafted = np.asarray(drafted, np.float64)
+        return self.base(rows) + self.overhead * (drafted > 0) + self.per_token * drafted
 
     def chain(self, n: int | np.ndarray) -> np.ndarray:
         """One row verifying n tokens (its pending one and a chain of n - 1), as ``VerifyCost.chain``."""

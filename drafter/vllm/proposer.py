@@ -243,8 +243,8 @@ class ProposerStats(UploadStats):
     ``observed`` steps timed, seconds spent (``source_seconds`` of them getting the sources: a
     datastore's reply, or the index searched in process),
     ``first_draft_call`` (the number of the first call that drafted; 0: none yet), the step cost
-    as last learned (``per_token_ms``, a draft token's price; ``largest_base_ms``, a step of the
-    most rows seen, drafting nothing); and its outputs (``UploadStats``)."""
+    as last learned (``per_token_ms``, a draft token's price; ``overhead_ms``, what a step pays for
+    drafting at all; ``largest_base_ms``, a step of the most rows seen, drafting nothing); and its outputs (``UploadStats``)."""
 
     calls: int = 0
     rows: int = 0
@@ -257,6 +257,7 @@ class ProposerStats(UploadStats):
     source_seconds: float = 0.0
     first_draft_call: int = 0
     per_token_ms: float = 0.0
+    overhead_ms: float = 0.0
     largest_base_ms: float = 0.0
 
 
@@ -449,6 +450,7 @@ class RestProposer:
         """A step's time went to the cost: report it, and cache the cost once it has seen enough."""
         self.stats.observed += 1
         self.stats.per_token_ms = 1e3 * self.cost.per_token
+        self.stats.overhead_ms = 1e3 * self.cost.overhead
         self.stats.largest_base_ms = 1e3 * self.cost.base(self.cost.largest_rows)
         if self.cost.steps >= CACHE_AFTER and not self._cached:
             self._cache_cost()
