@@ -5,11 +5,17 @@ staged as ``rest_spec/proto/v1/<name>.proto`` in a temporary root: the generated
 import each other as ``rest_spec.proto.v1...``, the name they are installed under (never a bare
 ``proto``, the import name of proto-plus). Pass an output directory to write the generated files
 elsewhere, e.g. to check that the committed ones are up to date.
+
+The generated ``*_pb2_grpc.py`` refuses to import under a grpcio older than the one it names
+(``GRPC_GENERATED_VERSION``), which protoc sets to its grpcio-tools' own version: it is set to the
+oldest grpcio ``pyproject.toml`` admits instead (``GRPC_FLOOR``), so that the code imports on that
+floor (CI tests it) and is the same whichever grpcio-tools at or above the floor writes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import tempfile
@@ -19,6 +25,8 @@ PROTO_DIR = Path(__file__).resolve().parent  # this folder: rest_spec.proto
 PACKAGE = Path("rest_spec/proto")  # where protoc must see the contract to name the modules right
 PROTOS = ("v1/datastore.proto", "v1/shard.proto")
 SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+GRPC_FLOOR = "1.85.1"  # pyproject.toml's grpcio>=X (a test checks they agree)
+GENERATED_VERSION = re.compile(r"^GRPC_GENERATED_VERSION = '[^']*'$", re.M)
 
 
 def generate(out_dir: str | Path = PROTO_DIR) -> list[Path]:
@@ -51,7 +59,10 @@ def generate(out_dir: str | Path = PROTO_DIR) -> list[Path]:
             for suffix in SUFFIXES:
                 target = out / f"{stem}{suffix}"
                 target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(root / PACKAGE / f"{stem}{suffix}", target)
+                text = (root / PACKAGE / f"{stem}{suffix}").read_text(encoding="utf-8")
+                if suffix == "_pb2_grpc.py":
+                    text = GENERATED_VERSION.sub(f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'", text)
+                target.write_text(text, encoding="utf-8")
                 written.append(target)
     return written
 

@@ -25,6 +25,14 @@ def test_committed_generated_code_is_what_the_generator_writes(tmp_path):
         )
 
 
+def test_the_generated_code_asks_for_the_grpcio_pyproject_admits():
+    pyproject = (generate.PROTO_DIR.parent / "pyproject.toml").read_text()
+    assert f'"grpcio>={generate.GRPC_FLOOR}"' in pyproject
+    for proto in generate.PROTOS:
+        grpc_module = (generate.PROTO_DIR / proto.replace(".proto", "_pb2_grpc.py")).read_text()
+        assert f"GRPC_GENERATED_VERSION = '{generate.GRPC_FLOOR}'" in grpc_module
+
+
 def test_generated_imports_use_the_installed_name():
     grpc_module = (generate.PROTO_DIR / "v1/datastore_pb2_grpc.py").read_text()
     assert "from rest_spec.proto.v1 import datastore_pb2" in grpc_module
