@@ -11,8 +11,8 @@ batch admitted draft slots that did not pay.
 the tokens before it were, as a function of what the merged tree claimed for it (its conditional
 score, score / parent's score), per group: the row's sampling setting (greedy, or a temperature
 class), the token's leading source (the source that gave it its highest probability) and the class
-of the match it continues. Histogram cells over [0, 1] (a claim
-of 1 a cell of its own), each pulled by ``PRIOR_TRIALS`` pseudo-trials toward its claim scaled as
+of that source's match the chain was drafted from. Histogram cells over [0, 1] (a claim of 1 a cell
+of its own), each pulled by ``PRIOR_TRIALS`` pseudo-trials toward its claim scaled as
 its group errs over all its cells (a group with little evidence as its source errs; before any
 trial, toward the claim itself), made monotone by pooling adjacent violators, read between the
 cells' points, fading with a half-life in trials so that a store of outputs that grows is followed.
@@ -68,9 +68,12 @@ Claims = tuple[np.ndarray, np.ndarray]  # per token of a chain: its claimed cond
 class ChainCalibration:
     """The map from a chain token's claimed conditional score to how often such tokens are
     accepted, per group: the row's sampling setting (``setting_class``), the token's leading source
-    and the class of the match it continues (the source's match plus the chain above the token,
-    ``drafter.core.merge.length_class``: a branch that has held for a few tokens is a longer
-    match). A group with little evidence follows its source's in that setting. ``observe`` chains with the tokens accepted of each; ``scores`` a chain's calibrated
+    and the class of that source's match (``drafter.core.merge.length_class``). Every token of a
+    chain drafted from a 2-token match is in that match's group, however deep: on held-out replays
+    the short matches' chains claimed 1.5x what they got when their deeper tokens were pooled with
+    the first tokens of longer matches (as ``SourceCalibration`` pools them, a branch that has held
+    counting as a longer match). A group with little evidence follows its source's in that
+    setting. ``observe`` chains with the tokens accepted of each; ``scores`` a chain's calibrated
     path scores. Not thread-safe: one per drafter."""
 
     def __init__(self, num_sources: int = 1) -> None:
@@ -110,7 +113,7 @@ class ChainCalibration:
         else:
             leading, matched = np.zeros(len(chain), np.int64), np.full(len(chain), chain.match_len)
         source = setting * self.num_sources + leading
-        return claimed, source * self.lengths + length_class(matched + np.arange(len(chain)))
+        return claimed, source * self.lengths + length_class(matched)
 
     def scores_of(self, claimed: np.ndarray, groups: np.ndarray) -> np.ndarray:
         """The calibrated path scores of a chain with these ``claims``: the running product of each
