@@ -172,7 +172,10 @@ def test_the_time_table_splits_a_rest_step_into_drafting_sources_and_the_engine(
 
     runs = {"plain": plain["runs"][0], "rest": rest_local["runs"][1]}
     modes = {
-        mode: bench.summarize({**run, "startup_seconds": 0.0}, None if mode == "plain" else runs["plain"])
+        mode: bench.summarize(
+            {**run, "startup_seconds": 0.0, "concurrency": 1},
+            None if mode == "plain" else {**runs["plain"], "concurrency": 1},
+        )
         for mode, run in runs.items()
     }
     table = bench.time_table(modes)
