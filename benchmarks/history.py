@@ -84,7 +84,7 @@ from rest_spec.drafter.core.cost import CostKey, VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.merge import MATCH_LENGTH_EDGES, Attribution, MergedTree, length_class
 from rest_spec.drafter.core.selection import select_batch_chains
-from rest_spec.drafter.core.steps import finish_step
+from rest_spec.drafter.core.steps import draft_step
 
 log = logging.getLogger("benchmarks.history")
 SETS = ("code", "chat")  # benchmarks.fleet's streams
@@ -283,11 +283,12 @@ class RestReplay:
         pass
 
     def draft(self, rid: str, context: list[int], sampled: list[int]) -> list[int]:
-        config = self.adaptive.candidates(DraftConfig(max_depth=self.k))
-        sessions = self.adaptive.advance([context], [rid])
-        shared = self.adaptive.start_shared([context], config).result()
-        [chain] = finish_step(
-            self.adaptive, sessions, shared, config, lambda chains: select_batch_chains(chains, self.step, 1)
+        [chain] = draft_step(
+            self.adaptive,
+            [context],
+            DraftConfig(max_depth=self.k),
+            [rid],
+            admit=lambda chains: select_batch_chains(chains, self.step, 1),
         )
         if len(chain):
             leading = int(np.argmax(chain.source_probs[0])) if isinstance(chain, MergedTree) else 0

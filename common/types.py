@@ -183,6 +183,18 @@ class DraftTree:
             tokens=self.tokens[keep], parents=parents, counts=self.counts[keep], depths=depths, **fields
         )
 
+    def _same_match(self, keep: np.ndarray, parents: np.ndarray, depths: np.ndarray, scores: np.ndarray) -> DraftTree:
+        """``_take`` of nodes of this tree drafted from the same match: its match statistics kept."""
+        return self._take(
+            keep,
+            parents,
+            depths,
+            match_len=self.match_len,
+            num_matches=self.num_matches,
+            num_sampled=self.num_sampled,
+            scores=scores,
+        )
+
     @classmethod
     def counted_batch(
         cls,
@@ -253,15 +265,7 @@ class DraftTree:
         parents = new_index[old_parents]
         if np.any((old_parents >= 0) & (parents < 0)):
             raise ValueError("keep is not prefix-closed: a kept node's parent is dropped")
-        return self._take(
-            keep,
-            parents.astype(np.int32),
-            self.depths[keep],
-            match_len=self.match_len,
-            num_matches=self.num_matches,
-            num_sampled=self.num_sampled,
-            scores=self.scores[keep],
-        )
+        return self._same_match(keep, parents.astype(np.int32), self.depths[keep], self.scores[keep])
 
     def after(self, token: int) -> DraftTree | None:
         """The tree for the context extended by ``token``: the subtree under the root child
@@ -307,14 +311,11 @@ class DraftTree:
         scores (and a subclass's columns): ``subset(path_to(node))`` without its checks, which a
         root path passes by construction."""
         path = self.path_to(node)
-        return self._take(
+        return self._same_match(
             path,
             np.arange(-1, path.size - 1, dtype=np.int32),
             np.arange(1, path.size + 1, dtype=np.int32),
-            match_len=self.match_len,
-            num_matches=self.num_matches,
-            num_sampled=self.num_sampled,
-            scores=self.scores[path],
+            self.scores[path],
         )
 
     def first(self, n: int) -> DraftTree:
@@ -323,15 +324,7 @@ class DraftTree:
         if n >= len(self):
             return self
         keep = np.arange(max(n, 0))
-        return self._take(
-            keep,
-            self.parents[: keep.size],
-            self.depths[: keep.size],
-            match_len=self.match_len,
-            num_matches=self.num_matches,
-            num_sampled=self.num_sampled,
-            scores=self.scores[: keep.size],
-        )
+        return self._same_match(keep, self.parents[: keep.size], self.depths[: keep.size], self.scores[: keep.size])
 
     def rescored(self, scores: np.ndarray) -> DraftTree:
         """This tree with ``scores`` (float64 [n], in [0, 1], never growing down a path: the
@@ -340,15 +333,7 @@ class DraftTree:
         if scores.shape != self.scores.shape:
             raise ValueError(f"scores must be [{len(self)}], got shape {scores.shape}")
         keep = np.arange(len(self))
-        return self._take(
-            keep,
-            self.parents,
-            self.depths,
-            match_len=self.match_len,
-            num_matches=self.num_matches,
-            num_sampled=self.num_sampled,
-            scores=scores,
-        )
+        return self._same_match(keep, self.parents, self.depths, scores)
 
     def accepted_nodes(self, appended: Sequence[int]) -> np.ndarray:
         """int64 [k]: the nodes on the longest path from the root that ``appended`` (the tokens

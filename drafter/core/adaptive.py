@@ -112,7 +112,7 @@ class _Session:
     # the tree matures (that plus its depth), the tree, tokens accepted of it)
     hindsight: deque[tuple[int, int, MergedTree, int]] = dataclasses.field(default_factory=deque)
     # with a chain calibration: what the merged tree claimed of each token of ``tree`` (its conditional
-    # score) and the token's leading source, which the calibration learns from once the chain is verified
+    # score) and the token's group (``ChainCalibration.claims``), learned from once the chain is verified
     claims: tuple[np.ndarray, np.ndarray] | None = None
     setting: int = 0  # the sampling setting's class (``chain_calibration.setting_class``): 0, greedy
 

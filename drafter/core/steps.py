@@ -162,12 +162,14 @@ def draft_step(
     rows: Sequence[Sequence[int]],
     config: DraftConfig,
     requests: Sequence[Hashable] | None = None,
+    admit: BatchRule | None = None,
 ) -> list[DraftTree]:
     """One step's trees for ``rows`` (their requests named by ``requests``; default: their
-    positions), drafted now: the whole sequence, nothing ahead."""
+    positions), drafted now: the whole sequence, nothing ahead; cut by ``admit``, the engine's
+    batch rule, where given (``finish_step``)."""
     sessions = steps.advance(rows, range(len(rows)) if requests is None else requests)
     candidates = steps.candidates(config)
-    return finish_step(steps, sessions, steps.start_shared(rows, candidates).result(), candidates)
+    return finish_step(steps, sessions, steps.start_shared(rows, candidates).result(), candidates, admit)
 
 
 def token_list(context: Sequence[int] | np.ndarray, start: int = 0, stop: int | None = None) -> list[int]:
