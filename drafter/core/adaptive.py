@@ -46,10 +46,13 @@ from rest_spec.drafter.core.protocol import Drafter, Pending, SourceDrafter
 from rest_spec.drafter.core.request_matcher import RequestMatcher, draft_requests, extend_requests
 from rest_spec.drafter.core.selection import select_tree
 from rest_spec.drafter.core.steps import Deferred, Mark, as_source, draft_step, token_list
+from rest_spec.drafter.core.suffix_cache import SuffixCache
 
 log = logging.getLogger(__name__)
 
 SOURCES = ("index", "request", "outputs")
+# and "suffix": vLLM's ``suffix`` drafter's matcher (``drafter.core.suffix_cache``, Arctic Inference)
+SOURCE_NAMES = (*SOURCES, "suffix")
 MAX_SESSIONS = 4096  # sessions kept at most; past it the longest unseen goes (an engine that never says "ended")
 # Verified and matured trees counted together once this many wait: the counting's fixed cost per
 # pass (tens of microseconds: a step's whole drafting at one row is a few hundred) paid once per
@@ -105,6 +108,7 @@ class _Session:
     the request source is off)."""
 
     matcher: RequestMatcher | None
+    suffix_key: Hashable | None = None  # its request's key in the drafter's ``SuffixCache``
     mark: Mark = dataclasses.field(default_factory=lambda: Mark(0, []))
     tree: DraftTree = dataclasses.field(default_factory=DraftTree.empty)
     merged: DraftTree = dataclasses.field(default_factory=DraftTree.empty)  # what ``tree`` was selected from
@@ -173,9 +177,11 @@ class AdaptiveDrafter:
             raise ValueError("cache_healed needs a measured verify cost (a VerifyCost or CorrectedCost)")
         self.cache_healed = cache_healed
         self.sources = tuple(sources)
-        unknown = sorted(set(self.sources) - set(SOURCES))
+        unknown = sorted(set(self.sources) - set(SOURCE_NAMES))
         if unknown or not self.sources or len(set(self.sources)) != len(self.sources):
-            raise ValueError(f"sources must be distinct names among {', '.join(SOURCES)}, got {list(sources)}")
+            raise ValueError(f"sources must be distinct names among {', '.join(SOURCE_NAMES)}, got {list(sources)}")
+        # the "suffix" source's trees: every request's and every response's (vLLM's ``suffix``)
+        self.suffix_cache = SuffixCache() if "suffix" in self.sources else None
         if "outputs" in self.sources and not isinstance(base, SourceDrafter):
             raise TypeError(
                 f"drafting from outputs needs a SourceDrafter base (LocalDrafter, RemoteDrafter), "
@@ -239,12 +245,18 @@ class AdaptiveDrafter:
         for i, (row, request) in enumerate(zip(rows, requests)):
             session = self._sessions.get(request)
             if session is None or not session.mark.continued_by(row):
+                if session is not None:
+                    self._drop(session)
                 session = self._sessions[request] = _Session(RequestMatcher() if "request" in self.sources else None)
+                if self.suffix_cache is not None:
+                    session.suffix_key = self.suffix_cache.start(row)
                 if len(self._sessions) > MAX_SESSIONS:
-                    self._sessions.popitem(last=False)
+                    self._drop(self._sessions.popitem(last=False)[1])
             else:
                 self._sessions.move_to_end(request)
                 gained = session.mark.gained(row)
+                if self.suffix_cache is not None:
+                    self.suffix_cache.extend(session.suffix_key, gained)
                 if accepted is not None and len(accepted[i]) == len(gained):
                     gained = self._engines_tokens(accepted[i], gained)
                 if gained:
@@ -344,7 +356,14 @@ class AdaptiveDrafter:
     def finish(self, requests: Sequence[Hashable]) -> None:
         """These requests ended: their sessions go."""
         for request in requests:
-            self._sessions.pop(request, None)
+            session = self._sessions.pop(request, None)
+            if session is not None:
+                self._drop(session)
+
+    def _drop(self, session: _Session) -> None:
+        """A session goes: its request's suffix tree with it (its response stays cached)."""
+        if self.suffix_cache is not None:
+            self.suffix_cache.finish(session.suffix_key)
 
     def record(self, trees: Sequence[DraftTree], merged: Sequence[DraftTree]) -> None:
         """The trees verified for the rows of the last ``advance``, and the merged trees they were
@@ -387,7 +406,15 @@ class AdaptiveDrafter:
             requests = draft_requests([session.matcher for session in sessions], config)
         else:
             requests = [DraftTree.empty()] * len(sessions)
-        rows = [self._row_trees(*row) for row in zip(shared, requests)]
+        if self.suffix_cache is not None:
+            suffixes = self.suffix_cache.draft(
+                [session.suffix_key for session in sessions],
+                [session.mark.tail for session in sessions],
+                config.max_depth,
+            )
+        else:
+            suffixes = [DraftTree.empty()] * len(sessions)
+        rows = [self._row_trees(*row) for row in zip(shared, requests, suffixes)]
         match_len = np.array([[tree.match_len for tree in row] for row in rows], dtype=np.int64)
         weights = self._calibration.weights_for(match_len, config.max_depth)
         prices = None
@@ -414,9 +441,9 @@ class AdaptiveDrafter:
             scored.append(chain.rescored(self.chain_calibration.scores_of(*session.claims)))
         return scored
 
-    def _row_trees(self, shared: SourceTrees, request: DraftTree) -> list[DraftTree]:
+    def _row_trees(self, shared: SourceTrees, request: DraftTree, suffix: DraftTree) -> list[DraftTree]:
         """A row's trees in calibration order: the sources', then the index's for each cut."""
-        by_source = {"index": shared.index, "outputs": shared.outputs, "request": request}
+        by_source = {"index": shared.index, "outputs": shared.outputs, "request": request, "suffix": suffix}
         # trees fetched without the cuts (the scheduler's speculation) have none
         shorter = shared.shorter if isinstance(shared, CutTrees) else (DraftTree.empty(),) * len(self.suffixes)
         return [by_source[s] for s in self.sources] + list(shorter)

@@ -17,12 +17,15 @@ over TLS with ``tls_ca``, sending ``auth_token``), required; for an index direct
 outputs (``outputs_max_tokens``, ``outputs_dir``), or ``outputs_from``: the HOST:PORT of a fleet's
 ``rest-datastore serve`` whose store this worker copies and drafts from in process, sending its
 outputs there (``datastore.mirror``); ``overlap``; ``remeasure`` (ignore a cached
-cost and learn it afresh).
+cost and learn it afresh); ``calibrate_chains``; ``suffix_cache`` (vLLM's ``suffix`` matcher as a
+source; on by default where Arctic Inference, which vLLM's ``suffix`` needs, is installed).
 
 Each engine step it drafts what ``rest-generate --adaptive`` drafts: the index, the request's own
-text and the store of outputs, merged and scored (``AdaptiveDrafter``), fetched in one datastore
-call for the whole batch, with deadlines and a circuit breaker (``DraftScheduler``; with
-``overlap``, the next step's sources are fetched while vLLM runs this one). vLLM verifies chains:
+text and the store of outputs, and with ``suffix_cache`` what vLLM's ``suffix`` would draft
+(``drafter.core.suffix_cache``: its trees of the request and of this engine's responses), merged
+and scored (``AdaptiveDrafter``), the index and the store fetched in one datastore call for the
+whole batch, with deadlines and a circuit breaker (``DraftScheduler``; with ``overlap``, the next
+step's sources are fetched while vLLM runs this one). vLLM verifies chains:
 each row offers its likeliest chain, and the batch admits draft tokens in order of expected
 acceptance while they raise its expected tokens per second (``selection.select_batch_chains``), so a
 step where nothing pays drafts nothing. Prices are vLLM's own, by rows and draft tokens
@@ -57,13 +60,14 @@ from pathlib import Path
 from typing import Any
 
 from rest_spec.common.types import MAX_DEPTH, DraftConfig
-from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.adaptive import SOURCES, AdaptiveDrafter
 from rest_spec.drafter.core.batch_cost import BatchCost
 from rest_spec.drafter.core.cost import CostKey
 from rest_spec.drafter.core.scheduler import DraftScheduler, OverlapConfig
 from rest_spec.drafter.core.selection import select_batch_chains
 from rest_spec.drafter.core.sources import open_datastore
 from rest_spec.drafter.core.steps import DraftSource
+from rest_spec.drafter.core.suffix_cache import available as suffix_available
 from rest_spec.drafter.core.uploads import OutputUploader, UploadStats
 from rest_spec.drafter.vllm.shim import row_temperature
 
@@ -87,6 +91,7 @@ class RestOptions:
     overlap: bool | None = None  # None: ``overlap_default`` of the datastore
     remeasure: bool = False
     calibrate_chains: bool = True
+    suffix_cache: bool | None = None  # None: where Arctic Inference is installed (``suffix_cache.available``)
 
     @classmethod
     def parse(cls, section: object, environ: Mapping[str, str] = os.environ) -> RestOptions:
@@ -292,10 +297,12 @@ class RestProposer:
                 overlap_default(self.options.datastore) if self.options.overlap is None else self.options.overlap
             )
             self.cost = BatchCost(table)
+            suffix = suffix_available() if self.options.suffix_cache is None else self.options.suffix_cache
             self.adaptive = AdaptiveDrafter(
                 self.source,
                 cost=self.cost,
                 config=DraftConfig(max_depth=depth),
+                sources=(*SOURCES, "suffix") if suffix else SOURCES,
                 chains=True,
                 calibrate_chains=self.options.calibrate_chains,
             )
