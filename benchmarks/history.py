@@ -18,6 +18,9 @@ order, then each held-out request's output once it finished):
   of outputs, merged and scored), its chain the root path of most expected tokens per step priced
   by ``--price``, admitted as the proposer admits it (``select_batch_chains``) on scores calibrated
   by the chains verified before (``drafter.core.chain_calibration``);
+- ``rest-no-suffix``: ``rest`` without vLLM's ``suffix`` matcher among its sources, as before
+  2026-12-06 (``rest`` has it, as vLLM's proposer does where Arctic Inference is installed:
+  ``drafter.core.suffix_cache``, its cache fed with the responses the replica served);
 - ``rest-no-index``: the same without the index (the request and the store only: suffix's sources);
 - ``rest-outputs``: the store of outputs alone;
 - ``rest-raw``: ``rest`` with its chains scored by the merge alone (no ``ChainCalibration``), as
@@ -89,11 +92,12 @@ from rest_spec.drafter.core.steps import draft_step
 log = logging.getLogger("benchmarks.history")
 SETS = ("code", "chat")  # benchmarks.fleet's streams
 RESULTS = Path(__file__).resolve().parent / "results"
-DRAFTERS = ("suffix", "rest", "rest-no-index", "rest-outputs", "rest-own", "rest-raw")
+DRAFTERS = ("suffix", "rest", "rest-no-suffix", "rest-no-index", "rest-outputs", "rest-own", "rest-raw")
 REST_SOURCES = {
-    "rest": ("index", "request", "outputs"),
-    "rest-raw": ("index", "request", "outputs"),
-    "rest-own": ("index", "request", "outputs"),
+    "rest": ("index", "request", "outputs", "suffix"),
+    "rest-no-suffix": ("index", "request", "outputs"),
+    "rest-raw": ("index", "request", "outputs", "suffix"),
+    "rest-own": ("index", "request", "outputs", "suffix"),
     "rest-no-index": ("request", "outputs"),
     "rest-outputs": ("outputs",),
 }
@@ -452,6 +456,9 @@ def run_fleet(
         attribution, shadows = Attribution(REST_SOURCES[name]), []
         for r in range(replicas):
             rest = RestReplay(k, base, REST_SOURCES[name], price, calibrate=name != "rest-raw")
+            if rest.adaptive.suffix_cache is not None:  # the responses its engine served
+                for _, output in warm[r::replicas]:
+                    rest.adaptive.suffix_cache.add_output(output)
             if shadow:
                 shadows.append(Shadowed(rest, suffix_replica(k, warm[r::replicas])))
             replay(shadows[-1] if shadow else rest, numbered[r::replicas], tally)

@@ -25,6 +25,8 @@ them: the run is then one group, and its speed the overall tokens/s. Modes:
   outputs starts empty and gets each finished request);
 - ``rest-raw``: ``rest`` with its chains admitted on the merge's scores (``calibrate_chains``
   off), as before the chain calibration (2026-12-06): what that calibration changes;
+- ``rest-no-suffix``: ``rest`` without vLLM's ``suffix`` matcher among its sources
+  (``suffix_cache`` off), as before 2026-12-06: what containing suffix changes;
 - ``rest-grpc``: the same drafting from a ``rest-datastore serve`` process on loopback, a fresh
   server for every run (so its store of outputs also starts empty), stopped after it (its log:
   the report's path with ``.server.log``);
@@ -97,7 +99,7 @@ from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
 log = logging.getLogger("benchmarks.vllm")
 
-MODES = ("plain", "ngram", "suffix", "rest", "rest-raw", "rest-grpc", "oracle")
+MODES = ("plain", "ngram", "suffix", "rest", "rest-raw", "rest-no-suffix", "rest-grpc", "oracle")
 DEFAULT_SETS = ("humaneval", "sharegpt")
 DEFAULT_NGRAM_SETTINGS = "4:1:3,4:2:5,8:2:5,8:3:8"
 MEASURE_T_TOKENS = 512  # new tokens of the t(n) measurement: enough steps for the proposer to cache what it learned
@@ -222,6 +224,11 @@ def engine(spec: dict) -> dict:
     return {**result["runs"][0], "concurrency": concurrency, "startup_seconds": result["startup_seconds"]}
 
 
+# the REST modes' options beside the datastore: rest-raw's chains admitted on the merge's scores,
+# uncalibrated; rest-no-suffix drafting without vLLM's suffix matcher
+REST_VARIANTS = {"rest": {}, "rest-raw": {"calibrate_chains": False}, "rest-no-suffix": {"suffix_cache": False}}
+
+
 def mode_job(mode: str, prompts, args, concurrency: int, index: Path, references: list[list[int]]) -> dict:
     """The job of ``mode`` (not ``rest-grpc``, whose datastore address exists only while its server
     runs: see ``run_mode``). ``references``: the first plain run's outputs, the oracle's drafts;
@@ -234,8 +241,8 @@ def mode_job(mode: str, prompts, args, concurrency: int, index: Path, references
         return job("ngram", *common, k=k, ngram=[low, high])
     if mode == "suffix":
         return job("suffix", *common, k=args.k)
-    if mode in ("rest", "rest-raw"):  # rest-raw: chains admitted on the merge's scores, uncalibrated
-        options = rest_options(str(index), args) | ({"calibrate_chains": False} if mode == "rest-raw" else {})
+    if mode in REST_VARIANTS:
+        options = rest_options(str(index), args) | REST_VARIANTS[mode]
         return job("rest", *common, k=args.k, rest=options)
     if mode == "oracle":
         return job("oracle", *common, k=args.k, oracle=[[p, o] for p, o in zip(prompts, references)])
