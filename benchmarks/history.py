@@ -32,7 +32,10 @@ Sets and warm-up streams are ``benchmarks.fleet``'s: ``code`` holds out HumanEva
 problem, its warm-up function-completion prompts mined from packages no index holds; ``chat`` holds
 out ShareGPT 41-80 (first user turns of the sharegpt index's held-out conversations), its warm-up
 the held-out conversations from the 81st on, then conversations inside the index. F replicas
-(``--replicas``) each serve their round-robin share. Reports, per set, F and warm-up size N, tokens
+(``--replicas``) each serve their round-robin share; past the held-out prompts' number a fleet is
+simulated (each replica's caches hold 1/F of the warm-up's outputs, and only the replicas given
+a held-out prompt are replayed). ``--restart`` replays each warmed fleet again as if every engine
+had restarted after the warm-up: suffix's caches empty, REST's durable store of outputs reloaded. Reports, per set, F and warm-up size N, tokens
 per step and accepted tokens per step of each drafter,
 their lift over no history, what their chains claimed against what they got accepted (``claims``:
 the sum of a chain's scores over its accepted tokens, per leading source and match length; suffix's
@@ -434,18 +437,25 @@ def run_fleet(
     replicas: int,
     price: float = 0.0,
     shadow: bool = False,
+    restart: bool = False,
 ) -> dict:
     """Drafter ``name`` in a fleet of ``replicas``, each having served its share (round-robin) of
     ``warm``, then its share of ``held_out``, one replica after another: suffix's replicas keep a
     cache each; REST's share the index and one store of outputs (every warm-up output, and each
     held-out output once served), each with a proposer (calibration, sessions) of its own. ``index``:
     one index directory or several opened as one. With ``shadow``, each REST replica has suffix's
-    replica beside it (``Shadowed``), reported as ``versus_suffix``."""
+    replica beside it (``Shadowed``), reported as ``versus_suffix``. With ``restart``, every engine
+    restarted after the warm-up: what it kept in memory (suffix's cache, REST's suffix source and
+    calibration) starts empty, REST's durable store of outputs is reloaded whole. A replica with no
+    held-out request in its share (more replicas than held-out prompts) is not replayed: what it
+    served is only in the store."""
     tally, claims = Tally(), Claims()
     numbered = list(enumerate(held_out))
+    served = [[] if restart else warm[r::replicas] for r in range(replicas)]
+    serving = [r for r in range(replicas) if numbered[r::replicas]]
     if name == "suffix":
-        for r in range(replicas):
-            suffix = suffix_replica(k, warm[r::replicas])
+        for r in serving:
+            suffix = suffix_replica(k, served[r])
             replay(suffix, numbered[r::replicas], tally)
             claims.merge(suffix.claims)
         return {**tally.figures(price), "claims": claims.report()}
@@ -454,13 +464,13 @@ def run_fleet(
         for _, output in warm:
             base.add_output(output)
         attribution, shadows = Attribution(REST_SOURCES[name]), []
-        for r in range(replicas):
+        for r in serving:
             rest = RestReplay(k, base, REST_SOURCES[name], price, calibrate=name != "rest-raw")
             if rest.adaptive.suffix_cache is not None:  # the responses its engine served
-                for _, output in warm[r::replicas]:
+                for _, output in served[r]:
                     rest.adaptive.suffix_cache.add_output(output)
             if shadow:
-                shadows.append(Shadowed(rest, suffix_replica(k, warm[r::replicas])))
+                shadows.append(Shadowed(rest, suffix_replica(k, served[r])))
             replay(shadows[-1] if shadow else rest, numbered[r::replicas], tally)
             claims.merge(rest.claims)
             for count in Attribution.COUNTS:
@@ -516,14 +526,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="replay suffix beside each REST replica on the same contexts: the share of steps where REST's chain "
         "held at least what suffix's held, and where not, which source led REST's chain",
     )
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="also replay each fleet with N > 0 after a restart of every engine: suffix's caches start empty, "
+        "REST reloads its durable store of outputs (reported as 'F=.. N=.. restart')",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "history.json")
     args = p.parse_args(argv)
     require_own_index(p, args, "rest-own", args.drafters)
     args.warmup, args.replicas = sorted(args.warmup), sorted(args.replicas)
     if args.price < 0:
         p.error("--price must be >= 0")
-    if min(args.warmup) < 0 or min(args.replicas) < 1 or args.prompts < max(args.replicas):
-        p.error("--warmup >= 0, --replicas >= 1, --prompts at least the largest --replicas")
+    if min(args.warmup) < 0 or min(args.replicas) < 1:
+        p.error("--warmup >= 0, --replicas >= 1")
     if args.tune < 0 or 0 < args.tune < max(args.replicas):
         p.error("--tune M: M at least the largest --replicas")
     return args
@@ -553,7 +569,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             result["own_index"] = str(args.own_index[name])
         for n in args.warmup:  # the warm-up decoded as far as each N needs, so the small N report first
             warm = list(zip(warm_prompts[:n], greedy_outputs(warm_prompts[:n], args, cached_only=bool(args.tune))))
-            for f in args.replicas:
+            for f, restart in [
+                (f, restart) for f in args.replicas for restart in (False, True)[: 1 + (args.restart and n > 0)]
+            ]:
                 row = {
                     d: run_fleet(
                         d,
@@ -564,13 +582,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                         f,
                         args.price,
                         shadow=args.versus_suffix and d != "suffix",
+                        restart=restart,
                     )
                     for d in args.drafters
                 }
                 cold = result["fleets"].get(f"F={f} N={args.warmup[0]}", row)
                 for d, figures in row.items():
                     figures["lift_over_cold"] = round(figures["tokens_per_step"] / cold[d]["tokens_per_step"], 4)
-                result["fleets"][f"F={f} N={n}"] = row
+                label = f"F={f} N={n}" + (" restart" if restart else "")
+                result["fleets"][label] = row
                 line = ", ".join(
                     f"{d} {r['tokens_per_step']:.3f} ({r['modeled_speed_vs_plain']:.3f}x"
                     + (
@@ -581,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     + ")"
                     for d, r in row.items()
                 )
-                print(f"{name} F={f} N={n}: tokens/step (modeled speed at price {args.price}) {line}", file=sys.stderr)
+                print(f"{name} {label}: tokens/step (modeled speed at price {args.price}) {line}", file=sys.stderr)
                 save_report(report, args.out, echo=False)  # what is measured so far, should a later N fail
     save_report(report, args.out)
 

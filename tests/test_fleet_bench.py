@@ -15,6 +15,8 @@ import json
 
 import pytest
 
+from rest_spec.drafter.core.adaptive import SOURCE_NAMES
+
 pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/setup-vllm.sh, then use .venv-vllm")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.bench]
@@ -107,7 +109,7 @@ def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_
         replicas = block[method]["replicas"]
         assert replicas[0]["outputs_added"] + replicas[1]["outputs_added"] >= 1
         assert block[method]["attribution"]["hindsight"]["steps"] >= 0
-        assert set(block[method]["hindsight_per_source"]) <= {"index", "request", "outputs"}
+        assert set(block[method]["hindsight_per_source"]) <= set(SOURCE_NAMES)
 
     # the fleet with its own corpus: no warm-up output reached its store, its own outputs did
     store = block["rest-own"]["store"]
@@ -145,3 +147,24 @@ def test_history_sets_rests_chains_against_suffixs_on_the_same_contexts(tmp_path
         rest = RestReplay(8, base, ("index", "request", "outputs"), 0.05)
         replay(Shadowed(rest, suffix_replica(8, examples)), list(enumerate(examples)), shadowed)
     assert alone.figures(0.05) == shadowed.figures(0.05)
+
+
+def test_history_restart_empties_what_engines_kept_in_memory_and_keeps_rests_store(tmp_path):
+    """``benchmarks.history --restart``: suffix's replicas restart with empty caches (as if cold),
+    REST's reload the durable store of outputs (its replay unchanged where nothing else was kept in
+    memory); a fleet of more replicas than held-out requests replays each request once."""
+    from benchmarks.history import run_fleet
+    from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
+
+    docs = synthetic_corpus()
+    index = write_index(tmp_path / "index", docs, CORPUS_VOCAB)
+    examples = [(doc[:10], doc[10:60]) for doc in docs if len(doc) >= 60][:6]
+    warm, restarted, cold = (
+        run_fleet("suffix", 8, index, served, examples, 2, restart=restart)
+        for served, restart in ((examples, False), (examples, True), ([], False))
+    )
+    assert restarted == cold and warm["tokens_per_step"] > cold["tokens_per_step"]
+    kept, reloaded = (run_fleet("rest-no-suffix", 8, index, examples, examples, 2, restart=r) for r in (False, True))
+    assert reloaded["tokens_per_step"] == kept["tokens_per_step"] > cold["tokens_per_step"]
+    many = run_fleet("suffix", 8, index, examples, examples, 64)
+    assert round(many["tokens_per_step"] * many["steps"]) == sum(len(output) for _, output in examples)
