@@ -406,11 +406,11 @@ def accepted_length(chain: Sequence[int], following: Sequence[int]) -> int:
     return n
 
 
-def replay(drafter, held_out: list[tuple[int, Example]], tally: Tally) -> None:
-    """Each of ``held_out`` (number, (prompt, greedy output)) served one at a time by ``drafter``:
+def replay(drafter, held_out: list[tuple[int | str, Example]], tally: Tally) -> None:
+    """Each of ``held_out`` (number or name, (prompt, greedy output)) served one at a time by ``drafter``:
     at each step its chain's longest prefix the output follows is accepted, plus one token."""
     for number, (prompt, output) in held_out:
-        rid, context, position, steps = f"held-{number}", list(prompt), 0, 0
+        rid, context, position, steps = str(number) if isinstance(number, str) else f"held-{number}", list(prompt), 0, 0
         drafter.start(rid, prompt)
         sampled: list[int] = []
         while position < len(output):
@@ -441,8 +441,10 @@ def run_fleet(
 ) -> dict:
     """Drafter ``name`` in a fleet of ``replicas``, each having served its share (round-robin) of
     ``warm``, then its share of ``held_out``, one replica after another: suffix's replicas keep a
-    cache each; REST's share the index and one store of outputs (every warm-up output, and each
-    held-out output once served), each with a proposer (calibration, sessions) of its own. ``index``:
+    cache each; REST's share the index and one store of outputs (each warm-up output once served,
+    and each held-out output), each with a proposer (calibrations, sessions, suffix source) of its
+    own that drafted its share of the warm-up in the fleet's order (not tallied): what a replica
+    that served them learned. ``index``:
     one index directory or several opened as one. With ``shadow``, each REST replica has suffix's
     replica beside it (``Shadowed``), reported as ``versus_suffix``. With ``restart``, every engine
     restarted after the warm-up: what it kept in memory (suffix's cache, REST's suffix source and
@@ -461,20 +463,23 @@ def run_fleet(
         return {**tally.figures(price), "claims": claims.report()}
     base = LocalDrafter.open(index, outputs_max_tokens=50_000_000)
     try:
-        for _, output in warm:
-            base.add_output(output)
+        rests = {r: RestReplay(k, base, REST_SOURCES[name], price, calibrate=name != "rest-raw") for r in serving}
+        for number, example in enumerate(warm):
+            if restart or number % replicas not in rests:  # only the store keeps what it served
+                base.add_output(example[1])
+            else:
+                replay(rests[number % replicas], [(f"warm-{number}", example)], Tally())
         attribution, shadows = Attribution(REST_SOURCES[name]), []
         for r in serving:
-            rest = RestReplay(k, base, REST_SOURCES[name], price, calibrate=name != "rest-raw")
-            if rest.adaptive.suffix_cache is not None:  # the responses its engine served
-                for _, output in served[r]:
-                    rest.adaptive.suffix_cache.add_output(output)
+            rest = rests[r]
+            rest.claims = Claims()  # what the held-out chains claimed and got, only
+            before = {count: getattr(rest.adaptive.attribution, count).copy() for count in Attribution.COUNTS}
             if shadow:
                 shadows.append(Shadowed(rest, suffix_replica(k, served[r])))
             replay(shadows[-1] if shadow else rest, numbered[r::replicas], tally)
             claims.merge(rest.claims)
             for count in Attribution.COUNTS:
-                getattr(attribution, count)[...] += getattr(rest.adaptive.attribution, count)
+                getattr(attribution, count)[...] += getattr(rest.adaptive.attribution, count) - before[count]
     finally:
         base.close()
     from benchmarks.fleet import hindsight_per_source
