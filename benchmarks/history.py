@@ -32,12 +32,12 @@ Sets and warm-up streams are ``benchmarks.fleet``'s: ``code`` holds out HumanEva
 problem, its warm-up function-completion prompts mined from packages no index holds; ``chat`` holds
 out ShareGPT 41-80 (first user turns of the sharegpt index's held-out conversations), its warm-up
 the held-out conversations from the 81st on, then conversations inside the index. F replicas
-(``--replicas``) each serve their round-robin share; past the held-out prompts' number a fleet is
-simulated (each replica's caches hold 1/F of the warm-up's outputs, and only the replicas given
-a held-out prompt are replayed). ``--restart`` replays each warmed fleet again as if every engine
-had restarted after the warm-up: suffix's caches empty, REST's durable store of outputs reloaded. Reports, per set, F and warm-up size N, tokens
-per step and accepted tokens per step of each drafter,
-their lift over no history, what their chains claimed against what they got accepted (``claims``:
+(``--replicas``) each serve their round-robin share, REST's replicas drafting theirs (not tallied);
+past the held-out prompts' number a fleet is simulated (each replica's caches hold 1/F of the
+warm-up's outputs, and only the replicas given a held-out prompt are replayed). ``--restart``
+replays each warmed fleet again as if every engine had restarted after the warm-up: suffix's
+caches and REST's calibrations empty, REST's durable store of outputs reloaded. Reports, per set, F
+and warm-up size N, tokens per step and accepted tokens per step of each drafter, their lift over no history, what their chains claimed against what they got accepted (``claims``:
 the sum of a chain's scores over its accepted tokens, per leading source and match length; suffix's
 ``score``), and for the REST drafters their attribution in hindsight per source
 (``drafter.core.merge.Attribution``: tokens each source held of what followed, tokens accepted).
@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import statistics
@@ -410,7 +411,7 @@ def replay(drafter, held_out: list[tuple[int | str, Example]], tally: Tally) -> 
     """Each of ``held_out`` (number or name, (prompt, greedy output)) served one at a time by ``drafter``:
     at each step its chain's longest prefix the output follows is accepted, plus one token."""
     for number, (prompt, output) in held_out:
-        rid, context, position, steps = str(number) if isinstance(number, str) else f"held-{number}", list(prompt), 0, 0
+        rid, context, position, steps = number if isinstance(number, str) else f"held-{number}", list(prompt), 0, 0
         drafter.start(rid, prompt)
         sampled: list[int] = []
         while position < len(output):
@@ -534,8 +535,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--restart",
         action="store_true",
-        help="also replay each fleet with N > 0 after a restart of every engine: suffix's caches start empty, "
-        "REST reloads its durable store of outputs (reported as 'F=.. N=.. restart')",
+        help="also replay each fleet with N > 0 after a restart of every engine: suffix's caches and REST's "
+        "calibrations start empty, REST reloads its durable store of outputs (reported as 'F=.. N=.. restart')",
     )
     p.add_argument("--out", type=Path, default=RESULTS / "history.json")
     args = p.parse_args(argv)
@@ -574,9 +575,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             result["own_index"] = str(args.own_index[name])
         for n in args.warmup:  # the warm-up decoded as far as each N needs, so the small N report first
             warm = list(zip(warm_prompts[:n], greedy_outputs(warm_prompts[:n], args, cached_only=bool(args.tune))))
-            for f, restart in [
-                (f, restart) for f in args.replicas for restart in (False, True)[: 1 + (args.restart and n > 0)]
-            ]:
+            restarts = (False, True) if args.restart and n > 0 else (False,)
+            for f, restart in itertools.product(args.replicas, restarts):
                 row = {
                     d: run_fleet(
                         d,
