@@ -20,7 +20,7 @@ order, then each held-out request's output once it finished):
   by the chains verified before (``drafter.core.chain_calibration``);
 - ``rest-no-suffix``: ``rest`` without vLLM's ``suffix`` matcher among its sources, as before
   2026-12-06 (``rest`` has it, as vLLM's proposer does where Arctic Inference is installed:
-  ``drafter.core.suffix_cache``, its cache fed with the responses the replica served);
+  ``drafter.core.suffix_cache``, its cache of responses fed from the fleet's store of outputs);
 - ``rest-no-index``: the same without the index (the request and the store only: suffix's sources);
 - ``rest-outputs``: the store of outputs alone;
 - ``rest-raw``: ``rest`` with its chains scored by the merge alone (no ``ChainCalibration``), as
@@ -36,7 +36,10 @@ the held-out conversations from the 81st on, then conversations inside the index
 past the held-out prompts' number a fleet is simulated (each replica's caches hold 1/F of the
 warm-up's outputs, and only the replicas given a held-out prompt are replayed). ``--restart``
 replays each warmed fleet again as if every engine had restarted after the warm-up: suffix's
-caches and REST's calibrations empty, REST's durable store of outputs reloaded. Reports, per set, F
+caches empty; REST's durable store of outputs reloaded (its suffix source's responses replayed from
+it) and each replica's calibrations recalled from the file it kept
+(``drafter.core.calibration_memory``); ``--restart-forgets``: as before 2026-12-07, REST's
+calibrations empty too. Reports, per set, F
 and warm-up size N, tokens per step and accepted tokens per step of each drafter, their lift over no history, what their chains claimed against what they got accepted (``claims``:
 the sum of a chain's scores over its accepted tokens, per leading source and match length; suffix's
 ``score``), and for the REST drafters their attribution in hindsight per source
@@ -67,6 +70,7 @@ import json
 import logging
 import statistics
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -87,6 +91,7 @@ from benchmarks.e2e import INDEXES, set_prompts
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.calibration_memory import CalibrationMemory
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.merge import MATCH_LENGTH_EDGES, Attribution, MergedTree, length_class
@@ -276,12 +281,20 @@ class RestReplay:
     token (``claims``)."""
 
     def __init__(
-        self, k: int, base: LocalDrafter, sources: Sequence[str], price: float = 0.0, calibrate: bool = True
+        self,
+        k: int,
+        base: LocalDrafter,
+        sources: Sequence[str],
+        price: float = 0.0,
+        calibrate: bool = True,
+        memory: CalibrationMemory | None = None,
     ) -> None:
         seconds = tuple(1.0 + price * n for n in range(k + 1))
         priced = VerifyCost(CostKey("priced", "", 1, "cpu", "float32"), 256, tuple(range(1, k + 2)), seconds)
         self.k, self.base, self.sources, self.step = k, base, tuple(sources), PricedStep(price)
-        self.adaptive = AdaptiveDrafter(base, cost=priced, sources=sources, chains=True, calibrate_chains=calibrate)
+        self.adaptive = AdaptiveDrafter(
+            base, cost=priced, sources=sources, chains=True, calibrate_chains=calibrate, memory=memory
+        )
         self.claims = Claims()
 
     def serve(self, rid: str, prompt: list[int], output: list[int]) -> None:
@@ -439,6 +452,7 @@ def run_fleet(
     price: float = 0.0,
     shadow: bool = False,
     restart: bool = False,
+    forget: bool = False,
 ) -> dict:
     """Drafter ``name`` in a fleet of ``replicas``, each having served its share (round-robin) of
     ``warm``, then its share of ``held_out``, one replica after another: suffix's replicas keep a
@@ -448,13 +462,14 @@ def run_fleet(
     that served them learned. ``index``:
     one index directory or several opened as one. With ``shadow``, each REST replica has suffix's
     replica beside it (``Shadowed``), reported as ``versus_suffix``. With ``restart``, every engine
-    restarted after the warm-up: what it kept in memory (suffix's cache, REST's suffix source and
-    calibration) starts empty, REST's durable store of outputs is reloaded whole. A replica with no
+    restarted after the warm-up: suffix's cache starts empty; REST's durable store of outputs is
+    reloaded whole (its suffix source replays it), and each REST replica recalls the calibrations it
+    kept (``CalibrationMemory``; with ``forget``, they start empty too). A replica with no
     held-out request in its share (more replicas than held-out prompts) is not replayed: what it
     served is only in the store."""
     tally, claims = Tally(), Claims()
     numbered = list(enumerate(held_out))
-    served = [[] if restart else warm[r::replicas] for r in range(replicas)]
+    served = [[] if restart else warm[r::replicas] for r in range(replicas)]  # suffix's replicas' caches
     serving = [r for r in range(replicas) if numbered[r::replicas]]
     if name == "suffix":
         for r in serving:
@@ -464,12 +479,19 @@ def run_fleet(
         return {**tally.figures(price), "claims": claims.report()}
     base = LocalDrafter.open(index, outputs_max_tokens=50_000_000)
     try:
-        rests = {r: RestReplay(k, base, REST_SOURCES[name], price, calibrate=name != "rest-raw") for r in serving}
+        sources, calibrate = REST_SOURCES[name], name != "rest-raw"
+        rests = {r: RestReplay(k, base, sources, price, calibrate) for r in serving}
         for number, example in enumerate(warm):
-            if restart or number % replicas not in rests:  # only the store keeps what it served
+            if (restart and forget) or number % replicas not in rests:  # only the store keeps what it served
                 base.add_output(example[1])
             else:
                 replay(rests[number % replicas], [(f"warm-{number}", example)], Tally())
+        if restart:  # each replica keeps what it learned, a new process in its place recalls it
+            with tempfile.TemporaryDirectory() as kept:
+                for r, rest in rests.items():
+                    rest.adaptive.memory = CalibrationMemory(Path(kept) / f"replica-{r}.npz")
+                    rest.adaptive.remember()
+                    rests[r] = RestReplay(k, base, sources, price, calibrate, memory=rest.adaptive.memory)
         attribution, shadows = Attribution(REST_SOURCES[name]), []
         for r in serving:
             rest = rests[r]
@@ -535,8 +557,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--restart",
         action="store_true",
-        help="also replay each fleet with N > 0 after a restart of every engine: suffix's caches and REST's "
-        "calibrations start empty, REST reloads its durable store of outputs (reported as 'F=.. N=.. restart')",
+        help="also replay each fleet with N > 0 after a restart of every engine: suffix's caches start empty, "
+        "REST reloads its durable store of outputs and recalls its calibrations (reported as 'F=.. N=.. restart')",
+    )
+    p.add_argument(
+        "--restart-forgets",
+        action="store_true",
+        help="with --restart: REST's calibrations start empty too, as before they were kept (2026-12-07)",
     )
     p.add_argument("--out", type=Path, default=RESULTS / "history.json")
     args = p.parse_args(argv)
@@ -588,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         args.price,
                         shadow=args.versus_suffix and d != "suffix",
                         restart=restart,
+                        forget=args.restart_forgets,
                     )
                     for d in args.drafters
                 }

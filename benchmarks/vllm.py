@@ -250,8 +250,9 @@ def mode_job(mode: str, prompts, args, concurrency: int, index: Path, references
 
 
 def rest_options(datastore: str, args: argparse.Namespace) -> dict:
-    """The REST proposer's options for a run: ``datastore``, and ``remeasure`` with ``--remeasure``."""
-    return {"datastore": datastore, **({"remeasure": True} if args.remeasure else {})}
+    """The REST proposer's options for a run: ``datastore``, ``remeasure`` with ``--remeasure``, and
+    no calibration file: each run starts calibrating afresh, none recalls another's."""
+    return {"datastore": datastore, "calibration_file": "none", **({"remeasure": True} if args.remeasure else {})}
 
 
 def run_mode(mode: str, prompts, args, concurrency: int, index: Path, references, server_log) -> dict:

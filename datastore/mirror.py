@@ -144,6 +144,10 @@ class OutputsMirror:
         """``OutputStore.draft_queries`` of the copy."""
         return self.store.draft_queries(queries, lengths, config)
 
+    def read(self, from_seq: int, max_tokens: int) -> tuple[list[tuple[int, np.ndarray]], int, int]:
+        """``OutputStore.read`` of the copy (numbered in the order copied, not the server's)."""
+        return self.store.read(from_seq, max_tokens)
+
     def add(self, tokens: Sequence[int] | np.ndarray) -> int:
         """Store ``tokens`` on the server (so every replica drafts from them) and in the copy at
         once; returns the server's sequence number. Errors as ``DatastoreClient.add_output``."""

@@ -165,10 +165,12 @@ def test_reports_name_the_cpu_and_the_flags_that_change_step_costs():
 
 
 def test_vllm_benchmark_remeasure_reaches_every_rest_engine():
-    """``--remeasure``: the REST engines start with no cached step cost; without it they read the cache."""
+    """``--remeasure``: the REST engines start with no cached step cost; without it they read the cache.
+    Neither recalls calibrations another run kept."""
     from benchmarks import vllm as bench
 
     for argv, extra in (([], {}), (["--remeasure"], {"remeasure": True})):
+        extra = {"calibration_file": "none", **extra}
         args = bench.parse_args(argv)
         spec = bench.mode_job("rest", [[1, 2, 3]], args, 8, Path("/indexes/stdlib"), [[4]])
         assert spec["rest"] == {"datastore": "/indexes/stdlib", **extra}

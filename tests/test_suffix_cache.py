@@ -1,7 +1,7 @@
 """vLLM's ``suffix`` matcher as a source of the merge (``drafter.core.suffix_cache``): it drafts
 exactly what Arctic Inference's cache, fed as vLLM's proposer feeds it, drafts; the adaptive drafter
-keeps one tree per session and lets it go with the session; a merge with it holds suffix's chain.
-Needs Arctic Inference (``.venv-vllm``, where vLLM's ``suffix`` needs it too); without it, asking
+keeps one tree per session and lets it go with the session; a merge with it holds suffix's chain;
+over a store of outputs its responses are the store's. Needs Arctic Inference (``.venv-vllm``, where vLLM's ``suffix`` needs it too); without it, asking
 for the source says what to install."""
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ def test_it_drafts_what_vllms_suffix_drafts_fed_the_same_way(arctic, seed):
 
 @pytest.fixture
 def base(arctic, tmp_path):
-    with LocalDrafter.open(write_index(tmp_path / "idx", [list(range(20, 60))], MODEL_VOCAB)) as base:
+    """An index without a store of outputs: the suffix source keeps this engine's responses itself, as
+    vLLM's ``suffix`` does (with a store it takes them from there: ``test_calibration_memory``)."""
+    index = write_index(tmp_path / "idx", [list(range(20, 60))], MODEL_VOCAB)
+    with LocalDrafter.open(index, outputs_max_tokens=0) as base:
         yield base
 
 
@@ -120,3 +123,24 @@ def test_with_the_index_suffixs_chain_stays_a_branch_of_the_merge(base):
     merged = drafter.draft_batch([context], config, ["a"])[0]
     theirs = drafter.suffix_cache.draft([drafter._sessions["a"].suffix_key], [context], 8)[0]
     assert len(theirs) and set(theirs.paths()) <= set(merged.paths())
+
+
+def test_with_a_store_of_outputs_the_suffix_source_holds_what_the_store_holds(arctic, tmp_path):
+    """The store's outputs at start (a restart reloads them) and those it gains (another replica's)
+    are suffix's responses; this engine's own output enters once, through the store."""
+    config = DraftConfig(budget=16, max_depth=8)
+    index = write_index(tmp_path / "idx", [list(range(20, 60))], MODEL_VOCAB)
+    with LocalDrafter.open(index, outputs_max_tokens=10_000, outputs_dir=tmp_path / "outputs") as base:
+        base.add_output([5, 6, 7, 8, 9, 10])
+    with LocalDrafter.open(index, outputs_max_tokens=10_000, outputs_dir=tmp_path / "outputs") as base:
+        drafter = AdaptiveDrafter(base, cost=None, config=config, sources=("suffix",))
+        assert len(drafter.suffix_cache) == 1  # the durable store's, replayed at start
+        assert drafter.draft_batch([[1, 6, 7]], config, ["a"])[0].tokens.tolist()[:2] == [8, 9]
+        base.add_output([40, 41, 42, 43, 44])  # another replica's output, reaching this one's store
+        assert drafter.draft_batch([[1, 41, 42]], config, ["b"])[0].tokens.tolist()[:2] == [43, 44]
+        drafter.finish(["a", "b"])
+        assert len(drafter.suffix_cache) == 2  # the finished requests' responses wait for the store
+        base.add_output([1, 41, 42, 43])  # the engine stores b's output: it enters once
+        drafter.draft_batch([[3]], config, ["c"])
+        drafter.finish(["c"])  # c's output is never stored: the cache does not keep it either
+        assert len(drafter.suffix_cache) == 3

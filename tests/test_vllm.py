@@ -107,6 +107,9 @@ def sampling_run(prompt):
 
 
 def job(checkpoint, method="rest", runs=(), **extra) -> dict:
+    """An engine's job; a REST engine recalls no calibration another test's engine kept."""
+    if "rest" in extra:
+        extra["rest"] = {"calibration_file": "none", **extra["rest"]}
     return {"model": checkpoint, "method": method, "k": K, "max_model_len": 1024, "runs": list(runs), **extra}
 
 

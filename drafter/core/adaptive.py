@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
 
@@ -37,6 +38,7 @@ import numpy as np
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.core.batch_step import merge_rows
+from rest_spec.drafter.core.calibration_memory import SAVE_EVERY, CalibrationMemory
 from rest_spec.drafter.core.chain_calibration import ChainCalibration, setting_class
 from rest_spec.drafter.core.corrected_cost import CorrectedCost
 from rest_spec.drafter.core.cost import StepCost, VerifyCost
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 SOURCES = ("index", "request", "outputs")
 # and "suffix": vLLM's ``suffix`` drafter's matcher (``drafter.core.suffix_cache``, Arctic Inference)
 SOURCE_NAMES = (*SOURCES, "suffix")
+FEED_TOKENS = 1 << 20  # tokens of the store's new outputs the suffix source takes in at most a step
 MAX_SESSIONS = 4096  # sessions kept at most; past it the longest unseen goes (an engine that never says "ended")
 # Verified and matured trees counted together once this many wait: the counting's fixed cost per
 # pass (tens of microseconds: a step's whole drafting at one row is a few hundred) paid once per
@@ -149,6 +152,13 @@ class AdaptiveDrafter:
                  (``drafter.core.chain_calibration``), learned from the chains verified, so that an
                  engine's batch admission weighs the tokens it will really get; the chain itself is
                  still chosen on the merged scores (vLLM's proposer)
+    memory       where what the calibrations learned is kept (``drafter.core.calibration_memory``):
+                 read at start, so a restarted or new replica starts calibrated, and written every
+                 ``SAVE_EVERY`` seconds as requests finish and at ``close``
+
+    With the "suffix" source over a source that holds the store of outputs in this process
+    (``LocalDrafter``, with a fleet's copy or not), the suffix cache's responses are the store's:
+    the newest of what it holds at start, then what it gains, every replica's (``_feed_suffix``).
 
     ``draft(context, config)``: the loop's ``config`` caps the verified tree (``budget`` nodes,
     ``max_depth`` levels) on top of the candidates' own config. Rows of ``draft_batch`` keep
@@ -168,6 +178,7 @@ class AdaptiveDrafter:
         chains: bool = False,
         cache_healed: bool = False,
         calibrate_chains: bool = False,
+        memory: CalibrationMemory | None = None,
     ) -> None:
         if chains and cost is None:
             raise ValueError("choosing chains needs a verify cost")
@@ -212,6 +223,17 @@ class AdaptiveDrafter:
         self.cost = CorrectedCost(cost) if isinstance(cost, VerifyCost) else cost
         self._sessions: OrderedDict[Hashable, _Session] = OrderedDict()  # least recently seen first
         self._rows: list[_Session] = []  # the sessions of the last call's rows, in row order
+        # the number of the store's next output for the suffix source's cache; None: not fed from a store
+        self._fed: int | None = None
+        if self.suffix_cache is not None:
+            held = self.source.read_outputs(0, 1)
+            if held is not None:
+                self._fed = max(0, held[2] - self.suffix_cache.max_cached)
+                while self._feed_suffix():
+                    pass
+        self.memory, self._saved_at = memory, time.monotonic()
+        if memory is not None:
+            self._recall(memory)
 
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
         return self.draft_batch([context], config)[0]
@@ -241,6 +263,8 @@ class AdaptiveDrafter:
         ``temperatures`` (None: greedy) set how the chain calibration prices each row's chain.
         Reads each context's new tokens and tail only."""
         self._rows = []
+        if self._fed is not None:
+            self._feed_suffix()
         verified, matured = self._verified, self._matured
         for i, (row, request) in enumerate(zip(rows, requests)):
             session = self._sessions.get(request)
@@ -354,16 +378,76 @@ class AdaptiveDrafter:
             matured[2].append(verified)
 
     def finish(self, requests: Sequence[Hashable]) -> None:
-        """These requests ended: their sessions go."""
+        """These requests ended: their sessions go (and, every ``SAVE_EVERY`` seconds, what the
+        calibrations learned to the ``memory``)."""
         for request in requests:
             session = self._sessions.pop(request, None)
             if session is not None:
                 self._drop(session)
+        if self.memory is not None and time.monotonic() - self._saved_at >= SAVE_EVERY:
+            self.remember()
 
     def _drop(self, session: _Session) -> None:
-        """A session goes: its request's suffix tree with it (its response stays cached)."""
+        """A session goes: its request's suffix tree with it (its response stays cached, unless the
+        cache is fed from the store, where the engine puts the output)."""
         if self.suffix_cache is not None:
-            self.suffix_cache.finish(session.suffix_key)
+            self.suffix_cache.finish(session.suffix_key, keep=self._fed is None)
+
+    def _feed_suffix(self) -> bool:
+        """Put the outputs the store gained since the last read (``FEED_TOKENS`` at most) into the
+        suffix source's cache of responses; whether there may be more. vLLM's ``suffix`` knows the
+        responses of its own engine; a REST replica's matcher knows the fleet's, and after a restart
+        what the durable store kept."""
+        documents, self._fed, end = self.source.read_outputs(self._fed, FEED_TOKENS)
+        for _, tokens in documents:
+            self.suffix_cache.add_output(tokens)
+        return bool(documents) and self._fed < end
+
+    def learned(self) -> dict[str, np.ndarray]:
+        """What the calibrations learned (every waiting tree counted), as ``memory`` keeps it."""
+        self._count()
+        arrays = {f"source.{name}": table for name, table in self._calibration.arrays().items()}
+        if self.chain_calibration is not None:
+            arrays.update({f"chain.{name}": table for name, table in self.chain_calibration.arrays().items()})
+        return {"sources": np.array(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes)), **arrays}
+
+    def restore(self, arrays: dict[str, np.ndarray]) -> None:
+        """Start from what ``learned()`` returned (of a drafter of the same sources);
+        ``ValueError`` naming what does not fit."""
+        sources = self.sources + tuple(f"index[-{k}:]" for k in self.suffixes)
+        saved = arrays.get("sources")
+        if saved is None or saved.ndim != 1 or tuple(str(name) for name in saved) != sources:
+            raise ValueError(f"it was learned for other sources than {', '.join(sources)}")
+        self._count()
+        before = self._calibration.arrays()
+        self._calibration.load({name: arrays.get(f"source.{name}") for name in ("observed", "predicted")})
+        if self.chain_calibration is not None and "chain.trials" in arrays:
+            try:
+                self.chain_calibration.load(
+                    {name: arrays.get(f"chain.{name}") for name in ("trials", "hits", "claimed")}
+                )
+            except ValueError:
+                self._calibration.load(before)  # all or nothing
+                raise
+
+    def _recall(self, memory: CalibrationMemory) -> None:
+        arrays = memory.load()
+        if arrays is None:
+            return
+        try:
+            self.restore(arrays)
+        except ValueError as exc:
+            log.warning("calibration %s does not fit this drafter (%s); learning afresh", memory.path, exc)
+        else:
+            log.info("calibrations from %s", memory.path)
+
+    def remember(self) -> None:
+        """Write what the calibrations learned to ``memory`` now (a failure is a warning)."""
+        self._saved_at = time.monotonic()
+        try:
+            self.memory.save(self.learned())
+        except OSError as exc:
+            log.warning("what the calibrations learned was not kept in %s: %s", self.memory.path, exc)
 
     def record(self, trees: Sequence[DraftTree], merged: Sequence[DraftTree]) -> None:
         """The trees verified for the rows of the last ``advance``, and the merged trees they were
@@ -460,6 +544,8 @@ class AdaptiveDrafter:
 
     def close(self) -> None:
         try:
+            if self.memory is not None:
+                self.remember()
             if self.cache_healed:
                 keep_healed(self.cost)
         finally:

@@ -174,6 +174,29 @@ class ChainCalibration:
         view.flags.writeable = False
         return view
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What it learned (the faded trials, hits and claims per group and cell): what
+        ``drafter.core.calibration_memory`` keeps for the next process (``load``)."""
+        return {"trials": self._trials.copy(), "hits": self._hits.copy(), "claimed": self._claimed.copy()}
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        """Start from what ``arrays`` (an earlier ``arrays()``) learned; ``ValueError`` naming the
+        problem for tables of another shape (other sources) or that no run could have learned
+        (negative, not finite, more hits or claims than trials), leaving this one as it was."""
+        tables = [np.asarray(arrays.get(name), dtype=np.float64) for name in ("trials", "hits", "claimed")]
+        trials, hits, claimed = tables
+        for name, table in zip(("trials", "hits", "claimed"), tables):
+            if table.shape != self._trials.shape:
+                raise ValueError(f"chain calibration {name} has shape {table.shape}, expected {self._trials.shape}")
+            if not np.all(np.isfinite(table)) or np.any(table < 0):
+                raise ValueError(f"chain calibration {name} holds negative or non-finite counts")
+        slack = 1e-6 * (1.0 + trials)
+        if np.any(hits > trials + slack) or np.any(claimed > trials + slack):
+            raise ValueError("chain calibration holds more hits or claims than trials")
+        self._trials, self._hits, self._claimed = trials.copy(), hits.copy(), claimed.copy()
+        self.trials = int(round(float(trials.sum())))
+        self.fit()
+
     def state(self) -> dict:
         """The trials and hits per source and cell, and the map: what a report shows."""
         return {

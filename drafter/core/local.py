@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.tokenizer import require_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
@@ -104,6 +106,10 @@ class LocalDrafter(DraftSource):
         if self.outputs is None:
             raise NoOutputStoreError("this drafter keeps no outputs (it was opened with outputs_max_tokens=0)")
         return self.outputs.add(tokens)
+
+    def read_outputs(self, from_seq: int, max_tokens: int) -> tuple[list[tuple[int, np.ndarray]], int, int] | None:
+        """``OutputStore.read`` of the store of outputs (of the fleet's copy, with a mirror)."""
+        return None if self.outputs is None else self.outputs.read(from_seq, max_tokens)
 
     def info(self) -> IndexInfo:
         return self.datastore.info()

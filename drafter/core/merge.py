@@ -533,6 +533,24 @@ class SourceCalibration:
         longer = np.asarray(match_len, dtype=np.int64)[..., None] + np.arange(depths)
         return self.weights[np.arange(self.num_sources)[:, None], length_class(longer, self.lengths)]
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """What it learned (the faded observed and predicted acceptance per cell): what
+        ``drafter.core.calibration_memory`` keeps for the next process (``load``)."""
+        return {"observed": self.observed.copy(), "predicted": self.predicted.copy()}
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        """Start from what ``arrays`` (an earlier ``arrays()``) learned; ``ValueError`` naming the
+        problem for cells of another shape (other sources, lengths or classes) or counts no run could
+        have learned (negative, not finite), leaving this one as it was."""
+        tables = [np.asarray(arrays.get(name), dtype=np.float64) for name in ("observed", "predicted")]
+        for name, table in zip(("observed", "predicted"), tables):
+            if table.shape != self.observed.shape:
+                raise ValueError(f"source calibration {name} has shape {table.shape}, expected {self.observed.shape}")
+            if not np.all(np.isfinite(table)) or np.any(table < 0):
+                raise ValueError(f"source calibration {name} holds negative or non-finite counts")
+        self.observed, self.predicted = tables[0].copy(), tables[1].copy()
+        self._weights = None
+
     def observe(self, tree: MergedTree, accepted: Sequence[int] | np.ndarray) -> None:
         """Learn from one ``tree`` (from ``merge_trees``, possibly cut by ``select_tree``);
         ``accepted`` = indices of its accepted nodes (``Verification.keep[1:] - 1``), or of the

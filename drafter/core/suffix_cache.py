@@ -75,6 +75,7 @@ class SuffixCache:
                 f"got {tree_depth}, {max_cached}, {min_token_prob}, {spec_factor}"
             )
         self.tree_depth, self.min_token_prob, self.spec_factor = tree_depth, min_token_prob, spec_factor
+        self.max_cached = max_cached
         self._cache = SuffixDecodingCache(max_tree_depth=tree_depth, max_cached_requests=max_cached)
         self._keys = itertools.count()
 
@@ -89,10 +90,13 @@ class SuffixCache:
         if len(tokens):
             self._cache.add_active_response(key, _int32(tokens))
 
-    def finish(self, key: Hashable) -> None:
-        """The request ended (or its session went): its tree goes, its response stays cached."""
+    def finish(self, key: Hashable, keep: bool = True) -> None:
+        """The request ended (or its session went): its tree goes, its response stays cached unless
+        not ``keep`` (a cache fed from a store of outputs gets it back from there, once)."""
         if key in self._cache.active_requests:
             self._cache.stop_request(key)
+        if not keep and key in self._cache.cached_requests:
+            self._cache.evict_cached_response(key)
 
     def add_output(self, tokens: Sequence[int] | np.ndarray) -> None:
         """A finished output from anywhere (another replica, the durable store) into the cache of

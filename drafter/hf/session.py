@@ -61,8 +61,9 @@ def load_parts(
     and ``datastore`` (None: decoding without drafts). The drafter is opened first (a bad datastore
     fails before the slow model load) and checked against the tokenizer; ``adaptive`` wraps it in an
     ``AdaptiveDrafter`` drafting with ``config`` at the verify cost measured (once, then cached) for
-    this model and device, which its close caches as the steps corrected it. The caller closes the
-    drafter."""
+    this model and device, which its close caches as the steps corrected it, and the calibrations
+    the last run of this model left (``drafter.core.calibration_memory``), which its close keeps. The
+    caller closes the drafter."""
     from rest_spec.common.tokenizer import check_tokenizer, load_tokenizer, tokenizer_fingerprint
     from rest_spec.drafter.hf.model import load_model
 
@@ -83,10 +84,18 @@ def load_parts(
         raise
     log.info("loaded %s on %s in %.1f s", type(loaded).__name__, loaded.device, time.perf_counter() - started)
     if adaptive and drafter is not None:
-        from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+        from rest_spec.drafter.core.adaptive import SOURCES, AdaptiveDrafter
+        from rest_spec.drafter.core.calibration_memory import CalibrationMemory, calibration_path
         from rest_spec.drafter.hf.measure import load_or_measure
 
-        drafter = AdaptiveDrafter(drafter, cost=load_or_measure(loaded), config=config, cache_healed=True)
+        memory = CalibrationMemory(
+            calibration_path(
+                str(getattr(loaded, "name_or_path", None) or model), tokenizer_fingerprint(tokenizer), SOURCES
+            )
+        )
+        drafter = AdaptiveDrafter(
+            drafter, cost=load_or_measure(loaded), config=config, cache_healed=True, memory=memory
+        )
     return tokenizer, loaded, drafter
 
 

@@ -18,7 +18,10 @@ outputs (``outputs_max_tokens``, ``outputs_dir``), or ``outputs_from``: the HOST
 ``rest-datastore serve`` whose store this worker copies and drafts from in process, sending its
 outputs there (``datastore.mirror``); ``overlap``; ``remeasure`` (ignore a cached
 cost and learn it afresh); ``calibrate_chains``; ``suffix_cache`` (vLLM's ``suffix`` matcher as a
-source; on by default where Arctic Inference, which vLLM's ``suffix`` needs, is installed).
+source; on by default where Arctic Inference, which vLLM's ``suffix`` needs, is installed);
+``calibration_file``: where what the calibrations learned is kept for the next engine
+(``drafter.core.calibration_memory``; default the cache directory's file for the model and
+sources, a path the fleet's hosts share, or "none").
 
 Each engine step it drafts what ``rest-generate --adaptive`` drafts: the index, the request's own
 text and the store of outputs, and with ``suffix_cache`` what vLLM's ``suffix`` would draft
@@ -62,6 +65,7 @@ from typing import Any
 from rest_spec.common.types import MAX_DEPTH, DraftConfig
 from rest_spec.drafter.core.adaptive import SOURCES, AdaptiveDrafter
 from rest_spec.drafter.core.batch_cost import BatchCost
+from rest_spec.drafter.core.calibration_memory import CalibrationMemory, calibration_path
 from rest_spec.drafter.core.cost import CostKey
 from rest_spec.drafter.core.scheduler import DraftScheduler, OverlapConfig
 from rest_spec.drafter.core.selection import select_batch_chains
@@ -92,6 +96,7 @@ class RestOptions:
     remeasure: bool = False
     calibrate_chains: bool = True
     suffix_cache: bool | None = None  # None: where Arctic Inference is installed (``suffix_cache.available``)
+    calibration_file: str | None = None  # None: the cache's, per model and sources; "none": not kept
 
     @classmethod
     def parse(cls, section: object, environ: Mapping[str, str] = os.environ) -> RestOptions:
@@ -298,13 +303,15 @@ class RestProposer:
             )
             self.cost = BatchCost(table)
             suffix = suffix_available() if self.options.suffix_cache is None else self.options.suffix_cache
+            sources = (*SOURCES, "suffix") if suffix else SOURCES
             self.adaptive = AdaptiveDrafter(
                 self.source,
                 cost=self.cost,
                 config=DraftConfig(max_depth=depth),
-                sources=(*SOURCES, "suffix") if suffix else SOURCES,
+                sources=sources,
                 chains=True,
                 calibrate_chains=self.options.calibrate_chains,
+                memory=self._memory(str(model_config.model), sources),
             )
             self.scheduler = DraftScheduler(
                 self.adaptive, DraftConfig(max_depth=depth), OverlapConfig(enabled=self.overlap), 0.05
@@ -414,6 +421,15 @@ class RestProposer:
                 f"additional_config.rest.datastore {self.options.datastore!r}: {exc}"
             ) from None  # one line naming the option
 
+    def _memory(self, model: str, sources: Sequence[str]) -> CalibrationMemory | None:
+        """Where the calibrations are kept (``calibration_file``; None: "none")."""
+        where = self.options.calibration_file
+        if where is not None and where.lower() == "none":
+            return None
+        if where is None:
+            where = calibration_path(model, self.source.info().tokenizer_fingerprint, sources)
+        return CalibrationMemory(where)
+
     def _batch(self, rows: int) -> list[tuple[str, Any]]:
         """(request id, request state) of each row, from the runner."""
         if self._link is None:
@@ -486,7 +502,7 @@ class RestProposer:
         log.info("REST proposer: %s", self.stats)
         self.scheduler.close()
         self.uploads.close()
-        self.source.close()
+        self.adaptive.close()  # keeps the calibrations, closes the source
         self.source = None
 
     def __del__(self) -> None:
