@@ -341,3 +341,29 @@ def test_greedy_generation_on_smollm2_equals_plain_and_learns_from_outputs(smoll
         cells = drafter.attribution.report()
         assert {cell["source"] for cell in cells} == set(drafter.sources)
         assert sum(cell["first_accepted"] for cell in cells if cell["source"] == "outputs") > 0
+
+
+def test_sampled_rows_learn_source_weights_of_their_own_and_greedy_ones_keep_theirs(base):
+    """A request sampled at temperature 0.7 through the decoding loop: its merged trees are learned
+    from by the calibration of that setting, made from the greedy one's priors; the greedy one learns
+    nothing from it, and a greedy request after it learns into the greedy one only."""
+    from transformers import GenerationConfig
+
+    from rest_spec.drafter.core.chain_calibration import setting_class
+
+    model = tiny_causal_lm("llama")
+    drafter = AdaptiveDrafter(base, cost=None, config=CONFIG, sources=("index", "request"))
+    sampled = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, top_p=1.0)
+    prompt = [30, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    generate(
+        model, prompt, drafter, max_new_tokens=24, generation_config=sampled, generator=torch.Generator().manual_seed(0)
+    )
+    calibrations = drafter.calibrations
+    assert set(calibrations) == {0, setting_class(0.7)}
+    hot = calibrations[setting_class(0.7)]
+    assert hot.predicted.sum() > 0 and calibrations[0].predicted.sum() == 0
+    np.testing.assert_array_equal(hot.prior, calibrations[0].prior)
+    learned = hot.predicted.copy()
+    generate(model, prompt, drafter, max_new_tokens=24)
+    assert drafter.calibration.predicted.sum() > 0
+    np.testing.assert_array_equal(drafter.calibrations[setting_class(0.7)].predicted, learned)

@@ -62,7 +62,7 @@ def test_a_new_drafter_given_the_memory_prices_chains_as_the_one_that_learned_th
     assert float(_step(restarted, [30, 1, 2], "probe").scores.sum()) == pytest.approx(learned_claim, rel=0.02)
     learned, recalled = learning.learned(), restarted.learned()
     assert learned.keys() == recalled.keys() and list(recalled["sources"]) == ["index", "request"]
-    for name in ("source.observed", "chain.trials", "chain.hits"):
+    for name in ("source.0.observed", "chain.trials", "chain.hits"):
         np.testing.assert_allclose(recalled[name], learned[name], rtol=0.05)
 
 
@@ -81,9 +81,14 @@ def test_close_keeps_what_was_learned(base, tmp_path):
 def _hostile_files(tmp_path, learned):
     shapes = dict(learned)
     shapes["chain.trials"] = learned["chain.trials"][:, :3]
-    negative = {**learned, "source.observed": -learned["source.observed"] - 1}
+    negative = {**learned, "source.0.observed": -learned["source.0.observed"] - 1}
     more_hits = {**learned, "chain.hits": learned["chain.trials"] + 5}
     other = {**learned, "sources": np.array(["index", "outputs"])}
+    hotter = {
+        **learned,
+        "source.9.observed": learned["source.0.observed"],
+        "source.9.predicted": learned["source.0.observed"],
+    }
     return {
         "garbage": (b"\x00not a zip" * 10, "unreadable"),
         "pickled": (_npz(format=np.int64(1), objects=np.array([{"a": 1}], dtype=object)), "unreadable"),
@@ -93,6 +98,7 @@ def _hostile_files(tmp_path, learned):
         "negative counts": (_npz(format=np.int64(1), **negative), "does not fit"),
         "more hits than trials": (_npz(format=np.int64(1), **more_hits), "does not fit"),
         "other sources": (_npz(format=np.int64(1), **other), "does not fit"),
+        "no such sampling setting": (_npz(format=np.int64(1), **hotter), "does not fit"),
     }
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Sequence
@@ -39,7 +40,7 @@ from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.drafter.core.batch_step import merge_rows
 from rest_spec.drafter.core.calibration_memory import SAVE_EVERY, CalibrationMemory
-from rest_spec.drafter.core.chain_calibration import ChainCalibration, setting_class
+from rest_spec.drafter.core.chain_calibration import TEMPERATURE_BOUNDS, ChainCalibration, setting_class
 from rest_spec.drafter.core.corrected_cost import CorrectedCost
 from rest_spec.drafter.core.cost import StepCost, VerifyCost
 from rest_spec.drafter.core.cost_cache import keep_healed
@@ -116,8 +117,8 @@ class _Session:
     tree: DraftTree = dataclasses.field(default_factory=DraftTree.empty)
     merged: DraftTree = dataclasses.field(default_factory=DraftTree.empty)  # what ``tree`` was selected from
     # merged trees waiting for the tokens that followed them: (context length then, the length at which
-    # the tree matures (that plus its depth), the tree, tokens accepted of it)
-    hindsight: deque[tuple[int, int, MergedTree, int]] = dataclasses.field(default_factory=deque)
+    # the tree matures (that plus its depth), the tree, tokens accepted of it, the sampling setting)
+    hindsight: deque[tuple[int, int, MergedTree, list[int], int]] = dataclasses.field(default_factory=deque)
     # with a chain calibration: what the merged tree claimed of each token of ``tree`` (its conditional
     # score) and the token's group (``ChainCalibration.claims``), learned from once the chain is verified
     claims: tuple[np.ndarray, np.ndarray] | None = None
@@ -141,7 +142,10 @@ class AdaptiveDrafter:
                  extra sources, after ``sources`` in the calibration; needs "index"; () for none
                  (``benchmarks.merge_rules`` measures what they add)
     calibration  per-source, per-sample-class weights, learned from what followed each merged tree;
-                 default: prior 1 everywhere. Shared by all rows and requests.
+                 default: prior 1 everywhere. Shared by all greedy rows; the rows of each sampling
+                 setting (``chain_calibration.setting_class``: a temperature class) learn their own
+                 from its priors, since a sampled row accepts a drafted token with the probability the
+                 model gives it, not when it is the argmax (``calibrations``)
     chains       verify a chain, never a branching tree: the root path that pays most under the
                  cost's chain times (``drafter.core.selection.select_chain``; needs a ``cost``), for engines
                  that verify chains only (llama.cpp, ``drafter.llamacpp.draft_model``)
@@ -209,6 +213,8 @@ class AdaptiveDrafter:
         self._calibration = calibration if calibration is not None else SourceCalibration(num_sources)
         if self._calibration.num_sources != num_sources:
             raise ValueError(f"calibration has {self._calibration.num_sources} sources, expected {num_sources}")
+        # per sampling setting (0: greedy, ``_calibration``), each made when a row of it first drafts
+        self._calibrations: dict[int, SourceCalibration] = {0: self._calibration}
         # where accepted tokens come from, per source and match length (reports; no decision reads it)
         self._attribution = Attribution(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes))
         # trees verified (tree, tokens its context gained, its accepted count to fill) and matured
@@ -217,7 +223,8 @@ class AdaptiveDrafter:
         # the claims of the verified chains (``_Session.claims``) and their accepted counts, to learn from
         self._claimed: list[tuple[tuple[np.ndarray, np.ndarray], list[int]]] = []
         self.chain_calibration = ChainCalibration(num_sources) if calibrate_chains else None
-        self._matured: tuple[list[MergedTree], list[list[int]], list[Sequence[int]]] = ([], [], [])
+        # matured trees: (tree, tokens that followed, the accepted count of its verified part, setting)
+        self._matured: tuple[list[MergedTree], list[list[int]], list[Sequence[int]], list[int]] = ([], [], [], [])
         self.accepted_mismatches = 0  # rows whose engine-reported tokens were not what their context gained
         self.source, self.config, self.chains = as_source(base), config, chains
         self.cost = CorrectedCost(cost) if isinstance(cost, VerifyCost) else cost
@@ -260,7 +267,8 @@ class AdaptiveDrafter:
         reports them for all the context gained, else what the context gained; a report that
         disagrees with the context is counted (``accepted_mismatches``) and logged once, since
         it means the engine's adapter hands contexts that are not what the engine committed.
-        ``temperatures`` (None: greedy) set how the chain calibration prices each row's chain.
+        ``temperatures`` (None: greedy) set each row's sampling setting: the source calibration
+        its tree is merged by and the chain calibration that prices its chain.
         Reads each context's new tokens and tail only."""
         self._rows = []
         if self._fed is not None:
@@ -296,7 +304,7 @@ class AdaptiveDrafter:
                     if isinstance(session.merged, MergedTree):
                         start = session.mark.length
                         session.hindsight.append(
-                            (start, start + session.merged.max_depth, session.merged, accepted_count)
+                            (start, start + session.merged.max_depth, session.merged, accepted_count, session.setting)
                         )
                 self._look_back(session, row, matured)
             session.mark, session.tree, session.merged = Mark.of(row), _EMPTY_TREE, _EMPTY_TREE
@@ -331,9 +339,21 @@ class AdaptiveDrafter:
 
     @property
     def calibration(self) -> SourceCalibration:
-        """The sources' weights, every matured tree counted."""
+        """The sources' weights for greedy rows, every matured tree counted."""
         self._count()
         return self._calibration
+
+    @property
+    def calibrations(self) -> dict[int, SourceCalibration]:
+        """The sources' weights per sampling setting seen (0: greedy), every matured tree counted."""
+        self._count()
+        return dict(self._calibrations)
+
+    def _calibration_of(self, setting: int) -> SourceCalibration:
+        calibration = self._calibrations.get(setting)
+        if calibration is None:
+            calibration = self._calibrations[setting] = self._calibration.fresh()
+        return calibration
 
     def _count(self) -> None:
         """Count the waiting trees, all at once and in the order they came (as one by one): the
@@ -352,7 +372,14 @@ class AdaptiveDrafter:
             self._claimed.clear()
         if matured[0]:
             in_hindsight = TreeNodes.along(*matured[:2], num_sources)
-            self._calibration.observe_nodes(in_hindsight)
+            settings = matured[3]
+            if not any(settings):
+                self._calibration.observe_nodes(in_hindsight)
+            else:  # each setting's trees, in the order they came
+                for setting in sorted(set(settings)):
+                    mine = [i for i, s in enumerate(settings) if s == setting]
+                    trees, followed = [matured[0][i] for i in mine], [matured[1][i] for i in mine]
+                    self._calibration_of(setting).observe_nodes(TreeNodes.along(trees, followed, num_sources))
             self._attribution.observe_hindsight_nodes(in_hindsight, [count for (count,) in matured[2]])
         for waiting in (*verified, *matured):
             waiting.clear()
@@ -361,21 +388,23 @@ class AdaptiveDrafter:
         self,
         session: _Session,
         row: Sequence[int],
-        matured: tuple[list[MergedTree], list[list[int]], list[Sequence[int]]],
+        matured: tuple[list[MergedTree], list[list[int]], list[Sequence[int]], list[int]],
     ) -> None:
         """Add to ``matured`` (trees, the tokens that followed each, the accepted count of each's
-        verified part: a one-element list ``_count`` fills, since it counts verified trees first) the
+        verified part: a one-element list ``_count`` fills, since it counts verified trees first, and
+        the row's sampling setting) the
         session's merged trees whose context has since grown by the tree's depth: what the
         calibration (``SourceCalibration.observe_nodes``) and the hindsight
         (``Attribution.observe_hindsight_nodes``) count."""
         while session.hindsight:
-            start, end, merged, verified = session.hindsight[0]
+            start, end, merged, verified, setting = session.hindsight[0]
             if len(row) < end:
                 return
             session.hindsight.popleft()
             matured[0].append(merged)
             matured[1].append(token_list(row, start, end))
             matured[2].append(verified)
+            matured[3].append(setting)
 
     def finish(self, requests: Sequence[Hashable]) -> None:
         """These requests ended: their sessions go (and, every ``SAVE_EVERY`` seconds, what the
@@ -406,7 +435,11 @@ class AdaptiveDrafter:
     def learned(self) -> dict[str, np.ndarray]:
         """What the calibrations learned (every waiting tree counted), as ``memory`` keeps it."""
         self._count()
-        arrays = {f"source.{name}": table for name, table in self._calibration.arrays().items()}
+        arrays = {
+            f"source.{setting}.{name}": table
+            for setting, calibration in self._calibrations.items()
+            for name, table in calibration.arrays().items()
+        }
         if self.chain_calibration is not None:
             arrays.update({f"chain.{name}": table for name, table in self.chain_calibration.arrays().items()})
         return {"sources": np.array(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes)), **arrays}
@@ -419,16 +452,22 @@ class AdaptiveDrafter:
         if saved is None or saved.ndim != 1 or tuple(str(name) for name in saved) != sources:
             raise ValueError(f"it was learned for other sources than {', '.join(sources)}")
         self._count()
-        before = self._calibration.arrays()
-        self._calibration.load({name: arrays.get(f"source.{name}") for name in ("observed", "predicted")})
+        keys = (re.fullmatch(r"source\.(\d+)\.observed", key) for key in arrays)
+        settings = sorted(int(key.group(1)) for key in keys if key)
+        if 0 not in settings or settings[-1] > len(TEMPERATURE_BOUNDS):
+            raise ValueError(f"its sampling settings are {settings}: not 0 (greedy) to {len(TEMPERATURE_BOUNDS)}")
+        loaded = {}
+        for setting in settings:  # every table checked before any is taken
+            loaded[setting] = self._calibration.fresh()
+            loaded[setting].load({name: arrays.get(f"source.{setting}.{name}") for name in ("observed", "predicted")})
+        chain = None
         if self.chain_calibration is not None and "chain.trials" in arrays:
-            try:
-                self.chain_calibration.load(
-                    {name: arrays.get(f"chain.{name}") for name in ("trials", "hits", "claimed")}
-                )
-            except ValueError:
-                self._calibration.load(before)  # all or nothing
-                raise
+            chain = ChainCalibration(self.chain_calibration.num_sources)
+            chain.load({name: arrays.get(f"chain.{name}") for name in ("trials", "hits", "claimed")})
+        self._calibration.load(loaded.pop(0).arrays())  # the greedy one stays the object given
+        self._calibrations = {0: self._calibration, **loaded}
+        if chain is not None:
+            self.chain_calibration = chain
 
     def _recall(self, memory: CalibrationMemory) -> None:
         arrays = memory.load()
@@ -500,7 +539,7 @@ class AdaptiveDrafter:
             suffixes = [DraftTree.empty()] * len(sessions)
         rows = [self._row_trees(*row) for row in zip(shared, requests, suffixes)]
         match_len = np.array([[tree.match_len for tree in row] for row in rows], dtype=np.int64)
-        weights = self._calibration.weights_for(match_len, config.max_depth)
+        weights = self._weights(sessions, match_len, config.max_depth)
         prices = None
         if self.cost is not None and self.chains:
             prices = np.asarray(self.cost.chain(np.arange(1, config.max_depth + 2)), dtype=np.float64)
@@ -512,6 +551,17 @@ class AdaptiveDrafter:
         if self.cost is None:
             return merged, merged
         return [select_tree(tree, self.cost) for tree in merged], merged
+
+    def _weights(self, sessions: Sequence[_Session], match_len: np.ndarray, depths: int) -> np.ndarray:
+        """Each row's sources' weights (``SourceCalibration.weights_for``) by its sampling setting's calibration."""
+        settings = [session.setting for session in sessions]
+        if not any(settings):
+            return self._calibration.weights_for(match_len, depths)
+        weights = np.empty((*match_len.shape, depths, self._calibration.observed.shape[2]))
+        for setting in set(settings):
+            mine = np.array(settings) == setting
+            weights[mine] = self._calibration_of(setting).weights_for(match_len[mine], depths)
+        return weights
 
     def _calibrated(self, sessions: Sequence[_Session], chains: list[DraftTree]) -> list[DraftTree]:
         """Each chain scored by the chain calibration, what it claimed kept in its session."""

@@ -504,6 +504,12 @@ class SourceCalibration:
     def num_sources(self) -> int:
         return int(self.prior.size)
 
+    def fresh(self) -> SourceCalibration:
+        """A calibration of the same priors and parameters that has learned nothing."""
+        return SourceCalibration(
+            self.num_sources, self.prior, self.strength, self.decay, self.observed.shape[2], self.lengths
+        )
+
     @property
     def weights(self) -> np.ndarray:
         """float64 [S, L, K]: each source's current per-token weight per match-length class and

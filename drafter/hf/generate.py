@@ -269,7 +269,9 @@ def decode(
             live = [contexts[row] for row in active]  # read by the drafter now, not kept
             told = None if committed is None else [committed[row] for row in active]
             # each row's request: its prompt's number; the next step's drafts start during this forward
-            trees = drafting.step(live, active, ended=ended, admit=admit, accepted=told)
+            trees = drafting.step(
+                live, active, ended=ended, admit=admit, accepted=told, temperatures=chooser.temperatures
+            )
             t1 = time.perf_counter()
             shape = None if cost is None else cost.block_shape(trees)
             verdicts = verify_trees(model, cache, rows, live, trees, chooser, shape)

@@ -151,6 +151,17 @@ class TokenChooser:
         return replace(self, processors=tuple(self.processors[i] for i in keep))
 
     @property
+    def temperatures(self) -> list[float]:
+        """Each row's sampling temperature (0: greedy; 1 where sampling sets none): what the drafter
+        calibrates its trees by (``AdaptiveDrafter.advance``)."""
+        if not self.do_sample:
+            return [0.0] * len(self.processors)
+        return [
+            next((float(p.temperature) for p in row if isinstance(p, TemperatureLogitsWarper)), 1.0)
+            for row in self.processors
+        ]
+
+    @property
     def score_only(self) -> bool:
         return all(type(p) in SCORE_ONLY_PROCESSORS for row in self.processors for p in row)
 
