@@ -152,14 +152,15 @@ def test_exact_probabilities_are_model_generates(model: PreTrainedModel, exact) 
 
 
 class LikelyPathsDrafter(ScriptedDrafter):
-    """What a good drafter proposes, from the exact distributions: under every node the two
+    """What a good drafter proposes, from the exact distributions: under every node the ``width``
     likeliest tokens, down to the NEW_TOKENS-th new token, plus a junk child of the root (a token
-    the model cannot sample there)."""
+    the model cannot sample there). Width 4 covers the whole top-k support: the wide trees a drafter
+    offers sampled rows, whose outputs spread over several continuations."""
 
     name = "exact"
 
-    def __init__(self, tables: dict[tuple[int, ...], torch.Tensor]) -> None:
-        self.tables = tables
+    def __init__(self, tables: dict[tuple[int, ...], torch.Tensor], width: int = 2) -> None:
+        self.tables, self.width = tables, width
 
     def draft(self, context: Sequence[int], config: DraftConfig) -> DraftTree:
         context = tuple(context)
@@ -172,7 +173,7 @@ class LikelyPathsDrafter(ScriptedDrafter):
             probs = self.tables.get(context + path)
             if probs is None:
                 continue
-            likely = [t for t in probs.topk(2).indices.tolist() if probs[t] > 0]
+            likely = [t for t in probs.topk(self.width).indices.tolist() if probs[t] > 0]
             paths += [path + (t,) for t in likely]
             frontier += [path + (t,) for t in likely]
         junk = int(self.tables[context].argmin())
@@ -210,12 +211,12 @@ ROWS_PER_CALL = 400
 
 
 def first_tokens(
-    model: PreTrainedModel, exact, samples_per_prompt: int, rule: type[TokenChooser] | None = None
+    model: PreTrainedModel, exact, samples_per_prompt: int, rule: type[TokenChooser] | None = None, width: int = 2
 ) -> list[Counter]:
     """Counts of the first NEW_TOKENS tokens per prompt over ``samples_per_prompt`` rows each, the
-    prompts alternating in left-padded batches. ``rule`` None: ``generate`` itself; else ``decode``
-    with that chooser in place of ``TokenChooser``."""
-    drafter = LikelyPathsDrafter({k: v for tables, _ in exact for k, v in tables.items()})
+    prompts alternating in left-padded batches, drafted by ``LikelyPathsDrafter`` of ``width``.
+    ``rule`` None: ``generate`` itself; else ``decode`` with that chooser in place of ``TokenChooser``."""
+    drafter = LikelyPathsDrafter({k: v for tables, _ in exact for k, v in tables.items()}, width)
     generator = torch.Generator().manual_seed(0)
     rows = [PROMPTS[i % len(PROMPTS)] for i in range(ROWS_PER_CALL)]
     config = prepare_generation_config(model, GenerationConfig(**SAMPLING), None)
@@ -261,8 +262,9 @@ def chi_square_critical(df: int, z: float = 4.265) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def test_sampling_with_trees_has_the_exact_distribution(model: PreTrainedModel, exact) -> None:
-    counts = first_tokens(model, exact, samples_per_prompt=2000)
+@pytest.mark.parametrize("width", [2, 4], ids=["two-branches", "whole-support"])
+def test_sampling_with_trees_has_the_exact_distribution(model: PreTrainedModel, exact, width: int) -> None:
+    counts = first_tokens(model, exact, samples_per_prompt=2000, width=width)
     for prompt_counts, (_, joint) in zip(counts, exact):
         assert set(prompt_counts) <= set(joint), "sampled a sequence the model cannot produce"
         statistic, df = chi_square(prompt_counts, joint)
