@@ -14,7 +14,7 @@ class), the token's leading source (the source that gave it its highest probabil
 of that source's match the chain was drafted from. Histogram cells over [0, 1] (a claim of 1 a cell
 of its own), each pulled by ``PRIOR_TRIALS`` pseudo-trials toward its claim scaled as
 its group errs over all its cells (a group with little evidence as its source errs; before any
-trial, toward the claim itself), made monotone by pooling adjacent violators, read between the
+trial, toward the claim at ``COLD_SHARE``), made monotone by pooling adjacent violators, read between the
 cells' points, fading with a half-life in trials so that a store of outputs that grows is followed.
 A chain's calibrated path scores are the running product of the mapped conditionals: they never grow
 down the chain, and their sum is the tokens the chain is expected to get accepted, what the batch
@@ -33,6 +33,12 @@ from rest_spec.drafter.core.merge import MATCH_LENGTH_EDGES, length_class
 
 CELLS = 21  # cells of the claimed conditional score: 20 of equal width over [0, 1), and claims of 1
 PRIOR_TRIALS = 8.0  # pseudo-trials at each cell's claim, scaled by its source's overall error
+# Before its source has any trial, a chain's claims are taken at this share: merged scores claim
+# 2.3-2.8x what fresh replicas get (benchmarks.history, 64 replicas of one request each). Chosen on
+# the tuning split (--tune 64, warm-up requests 1-64 held out; 1.0, 0.75, 0.6, 0.4 tried): at 64
+# fresh replicas REST / suffix modeled 0.90 / 0.96 / 0.94 / 0.85 (code), 0.96 / 1.05 / 1.06 / 1.01
+# (chat); one replica 1.04 and 1.08 whatever the share (it learns within a request).
+COLD_SHARE = 0.75
 HALF_LIFE = 4096  # trials after which earlier ones count half
 REFIT_EVERY = 64  # trials between refits of the map
 # The sampling settings calibrated apart, by temperature: greedy (0), then up to each bound. Sampled,
@@ -93,6 +99,7 @@ class ChainCalibration:
         self._points = np.tile(self.centres, (groups, 1))  # [G, CELLS]: each cell's mean claim
         self._map = np.tile(self.centres, (groups, 1))  # [G, CELLS]: and the rate accepted there
         self.trials = 0  # every trial observed
+        self.fit()  # before any trial: the claims at ``COLD_SHARE``
 
     @staticmethod
     def _cells(conditional: np.ndarray) -> np.ndarray:
@@ -159,11 +166,14 @@ class ChainCalibration:
         # and a group with little its source's
         hits = self._hits.reshape(-1, self.lengths, CELLS).sum(axis=2)  # [settings x sources, lengths]
         claimed = self._claimed.reshape(-1, self.lengths, CELLS).sum(axis=2)
-        source = (hits.sum(axis=1, keepdims=True) + PRIOR_TRIALS) / (claimed.sum(axis=1, keepdims=True) + PRIOR_TRIALS)
+        source = (hits.sum(axis=1, keepdims=True) + PRIOR_TRIALS * COLD_SHARE) / (
+            claimed.sum(axis=1, keepdims=True) + PRIOR_TRIALS
+        )
         group = (hits + PRIOR_TRIALS * source) / (claimed + PRIOR_TRIALS)
         prior = np.minimum(self.centres * group.reshape(-1, 1), 1.0)
         rate = (self._hits + PRIOR_TRIALS * prior) / (self._trials + PRIOR_TRIALS)
-        for g in range(rate.shape[0]):
+        self._map = rate  # a group never tried is its prior, monotone already: most groups, most fits
+        for g in np.flatnonzero(self._trials.any(axis=1)).tolist():
             self._map[g] = _pool_adjacent_violators(rate[g], self._trials[g] + PRIOR_TRIALS)
 
     @property
