@@ -144,3 +144,25 @@ def test_with_a_store_of_outputs_the_suffix_source_holds_what_the_store_holds(ar
         drafter.draft_batch([[3]], config, ["c"])
         drafter.finish(["c"])  # c's output is never stored: the cache does not keep it either
         assert len(drafter.suffix_cache) == 3
+
+
+def test_over_a_server_the_suffix_source_keeps_this_engines_responses(arctic, tmp_path):
+    """A store of outputs on a server (no copy in this process): the suffix source asks it nothing
+    and keeps this engine's responses itself, as vLLM's ``suffix`` does."""
+    from rest_spec.datastore.index import Datastore
+    from rest_spec.datastore.server import DatastoreServer, ServerConfig
+    from rest_spec.drafter.core.remote import RemoteDrafter
+
+    config = DraftConfig(budget=16, max_depth=8)
+    index = write_index(tmp_path / "idx", [list(range(20, 60))], MODEL_VOCAB)
+    with (
+        Datastore.open(index) as store,
+        DatastoreServer(store, ServerConfig(port=0, workers=2)) as server,
+        RemoteDrafter(server.address) as remote,
+    ):
+        drafter = AdaptiveDrafter(remote, cost=None, config=config, sources=("suffix",))
+        drafter.draft_batch([[7, 8]], config, ["a"])
+        drafter.draft_batch([[7, 8, 9, 10, 11]], config, ["a"])  # its response: 9 10 11
+        drafter.finish(["a"])
+        assert len(drafter.suffix_cache) == 1
+        assert drafter.draft_batch([[1, 8, 9]], config, ["b"])[0].tokens.tolist() == [10]  # a 1-token match: 1 token

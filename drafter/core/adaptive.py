@@ -233,7 +233,7 @@ class AdaptiveDrafter:
         # the number of the store's next output for the suffix source's cache; None: not fed from a store
         self._fed: int | None = None
         if self.suffix_cache is not None:
-            held = self.source.read_outputs(0, 1)
+            held = self.source.outputs_in_process(0, 1)
             if held is not None:
                 self._fed = max(0, held[2] - self.suffix_cache.max_cached)
                 while self._feed_suffix():
@@ -427,7 +427,7 @@ class AdaptiveDrafter:
         suffix source's cache of responses; whether there may be more. vLLM's ``suffix`` knows the
         responses of its own engine; a REST replica's matcher knows the fleet's, and after a restart
         what the durable store kept."""
-        documents, self._fed, end = self.source.read_outputs(self._fed, FEED_TOKENS)
+        documents, self._fed, end = self.source.outputs_in_process(self._fed, FEED_TOKENS)
         for _, tokens in documents:
             self.suffix_cache.add_output(tokens)
         return bool(documents) and self._fed < end

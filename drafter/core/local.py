@@ -107,7 +107,9 @@ class LocalDrafter(DraftSource):
             raise NoOutputStoreError("this drafter keeps no outputs (it was opened with outputs_max_tokens=0)")
         return self.outputs.add(tokens)
 
-    def read_outputs(self, from_seq: int, max_tokens: int) -> tuple[list[tuple[int, np.ndarray]], int, int] | None:
+    def outputs_in_process(
+        self, from_seq: int, max_tokens: int
+    ) -> tuple[list[tuple[int, np.ndarray]], int, int] | None:
         """``OutputStore.read`` of the store of outputs (of the fleet's copy, with a mirror)."""
         return None if self.outputs is None else self.outputs.read(from_seq, max_tokens)
 

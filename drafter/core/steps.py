@@ -115,7 +115,9 @@ class DraftSource:
         empty = DraftTree.empty()
         return Deferred(lambda: [SourceTrees(tree, empty) for tree in drafter_trees(self, contexts, config)])
 
-    def read_outputs(self, from_seq: int, max_tokens: int) -> tuple[list[tuple[int, np.ndarray]], int, int] | None:
+    def outputs_in_process(
+        self, from_seq: int, max_tokens: int
+    ) -> tuple[list[tuple[int, np.ndarray]], int, int] | None:
         """The outputs stored from number ``from_seq`` on, as ``OutputStore.read`` reads them, where
         this source holds them in this process (read without a call); None where it does not.
         Default: none."""
