@@ -79,7 +79,9 @@ def engine(job: dict) -> dict:
         seed=0,
         max_num_seqs=job["concurrency"],
         speculative_config=speculative_config({"method": "rest", "k": 8}),
-        additional_config={"rest": {"datastore": job["index"], "remeasure": True}},  # the same prior for every engine
+        additional_config={
+            "rest": {"datastore": job["index"], "remeasure": True, "calibration_file": "none"}
+        },  # the same prior for every engine
     )
     params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]

@@ -10,8 +10,9 @@ by default) are decoded greedily at concurrency 1 by fresh vLLM engines (``bench
 - ``rest`` and ``suffix``, day 1: one engine decodes the prompts twice, first as new tasks, then
   as repeated ones (their earlier outputs are in the store of outputs, or in suffix's tree);
 - day 2: the engine restarts (a new process) and decodes the prompts once more. REST's store of
-  outputs is a directory (``outputs_dir``, a fresh one per run) that the new engine reopens;
-  suffix starts from an empty tree.
+  outputs is a directory (``outputs_dir``, a fresh one per run) that the new engine reopens, and
+  its calibrations a file (``calibration_file``, likewise) that it recalls; suffix starts from an
+  empty tree.
 
 Per run: the median over prompts of the speed ratio to plain, tokens per second, the mean
 acceptance length and how many outputs equal plain's; per method, day 2's speed against day 1's
@@ -94,8 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     (plain,) = engine_runs(job("plain", prompts, args.max_new_tokens, 1))
     days_of = {}
     if "rest" in args.methods:
-        with tempfile.TemporaryDirectory(prefix="rest-outputs-") as outputs:
-            days_of["rest"] = days("rest", prompts, args, rest={"datastore": str(index), "outputs_dir": outputs})
+        with (
+            tempfile.TemporaryDirectory(prefix="rest-outputs-") as outputs,
+            tempfile.TemporaryDirectory(prefix="rest-calibration-") as kept,
+        ):
+            rest = {"datastore": str(index), "outputs_dir": outputs, "calibration_file": f"{kept}/calibration.npz"}
+            days_of["rest"] = days("rest", prompts, args, rest=rest)
     if "suffix" in args.methods:
         days_of["suffix"] = days("suffix", prompts, args)
     methods = {}

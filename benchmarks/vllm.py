@@ -449,7 +449,13 @@ def measure_t(prompt: list[int], index: Path, k: int) -> dict | None:
     warning when the engine wrote none."""
     started = time.time()
     spec = job(
-        "rest", [prompt], MEASURE_T_TOKENS, 1, decoding=GREEDY, k=k, rest={"datastore": str(index), "remeasure": True}
+        "rest",
+        [prompt],
+        MEASURE_T_TOKENS,
+        1,
+        decoding=GREEDY,
+        k=k,
+        rest={"datastore": str(index), "remeasure": True, "calibration_file": "none"},
     )
     spec["runs"][0]["sampling"]["ignore_eos"] = True
     engine(spec)
