@@ -14,7 +14,7 @@ class), the token's leading source (the source that gave it its highest probabil
 of that source's match the chain was drafted from. Histogram cells over [0, 1] (a claim of 1 a cell
 of its own), each pulled by ``PRIOR_TRIALS`` pseudo-trials toward its claim scaled as
 its group errs over all its cells (a group with little evidence as its source errs; before any
-trial, toward the claim at ``COLD_SHARE``), made monotone by pooling adjacent violators, read between the
+trial, toward the claim, at ``COLD_SHARE`` for short matches), made monotone by pooling adjacent violators, read between the
 cells' points, fading with a half-life in trials so that a store of outputs that grows is followed.
 A chain's calibrated path scores are the running product of the mapped conditionals: they never grow
 down the chain, and their sum is the tokens the chain is expected to get accepted, what the batch
@@ -33,12 +33,15 @@ from rest_spec.drafter.core.merge import MATCH_LENGTH_EDGES, length_class
 
 CELLS = 21  # cells of the claimed conditional score: 20 of equal width over [0, 1), and claims of 1
 PRIOR_TRIALS = 8.0  # pseudo-trials at each cell's claim, scaled by its source's overall error
-# Before its source has any trial, a chain's claims are taken at this share: merged scores claim
-# 2.3-2.8x what fresh replicas get (benchmarks.history, 64 replicas of one request each). Chosen on
-# the tuning split (--tune 64, warm-up requests 1-64 held out; 1.0, 0.75, 0.6, 0.4 tried): at 64
-# fresh replicas REST / suffix modeled 0.90 / 0.96 / 0.94 / 0.85 (code), 0.96 / 1.05 / 1.06 / 1.01
-# (chat); one replica 1.04 and 1.08 whatever the share (it learns within a request).
+# Before its source has any trial, a chain's claims from a match shorter than ``COLD_BELOW`` are taken
+# at this share: merged scores claim 2.3-2.8x what fresh replicas get (benchmarks.history, 64 replicas
+# of one request each), the short matches' most. Chosen on the tuning split (--tune 64, warm-up
+# requests 1-64 held out; a share for every match 1.0, 0.75, 0.6, 0.4): at 64 fresh replicas REST /
+# suffix modeled 0.90 / 0.96 / 0.94 / 0.85 (code), 0.96 / 1.05 / 1.06 / 1.01 (chat); 0.75 below 8
+# tokens only: 0.99 and 1.06 (and a fresh engine drafts a stored output whole); one replica 1.04 and
+# 1.08 whatever the share (it learns within a request).
 COLD_SHARE = 0.75
+COLD_BELOW = 8  # matches this long or longer are taken at their claim: their chains claimed 0.87-1.10x what they got
 HALF_LIFE = 4096  # trials after which earlier ones count half
 REFIT_EVERY = 64  # trials between refits of the map
 # The sampling settings calibrated apart, by temperature: greedy (0), then up to each bound. Sampled,
@@ -99,6 +102,8 @@ class ChainCalibration:
         self._points = np.tile(self.centres, (groups, 1))  # [G, CELLS]: each cell's mean claim
         self._map = np.tile(self.centres, (groups, 1))  # [G, CELLS]: and the rate accepted there
         self.trials = 0  # every trial observed
+        # what a claim is taken at before its source's first trial, per match class (``COLD_SHARE``)
+        self._cold = np.where(np.asarray(MATCH_LENGTH_EDGES) < COLD_BELOW, COLD_SHARE, 1.0)[None, :]
         self.fit()  # before any trial: the claims at ``COLD_SHARE``
 
     @staticmethod
@@ -166,9 +171,9 @@ class ChainCalibration:
         # and a group with little its source's
         hits = self._hits.reshape(-1, self.lengths, CELLS).sum(axis=2)  # [settings x sources, lengths]
         claimed = self._claimed.reshape(-1, self.lengths, CELLS).sum(axis=2)
-        source = (hits.sum(axis=1, keepdims=True) + PRIOR_TRIALS * COLD_SHARE) / (
+        source = (hits.sum(axis=1, keepdims=True) + PRIOR_TRIALS * self._cold) / (
             claimed.sum(axis=1, keepdims=True) + PRIOR_TRIALS
-        )
+        )  # [settings x sources, lengths]: the source's error, or before its first trial the cold share
         group = (hits + PRIOR_TRIALS * source) / (claimed + PRIOR_TRIALS)
         prior = np.minimum(self.centres * group.reshape(-1, 1), 1.0)
         rate = (self._hits + PRIOR_TRIALS * prior) / (self._trials + PRIOR_TRIALS)
