@@ -38,10 +38,10 @@ warm-up's outputs, and only the replicas given a held-out prompt are replayed). 
 replays each warmed fleet again as if every engine had restarted after the warm-up: suffix's
 caches empty; REST's durable store of outputs reloaded (its suffix source's responses replayed from
 it) and each replica's calibrations recalled from the file it kept
-(``drafter.core.calibration_memory``); ``--restart-forgets``: as before 2026-12-07, REST's
-calibrations empty too. Reports, per set, F
-and warm-up size N, tokens per step and accepted tokens per step of each drafter, their lift over no history, what their chains claimed against what they got accepted (``claims``:
-the sum of a chain's scores over its accepted tokens, per leading source and match length; suffix's
+(``drafter.core.calibration_memory``); ``--restart-forgets``: as before 17ad635, REST's
+calibrations empty too. Reports, per set, F and warm-up size N, tokens per step and accepted tokens
+per step of each drafter, their lift over no history, what their chains claimed against what they
+got accepted (``claims``: the sum of a chain's scores over its accepted tokens, per leading source and match length; suffix's
 ``score``), and for the REST drafters their attribution in hindsight per source
 (``drafter.core.merge.Attribution``: tokens each source held of what followed, tokens accepted).
 
@@ -563,7 +563,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--restart-forgets",
         action="store_true",
-        help="with --restart: REST's calibrations start empty too, as before they were kept (2026-12-07)",
+        help="with --restart: REST's calibrations start empty too, as before they were kept (17ad635)",
     )
     p.add_argument("--out", type=Path, default=RESULTS / "history.json")
     args = p.parse_args(argv)

@@ -216,7 +216,9 @@ class AdaptiveDrafter:
         # per sampling setting (0: greedy, ``_calibration``), each made when a row of it first drafts
         self._calibrations: dict[int, SourceCalibration] = {0: self._calibration}
         # where accepted tokens come from, per source and match length (reports; no decision reads it)
-        self._attribution = Attribution(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes))
+        # the calibration's sources in its order: the named ones, then the index's cuts
+        self.calibrated_sources = self.sources + tuple(f"index[-{k}:]" for k in self.suffixes)
+        self._attribution = Attribution(self.calibrated_sources)
         # trees verified (tree, tokens its context gained, its accepted count to fill) and matured
         # (tree, tokens that followed, the accepted count of its verified part), not counted yet
         self._verified: tuple[list[MergedTree], list[list[int]], list[list[int]]] = ([], [], [])
@@ -442,15 +444,14 @@ class AdaptiveDrafter:
         }
         if self.chain_calibration is not None:
             arrays.update({f"chain.{name}": table for name, table in self.chain_calibration.arrays().items()})
-        return {"sources": np.array(self.sources + tuple(f"index[-{k}:]" for k in self.suffixes)), **arrays}
+        return {"sources": np.array(self.calibrated_sources), **arrays}
 
     def restore(self, arrays: dict[str, np.ndarray]) -> None:
         """Start from what ``learned()`` returned (of a drafter of the same sources);
         ``ValueError`` naming what does not fit."""
-        sources = self.sources + tuple(f"index[-{k}:]" for k in self.suffixes)
         saved = arrays.get("sources")
-        if saved is None or saved.ndim != 1 or tuple(str(name) for name in saved) != sources:
-            raise ValueError(f"it was learned for other sources than {', '.join(sources)}")
+        if saved is None or saved.ndim != 1 or tuple(str(name) for name in saved) != self.calibrated_sources:
+            raise ValueError(f"it was learned for other sources than {', '.join(self.calibrated_sources)}")
         self._count()
         keys = (re.fullmatch(r"source\.(\d+)\.observed", key) for key in arrays)
         settings = sorted(int(key.group(1)) for key in keys if key)
@@ -554,12 +555,12 @@ class AdaptiveDrafter:
 
     def _weights(self, sessions: Sequence[_Session], match_len: np.ndarray, depths: int) -> np.ndarray:
         """Each row's sources' weights (``SourceCalibration.weights_for``) by its sampling setting's calibration."""
-        settings = [session.setting for session in sessions]
-        if not any(settings):
+        settings = np.fromiter((session.setting for session in sessions), np.int64, len(sessions))
+        if not settings.any():
             return self._calibration.weights_for(match_len, depths)
         weights = np.empty((*match_len.shape, depths, self._calibration.observed.shape[2]))
-        for setting in set(settings):
-            mine = np.array(settings) == setting
+        for setting in np.unique(settings).tolist():
+            mine = settings == setting
             weights[mine] = self._calibration_of(setting).weights_for(match_len[mine], depths)
         return weights
 

@@ -61,8 +61,9 @@ class CalibrationMemory:
     def load(self) -> dict[str, np.ndarray] | None:
         """The arrays saved, or None (no file; or a warning: unreadable, too large, another format)."""
         try:
-            if self.path.stat().st_size > MAX_BYTES:
-                raise ValueError(f"{self.path.stat().st_size} bytes, more than a calibration holds")
+            size = self.path.stat().st_size
+            if size > MAX_BYTES:
+                raise ValueError(f"{size} bytes, more than a calibration holds")
             with np.load(self.path, allow_pickle=False) as saved:
                 arrays = {name: saved[name] for name in saved.files}
         except FileNotFoundError:

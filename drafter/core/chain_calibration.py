@@ -14,8 +14,8 @@ class), the token's leading source (the source that gave it its highest probabil
 of that source's match the chain was drafted from. Histogram cells over [0, 1] (a claim of 1 a cell
 of its own), each pulled by ``PRIOR_TRIALS`` pseudo-trials toward its claim scaled as
 its group errs over all its cells (a group with little evidence as its source errs; before any
-trial, toward the claim, at ``COLD_SHARE`` for short matches), made monotone by pooling adjacent violators, read between the
-cells' points, fading with a half-life in trials so that a store of outputs that grows is followed.
+trial, toward the claim, at ``COLD_SHARE`` for short matches), made monotone by pooling adjacent
+violators, read between the cells' points, fading with a half-life in trials so that a store of outputs that grows is followed.
 A chain's calibrated path scores are the running product of the mapped conditionals: they never grow
 down the chain, and their sum is the tokens the chain is expected to get accepted, what the batch
 admission (``select_batch_chains``) weighs against the step's price. The chain itself is still
@@ -98,13 +98,12 @@ class ChainCalibration:
         self._trials = np.zeros((groups, CELLS))
         self._hits = np.zeros((groups, CELLS))
         self._claimed = np.zeros((groups, CELLS))  # sum of the claims observed per cell
-        self._since_fit = 0
-        self._points = np.tile(self.centres, (groups, 1))  # [G, CELLS]: each cell's mean claim
-        self._map = np.tile(self.centres, (groups, 1))  # [G, CELLS]: and the rate accepted there
         self.trials = 0  # every trial observed
         # what a claim is taken at before its source's first trial, per match class (``COLD_SHARE``)
         self._cold = np.where(np.asarray(MATCH_LENGTH_EDGES) < COLD_BELOW, COLD_SHARE, 1.0)[None, :]
-        self.fit()  # before any trial: the claims at ``COLD_SHARE``
+        # the map, [G, CELLS]: each cell's mean claim (``_points``) and the rate accepted there (``_map``);
+        # before any trial, the claims at the cold share
+        self.fit()
 
     @staticmethod
     def _cells(conditional: np.ndarray) -> np.ndarray:
