@@ -91,16 +91,23 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 def _terminate(pool: ProcessPoolExecutor) -> None:
     """Kill the pool's workers, whatever they are doing, so that ``shutdown`` does not wait for them.
 
-    The executor has no public way to do this before Python 3.14 (``terminate_workers``), and a
-    worker killed while sending a result leaves half a message in the result pipe, which the pool's
-    manager thread would wait on for ever. So the parent's end of that pipe is closed as well: the
-    manager thread reads end-of-file and shuts the pool down as broken, as it does when a worker
-    dies (CPython's own clean-up for that case also unblocks a call queue no worker reads)."""
+    The executor has no public way to do this before Python 3.14 (``terminate_workers``), and
+    two pipes would then block its threads for ever. A worker killed while sending a result leaves
+    half a message in the result pipe, which the pool's manager thread would wait on: the parent's
+    end of that pipe is closed, so the manager thread reads end-of-file and shuts the pool down as
+    broken, as it does when a worker dies. And a batch larger than a pipe's buffer (64 KiB) that the
+    call queue's feeder thread is writing when the workers die is never read to its end, so the
+    shutdown, which joins that thread, would hang (a CI run caught a stopped build waiting there):
+    the parent's reading end of the call queue is closed too, so the write fails at once (the
+    feeder hands the error to the batch's future, which nobody reads any more). Newer CPython
+    releases close it the same way when a pool breaks (gh-94777: 3.11.7 does, Debian 12's 3.11.2
+    does not)."""
     processes = list((pool._processes or {}).values())
     for process in processes:
         process.terminate()
     for process in processes:
         process.join()
+    pool._call_queue._reader.close()
     pool._result_queue._writer.close()
 
 

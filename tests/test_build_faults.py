@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -388,6 +389,41 @@ def test_a_stop_signal_stops_the_workers_and_leaves_the_previous_index(
         for pid in workers:  # the old code left them behind
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+STOPPED_POOL = """
+import os, signal, sys, time
+from tokenizers import Tokenizer
+from rest_spec.build_index.tokenize import BatchTokenizer, TokenizeConfig, _encode_in_worker
+
+tokenizer = Tokenizer.from_file(sys.argv[1])
+try:
+    with BatchTokenizer(tokenizer, TokenizeConfig(workers=2)) as encoder:
+        pool = encoder._pool
+        workers = [process.pid for process in pool._processes.values()]
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)  # no worker reads the call queue now
+        for _ in range(4):  # each batch larger than a pipe's buffer: the feeder thread blocks writing one
+            pool.submit(_encode_in_worker, ["x" * 100_000])
+        time.sleep(0.5)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)  # and none ever will (killed, as by the OOM killer or a stop)
+        raise RuntimeError("stop")
+except RuntimeError:
+    print("shut down")
+"""
+
+
+def test_an_error_while_a_batch_is_half_written_to_stopped_workers_does_not_hang(tiny_tokenizer):
+    """The tokenizer pool's shutdown after an error or a stop signal returns although its call
+    queue's feeder thread is blocked writing a batch larger than a pipe's buffer to workers that
+    died before reading it (``build_index.tokenize._terminate``; on Python 3.11 the shutdown waited
+    for that thread for ever: a CI run caught a build stopped by a signal hanging there)."""
+    done = subprocess.run(
+        [sys.executable, "-c", STOPPED_POOL, str(tiny_tokenizer / "tokenizer.json")],
+        capture_output=True, text=True, timeout=60, env=CLI_ENV,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout == "shut down\n", done.stderr[-2000:]
 
 
 # --------------------------------------------------------------------------- a full disk
