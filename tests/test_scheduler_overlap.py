@@ -661,15 +661,21 @@ def assert_coherent(result, overlap: bool) -> DraftingStats:
     return stats
 
 
+def generate_from(model, prompt, base, adaptive: bool, overlap: bool):
+    """``NEW_TOKENS`` from ``prompt`` drafted by ``base`` (a local or remote datastore) as the paper
+    drafts, or through an ``AdaptiveDrafter`` over it."""
+    drafter = AdaptiveDrafter(base, cost=CPU_COST, config=CONFIG) if adaptive else base
+    config = CONFIG if adaptive else PAPER
+    return generate(model, prompt, drafter, max_new_tokens=NEW_TOKENS, config=config, overlap=overlap)
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 @pytest.mark.parametrize("adaptive", [False, True], ids=["paper", "adaptive"])
 def test_local_drafting_is_lossless_with_and_without_overlap(smollm2, code_index, prompts, plain, adaptive, overlap):
     model, _ = smollm2
     with LocalDrafter.open(code_index) as local:
-        drafter = AdaptiveDrafter(local, cost=CPU_COST, config=CONFIG) if adaptive else local
-        config = CONFIG if adaptive else PAPER
-        result = generate(model, prompts[0], drafter, max_new_tokens=NEW_TOKENS, config=config, overlap=overlap)
+        result = generate_from(model, prompts[0], local, adaptive, overlap)
     assert result.output_ids == plain
     stats = assert_coherent(result, overlap)
     assert stats.fallbacks == 0  # in process: never late, never failing
@@ -705,9 +711,7 @@ def server(code_store):
 def test_remote_drafting_is_lossless_with_and_without_overlap(smollm2, server, prompts, plain, adaptive, overlap):
     model, _ = smollm2
     with RemoteDrafter(server.address) as remote:
-        drafter = AdaptiveDrafter(remote, cost=CPU_COST, config=CONFIG) if adaptive else remote
-        config = CONFIG if adaptive else PAPER
-        result = generate(model, prompts[0], drafter, max_new_tokens=NEW_TOKENS, config=config, overlap=overlap)
+        result = generate_from(model, prompts[0], remote, adaptive, overlap)
     assert result.output_ids == plain
     assert_coherent(result, overlap)
     assert result.steps < NEW_TOKENS
