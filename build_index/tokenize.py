@@ -23,6 +23,8 @@ from tokenizers import Tokenizer
 from rest_spec.common.signals import stop_signals_deferred
 
 DEFAULT_BATCH_SIZE = 64
+# How long a stopped build waits for the worker pool's manager thread to end by itself (see `_terminate`).
+_MANAGER_GRACE_S = 2.0
 
 
 def default_workers() -> int:
@@ -97,18 +99,23 @@ def _terminate(pool: ProcessPoolExecutor) -> None:
     end of that pipe is closed, so the manager thread reads end-of-file and shuts the pool down as
     broken, as it does when a worker dies. And a batch larger than a pipe's buffer (64 KiB) that the
     call queue's feeder thread is writing when the workers die is never read to its end, so the
-    shutdown, which joins that thread, would hang (a CI run caught a stopped build waiting there):
-    the parent's reading end of the call queue is closed too, so the write fails at once (the
-    feeder hands the error to the batch's future, which nobody reads any more). Newer CPython
-    releases close it the same way when a pool breaks (gh-94777: 3.11.7 does, Debian 12's 3.11.2
-    does not)."""
+    manager thread's shutdown, which joins the feeder, would hang (a CI run caught a stopped build
+    waiting there). CPython releases with the fix for gh-94777 (3.11.7 has it, Debian 12's 3.11.2
+    does not) close the parent's reading end of the call queue in that shutdown, so the write fails
+    at once; the manager thread then ends. Where it has not ended after ``_MANAGER_GRACE_S``, this
+    closes that end itself. Only then: closing it while the manager thread closes it too races on
+    one file descriptor (a CI run on 3.11.7 saw ``EBADF``)."""
     processes = list((pool._processes or {}).values())
     for process in processes:
         process.terminate()
     for process in processes:
         process.join()
-    pool._call_queue._reader.close()
     pool._result_queue._writer.close()
+    manager = pool._executor_manager_thread
+    if manager is not None:
+        manager.join(_MANAGER_GRACE_S)
+        if manager.is_alive() and not pool._call_queue._reader.closed:
+            pool._call_queue._reader.close()
 
 
 def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
