@@ -151,9 +151,10 @@ VLLM_OWN_METHODS = ("suffix", "ngram")  # the methods VLLM_SAMPLING_NOTE is abou
 class Decoding:
     """How every mode of a benchmark run decodes: greedy (``temperature`` 0), or sampled at
     ``temperature`` and ``top_p`` (no top-k cut), prompt i drawing with seed ``seed + i`` in every
-    mode, so that the modes of a prompt draw from streams seeded alike (the texts still differ: a
-    drafted step draws once per position it verifies). Sampled outputs differ by design: they are
-    not compared with plain decoding's, only speeds are."""
+    mode. The transformers loop draws each token at a number of its own output position, so its
+    modes give plain's text, and are compared with it as greedy ones are; ``model.generate`` and
+    vLLM draw otherwise (a drafted step takes its own draws), so their sampled texts differ from
+    plain's by design and only speeds are compared."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -181,8 +182,8 @@ class Decoding:
             "top_p": self.top_p,
             "top_k": 0,
             "seed": f"{self.seed} + the prompt's index in its set",
-            "outputs_compared": False,
-            "why_not_compared": "sampled outputs differ by design; speeds are against plain sampled decoding",
+            "outputs_compared": "the transformers loop's modes only (one seed draws one text there, with drafts or "
+            "without); model.generate's and vLLM's draw otherwise; speeds are against plain sampled decoding",
         }
 
     def vllm_run_fields(self, max_tokens: int) -> dict:
@@ -207,7 +208,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, beside_greedy: bool = 
     group = p.add_argument_group(
         "sampling",
         "greedy unless --temperature is above 0. Sampled, every mode samples, prompt i of a set with seed "
-        "--seed + i; outputs are not compared with plain decoding's (they differ by design), speeds are "
+        "--seed + i; the transformers loop's outputs are compared with plain decoding's (one seed, one text), "
+        "model.generate's and vLLM's are not (they draw otherwise); speeds are "
         "against plain sampled decoding",
     )
     group.add_argument(

@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare",
         action="store_true",
         help="also decode each prompt without drafts (the same model in the same loop, at its fastest layout) and "
-        "end with one line: both speeds and, when greedy, whether every output is the same (a difference exits "
-        "1); sampled outputs differ by design and are not compared. Both are warmed up before anything is timed "
+        "end with one line: both speeds and whether every output is the same (a difference exits 1): greedy, "
+        "or sampled with --seed (one seed draws one text, with drafts or without); sampled without --seed the "
+        "two draw different texts and only speeds are compared. Both are warmed up before anything is timed "
         "and take turns going first, so the machine's noise falls on both alike",
     )
     return parser
@@ -158,11 +159,12 @@ def run(args: argparse.Namespace) -> None:
 
     try:
         generation = sampling_config(model, args)
-        # --seed: decoding with drafts and without draw from streams of their own, so --compare changes neither's
-        # text; the warm-ups draw from a third
+        # --seed: decoding with drafts and without draw from streams of their own, seeded alike, so each prompt
+        # draws the same text both ways and --compare changes neither's; the warm-ups draw from a third
         streams = {drafted: seeded_generator(model, args.seed) for drafted in (True, False)}
         encoded = [encode_prompt(tokenizer, prompt) for prompt in prompts]
-        comparison = Comparison(sampled=bool(generation.do_sample)) if args.compare else None
+        same_draws = not generation.do_sample or args.seed is not None
+        comparison = Comparison(compare_outputs=same_draws) if args.compare else None
         if comparison is not None:  # first calls pay for allocations, kernels and connections: neither way times them
             warm_up = seeded_generator(model, 0)
             decode(encoded[0], True, WARM_UP_TOKENS, warm_up)
@@ -191,8 +193,8 @@ def run(args: argparse.Namespace) -> None:
                 timings += (
                     f"; without drafts {len(baseline.output_ids)} tokens in {baseline.seconds:.2f} s "
                     f"({baseline.tokens_per_second:.1f} tok/s), "
-                    + ("outputs not compared (sampled)" if same is None else "the same output" if same
-                       else "A DIFFERENT OUTPUT")
+                    + ("outputs not compared (sampled without --seed)" if same is None else "the same output"
+                       if same else "A DIFFERENT OUTPUT")
                 )  # fmt: skip
             print_result(args, record, number, len(prompts), timings)
     finally:
@@ -206,21 +208,22 @@ def run(args: argparse.Namespace) -> None:
 
 
 class Comparison:
-    """``--compare``'s tally: tokens and seconds with drafts and without, and, greedy, the prompts
-    whose outputs differ (greedy decoding with drafts is token for token the model's own). Sampled
-    (``sampled``), the two runs draw different texts by design (each has the model's distribution,
-    not its draws): only the speeds are compared."""
+    """``--compare``'s tally: tokens and seconds with drafts and without, and, where both ways draw
+    alike (``compare_outputs``: greedy, or sampled with one seed), the prompts whose outputs differ
+    (decoding with drafts is then token for token the model's own). Sampled without a seed, the two
+    runs draw different texts (each has the model's distribution, not the other's draws): only the
+    speeds are compared."""
 
-    def __init__(self, sampled: bool = False) -> None:
-        self.sampled = sampled
+    def __init__(self, compare_outputs: bool = True) -> None:
+        self.compare_outputs = compare_outputs
         self.tokens = self.seconds = self.baseline_tokens = self.baseline_seconds = 0.0
         self.prompts = 0
         self.differing: list[int] = []
 
     def add(self, number: int, result: GenerationResult, baseline: GenerationResult) -> dict:
         """Count prompt ``number``; returns the ``--json`` record of its run without drafts
-        (``same_output`` null when sampled: not compared)."""
-        same = None if self.sampled else result.output_ids == baseline.output_ids
+        (``same_output`` null where not compared)."""
+        same = result.output_ids == baseline.output_ids if self.compare_outputs else None
         if same is False:
             self.differing.append(number)
         self.prompts += 1
@@ -237,14 +240,14 @@ class Comparison:
         }
 
     def summary(self, datastore: str) -> str:
-        """One plain line: both speeds, the ratio, and whether the outputs matched (or, sampled,
-        that they were not compared)."""
+        """One plain line: both speeds, the ratio, and whether the outputs matched (or that they
+        were not compared)."""
         rate, baseline_rate = self.tokens / self.seconds, self.baseline_tokens / self.baseline_seconds
         speeds = (
             f"REST (drafts from {datastore}): {self.tokens:.0f} tokens in {self.seconds:.1f} s ({rate:.1f} tok/s); "
             f"the model alone: "
         )
-        if not self.sampled:
+        if self.compare_outputs:
             same = self.prompts - len(self.differing)
             return (
                 f"{speeds}{self.baseline_seconds:.1f} s ({baseline_rate:.1f} tok/s). "
@@ -253,7 +256,7 @@ class Comparison:
         return (
             f"{speeds}{self.baseline_tokens:.0f} tokens in {self.baseline_seconds:.1f} s ({baseline_rate:.1f} tok/s). "
             f"{rate / baseline_rate:.2f}x the speed in tokens per second over {self.prompts} prompt(s); outputs not "
-            "compared: decoding is sampled, and the two runs draw different texts by design."
+            "compared: decoding is sampled without --seed, so the two runs draw different texts."
         )
 
 

@@ -12,8 +12,17 @@ the row's own prompt length.
 
 Processors that read the scores only (temperature, top-k, ...) run once over all positions of all
 rows; any other list runs once per (row, depth) on [positions, context + depth] input_ids.
-Together with ``verify.accept_path`` (one independent draw per position), this is the lossless
-tree rule of speculative sampling over trees (SpecInfer, Miao et al., 2023).
+
+Sampled, the draw is keyed by the output position, not by the tree node: a row's n-th new token is
+drawn by inverting the processed distribution's CDF at one uniform number ``u[n]``, drawn for the
+row before decoding starts. Every tree position at depth d of a step whose pending token is the
+row's g-th new token uses ``u[g + d]``. ``verify.accept_path`` visits one node per depth, so each
+committed token gets a fresh uniform of its own: exactly the distribution of plain sampling (the
+lossless tree rule of speculative sampling over trees, SpecInfer, Miao et al., 2023). And more:
+a token depends only on the text before it and its own ``u[n]``, so with the same generator the
+output is the same with or without drafts, whatever the drafts were. Decoding's output under a
+seed is then known in advance, which makes the best possible draft (that output) a true ceiling
+to measure a drafter against (``benchmarks/e2e.py``'s oracle mode).
 """
 
 from __future__ import annotations
@@ -120,15 +129,19 @@ def _apply(processors: LogitsProcessorList, input_ids: torch.Tensor, scores: tor
 @dataclass(frozen=True)
 class TokenChooser:
     """An ``AcceptanceRule`` (see ``verify``): per tree position, ``model.generate``'s processed
-    scores, then argmax (``do_sample`` False) or one draw from ``softmax(scores)`` with
-    ``generator`` (None: torch's global generator, as ``model.generate`` uses).
+    scores, then argmax (``do_sample`` False) or the draw of the output position it decides (see
+    the module's docstring).
 
-    processors  one list per batch row, in the order of the rows passed to ``__call__``
+    processors      one list per batch row, in the order of the rows passed to ``__call__``
+    prompt_lengths  each row's prompt length: where its new tokens start
+    uniforms        float32 [rows, max(max_new_tokens, 1)] where sampling: row b's n-th new token is
+                    drawn at ``uniforms[b, n]``
     """
 
     processors: tuple[LogitsProcessorList, ...]
     do_sample: bool
-    generator: torch.Generator | None = None
+    prompt_lengths: tuple[int, ...] = ()
+    uniforms: torch.Tensor | None = None
 
     @classmethod
     def for_prompts(
@@ -140,15 +153,26 @@ class TokenChooser:
         logits_processor: LogitsProcessorList | None = None,
         generator: torch.Generator | None = None,
     ) -> TokenChooser:
-        """One row per prompt, from a config made by ``prepare_generation_config``."""
+        """One row per prompt, from a config made by ``prepare_generation_config``; sampled, every
+        uniform number the decoding will use is drawn now from ``generator`` (None: torch's global
+        generator, as ``model.generate`` uses)."""
         processors = tuple(
             row_logits_processors(model, config, length, max_new_tokens, logits_processor) for length in prompt_lengths
         )
-        return cls(processors, do_sample=bool(config.do_sample), generator=generator)
+        uniforms = None
+        if config.do_sample:
+            shape = (len(prompt_lengths), max(max_new_tokens, 1))
+            uniforms = torch.rand(shape, generator=generator, device=model.device, dtype=torch.float32)
+        return cls(processors, bool(config.do_sample), tuple(int(n) for n in prompt_lengths), uniforms)
 
     def select_rows(self, keep: Sequence[int]) -> TokenChooser:
         """The chooser for rows ``keep`` only (same order), e.g. once other rows have finished."""
-        return replace(self, processors=tuple(self.processors[i] for i in keep))
+        return replace(
+            self,
+            processors=tuple(self.processors[i] for i in keep),
+            prompt_lengths=tuple(self.prompt_lengths[i] for i in keep),
+            uniforms=None if self.uniforms is None else self.uniforms[list(keep)],
+        )
 
     @property
     def temperatures(self) -> list[float]:
@@ -188,15 +212,24 @@ class TokenChooser:
                 scores[row, index] = _apply(processors, torch.from_numpy(ids).to(scores.device), scores[row, index])
         return scores
 
-    def pick(self, scores: torch.Tensor) -> torch.Tensor:
-        """int64 [B, q]: argmax, or one independent draw per position from ``softmax(scores)``."""
+    def pick(self, scores: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """int64 [B, q]: argmax, or at each position the draw of the output position it decides:
+        the first token whose cumulative probability exceeds that position's uniform (tokens of
+        probability zero are never drawn)."""
         if not self.do_sample:
             return scores.argmax(dim=-1)
-        batch, q, vocab = scores.shape
-        probs = torch.softmax(scores.reshape(-1, vocab), dim=-1)
-        return torch.multinomial(probs, num_samples=1, generator=self.generator).view(batch, q)
+        if self.uniforms is None:
+            raise ValueError("a sampling TokenChooser needs its uniforms: build it with TokenChooser.for_prompts")
+        generated = torch.tensor(
+            [len(context) - length for context, length in zip(contexts, self.prompt_lengths)], device=scores.device
+        )
+        position = (generated[:, None] + inputs.depths.clamp(min=0)).clamp(max=self.uniforms.shape[1] - 1)
+        cdf = torch.softmax(scores, dim=-1).cumsum_(dim=-1)  # [B, q, V]
+        threshold = self.uniforms.gather(1, position) * cdf[..., -1]  # [B, q]
+        drawn = torch.searchsorted(cdf, threshold[..., None], right=True)[..., 0]
+        return drawn.clamp_(max=scores.shape[-1] - 1)
 
     def __call__(self, logits: torch.Tensor, inputs: TreeInputs, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
         if not self.do_sample and not any(self.processors):
             return logits.argmax(dim=-1)  # plain greedy: float32 scores would not change the argmax
-        return self.pick(self.scores(logits, inputs, contexts))
+        return self.pick(self.scores(logits, inputs, contexts), inputs, contexts)

@@ -5,11 +5,12 @@ Acceptance is split in two so that the token rule can change without touching th
 
 1. an ``AcceptanceRule`` picks the model's next token at every flat position from the logits
    (``greedy_rule``: argmax; ``sampling.TokenChooser``: ``model.generate``'s logits processors,
-   then argmax or one sample from the processed distribution per position);
+   then argmax or a sample from the processed distribution at each position);
 2. ``accept_path`` keeps a node iff the rule's token at its parent equals the node's token, for the
    node and all its ancestors, and returns the deepest such path plus the rule's token after it.
 
-Step 2 with independent per-position samples is exactly the "sample at the node, descend if the
+Step 2 with samples independent along every root path (``TokenChooser`` draws all positions of one
+depth at one uniform number, fresh per depth) is exactly the "sample at the node, descend if the
 sample is a child" walk of tree speculative sampling: only the samples on the visited path are ever used, and
 each is drawn from the model's distribution given the context and the path above it, so every
 committed token has exactly the distribution plain sampling gives it.
