@@ -10,6 +10,7 @@ distribution.
   are checked against ``model.generate``'s own processed scores. REST's rule (accept a draft token
   whenever it lies inside the top-k / top-p set) fails the same test, so the test has power.
 - A fixed generator seed gives the same output with and without drafts.
+- ``SortFreeTopP`` keeps the nucleus ``TopPLogitsWarper`` keeps (a property over sharp and flat rows).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
@@ -32,10 +35,11 @@ from transformers.generation.logits_process import (
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.hf.generate import StopConditions, decode, generate, prefill
 from rest_spec.drafter.hf.kv_cache import new_cache
-from rest_spec.drafter.hf.sampling import TokenChooser, prepare_generation_config, row_logits_processors
+from rest_spec.drafter.hf.sampling import SortFreeTopP, TokenChooser, prepare_generation_config, row_logits_processors
 from rest_spec.drafter.hf.tree_attention import TreeInputs, build_tree_inputs
 from rest_spec.drafter.hf.verify import tree_logits
 from tests.helpers import ScriptedDrafter, tiny_causal_lm, tree_from_paths
+from tests.tiers import examples
 
 PROMPTS = ([17], [5, 17, 33, 99, 100, 7])
 NEW_TOKENS = 3
@@ -87,6 +91,27 @@ def test_scores_at_every_tree_position_equal_plain_processing(model: PreTrainedM
             assert torch.equal(scores[b, position].isinf(), expected.isinf()), (b, path)
             finite = expected.isfinite()
             assert torch.allclose(scores[b, position][finite], expected[finite], atol=1e-4), (b, path)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.sampled_from([5, 63, 64, 65, 300, 5000]),
+    spread=st.floats(0.05, 8.0),
+    top_p=st.floats(0.05, 0.999),
+    keep=st.integers(1, 3),
+)
+def test_the_sort_free_nucleus_is_transformers_nucleus(seed, vocab, spread, top_p, keep) -> None:
+    """``SortFreeTopP`` keeps exactly the tokens ``TopPLogitsWarper`` keeps, and their scores, for
+    sharp distributions (a few tokens hold top_p), flat ones (its k grows to the whole vocabulary)
+    and rows cut by top-k before it; in float64, so that rounding moves no token across the edge."""
+    scores = torch.randn(4, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * spread
+    scores[0, : vocab // 2] = -math.inf
+    ids = torch.zeros(4, 1, dtype=torch.long)
+    expected = TopPLogitsWarper(top_p, min_tokens_to_keep=keep)(ids, scores.clone())
+    got = SortFreeTopP(top_p, min_tokens_to_keep=keep)(ids, scores.clone())
+    assert torch.equal(got.isfinite(), expected.isfinite())
+    assert torch.equal(got[got.isfinite()], scores[got.isfinite()])
 
 
 # --- the exact distribution of the first tokens ---------------------------------------------------
