@@ -152,9 +152,10 @@ class Decoding:
     """How every mode of a benchmark run decodes: greedy (``temperature`` 0), or sampled at
     ``temperature`` and ``top_p`` (no top-k cut), prompt i drawing with seed ``seed + i`` in every
     mode. The transformers loop draws each token at a number of its own output position, so its
-    modes give plain's text, and are compared with it as greedy ones are; ``model.generate`` and
-    vLLM draw otherwise (a drafted step takes its own draws), so their sampled texts differ from
-    plain's by design and only speeds are compared."""
+    modes give plain's text but where a draw falls within float rounding of a token's edge: their
+    outputs are counted against plain's, not checked; ``model.generate`` and vLLM draw otherwise (a
+    drafted step takes its own draws), so their sampled texts differ from plain's by design and
+    only speeds are compared."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -182,8 +183,9 @@ class Decoding:
             "top_p": self.top_p,
             "top_k": 0,
             "seed": f"{self.seed} + the prompt's index in its set",
-            "outputs_compared": "the transformers loop's modes only (one seed draws one text there, with drafts or "
-            "without); model.generate's and vLLM's draw otherwise; speeds are against plain sampled decoding",
+            "outputs_compared": "the transformers loop's modes only, counted, not checked (one seed draws one text "
+            "there, with drafts or without, but for float rounding at a draw's edge); model.generate's and vLLM's "
+            "draw otherwise; speeds are against plain sampled decoding",
         }
 
     def vllm_run_fields(self, max_tokens: int) -> dict:
@@ -208,7 +210,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, beside_greedy: bool = 
     group = p.add_argument_group(
         "sampling",
         "greedy unless --temperature is above 0. Sampled, every mode samples, prompt i of a set with seed "
-        "--seed + i; the transformers loop's outputs are compared with plain decoding's (one seed, one text), "
+        "--seed + i; the transformers loop's outputs are counted against plain decoding's (one seed, one text, "
+        "but for rounding at a draw's edge), "
         "model.generate's and vLLM's are not (they draw otherwise); speeds are "
         "against plain sampled decoding",
     )

@@ -146,7 +146,10 @@ def seed_value(text: str) -> int:
 
 # Each step draws one token per position it verifies: where measured times size the steps, how many
 # draws each step takes varies from run to run, and so does the text a seed draws.
-DRAFTED_SEED_NOTE = ", with drafts or without (each token is drawn at a number of its own position)"
+DRAFTED_SEED_NOTE = (
+    ", with drafts or without (each token is drawn at a number of its own position; a draw within float rounding "
+    "of the edge between two tokens may fall otherwise)"
+)
 DRAFTED_TEMPERATURE_NOTE = (
     ". Drafting keeps the model's distribution exactly: it changes the speed, not what is drawn from"
 )

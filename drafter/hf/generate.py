@@ -356,7 +356,8 @@ def generate(
     """Decode ``input_ids`` with draft trees from ``drafter``: the output has exactly the
     distribution of ``model.generate``'s with the same arguments, and with greedy decoding it is
     token for token the same. Sampled, a seeded ``generator`` gives the same output whatever the
-    drafter (None included): each token is drawn at a number of its own position (``TokenChooser``).
+    drafter (None included), each token drawn at a number of its own position (``TokenChooser``),
+    but where a draw falls within float rounding of the edge between two tokens.
 
     input_ids           one prompt (ids, [L] or [1, L]) -> ``GenerationResult``; B > 1 prompts
                         ([B, L] left-padded with ``attention_mask``, or B id lists) ->
@@ -369,7 +370,7 @@ def generate(
     stopping_criteria   checked after every committed token (e.g. ``StopStringCriteria``)
     streamer            ``put`` with each step's committed tokens (see ``stream_to``), then ``end``
     generator           randomness of sampling, on the model's device; a fixed seed reproduces the
-                        output, with this drafter or any other
+                        output, with this drafter or any other (but for rounding at a draw's edge)
     overlap             fetch each step's drafts during the previous forward (``drafter.core.scheduler``;
                         an ``OverlapConfig``, or True for its defaults). Off by default: the
                         fetch and its server take CPU from the forward it runs beside, and the

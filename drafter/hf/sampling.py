@@ -20,9 +20,11 @@ row's g-th new token uses ``u[g + d]``. ``verify.accept_path`` visits one node p
 committed token gets a fresh uniform of its own: exactly the distribution of plain sampling (the
 lossless tree rule of speculative sampling over trees, SpecInfer, Miao et al., 2023). And more:
 a token depends only on the text before it and its own ``u[n]``, so with the same generator the
-output is the same with or without drafts, whatever the drafts were. Decoding's output under a
-seed is then known in advance, which makes the best possible draft (that output) a true ceiling
-to measure a drafter against (``benchmarks/e2e.py``'s oracle mode).
+output is the same with or without drafts, whatever the drafts were, but where ``u[n]`` falls
+within float rounding of the edge between two tokens (a block of several positions rounds the
+logits unlike a one-token step: at temperature 1.0, about one 128-token output in 16 parts so).
+Decoding's output under a seed is then known in advance, which makes the best possible draft
+(that output) a true ceiling to measure a drafter against (``benchmarks/e2e.py``'s oracle mode).
 """
 
 from __future__ import annotations
