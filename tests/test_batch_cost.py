@@ -7,15 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rest_spec.common.types import DraftConfig
-from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.batch_cost import CELL_WINDOW, FORGET_AFTER, HALF_LIFE, PROVISIONAL_SLOPE, BatchCost
 from rest_spec.drafter.core.cost import CostKey, VerifyCost
-from rest_spec.drafter.core.local import LocalDrafter
-from rest_spec.drafter.core.scheduler import DraftScheduler
 from rest_spec.drafter.core.selection import select_batch_chains
-from rest_spec.drafter.core.worth import MAX_SKIP, MIN_CLAIMS, DraftingWorth
-from tests.helpers import scored_chain, write_index
+from rest_spec.drafter.core.worth import MAX_SKIP, DraftingWorth
+from tests.helpers import scored_chain
 
 KEY = CostKey("m", "r", 1, "cpu", "float32")
 
@@ -226,43 +222,6 @@ def test_a_stalled_step_does_not_stop_drafting_that_pays():
     for _ in range(4):
         slow.weigh(8, 12.0, 0.060, 0.025)
     assert not slow.drafts(8)
-
-
-def test_claims_that_are_not_accepted_are_discounted_until_drafting_stops():
-    """One row claiming 0.3 tokens a step for a tenth of a plain step pays by its claims; once eight
-    steps have got a quarter of what they claimed (0.075 tokens for 0.1 of a step), it is skipped.
-    Claims that got all of it (or more) keep drafting: a discount, never a bonus."""
-    overclaimed, honest = DraftingWorth(), DraftingWorth()
-    for step_number in range(MIN_CLAIMS):
-        for worth in (overclaimed, honest):
-            assert worth.drafts(1), step_number
-            worth.weigh(1, 0.3, 0.004, 0.040)
-        overclaimed.observe(0.3, 0.3 / 4)
-        honest.observe(0.3, 0.5)
-    assert overclaimed.honesty == pytest.approx(0.25) and honest.honesty == 1.0
-    for worth in (overclaimed, honest):
-        worth.weigh(1, 0.3, 0.004, 0.040)
-    assert not overclaimed.drafts(1) and honest.drafts(1)
-    worth = DraftingWorth()
-    worth.observe(0.0, 0.0)  # a step that claimed nothing says nothing of the claims
-    assert worth.honesty == 1.0 and not worth._claims
-
-
-def test_the_scheduler_checks_each_drafted_steps_claims_against_what_was_accepted(tmp_path):
-    """``DraftScheduler`` tells the worth rule what the last step's trees claimed (their scores) and
-    what its rows accepted of them (each row's committed tokens less the one a plain step makes)."""
-    index = tmp_path / "idx"
-    write_index(index, [list(range(40)) * 3], vocab_size=64)
-    cost = VerifyCost(CostKey("test", "", 1, "cpu", "float32"), 256, (1, 8, 16), (0.040, 0.044, 0.048))
-    with LocalDrafter.open(index) as base:
-        scheduler = DraftScheduler(AdaptiveDrafter(base, cost=cost), DraftConfig(budget=8, max_depth=4))
-        context = list(range(20))
-        (tree,) = scheduler.step([context], [0])
-        assert len(tree) > 0
-        claimed = float(tree.scores.sum())
-        scheduler.step([context + [20, 21]], [0], accepted=[[20, 21]])  # one draft token accepted, and the bonus
-        assert list(scheduler.worth._claims) == [(pytest.approx(claimed), 1)]
-        scheduler.close()
 
 
 def test_a_reset_drafts_at_once():

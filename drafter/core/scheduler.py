@@ -248,7 +248,6 @@ class DraftScheduler:
         self._live: set[Hashable] = set()  # the last step's requests, less those that ended since
         # the trees the last step handed the engine, and the rows it ran: what its time is observed for
         self._handed: tuple[list[DraftTree], int] | None = None
-        self._claimed: float | None = None  # what the last step's trees claimed (their scores), if it drafted
 
     @property
     def cost(self) -> StepCost | None:
@@ -330,9 +329,6 @@ class DraftScheduler:
         requests = range(len(rows)) if request_ids is None else request_ids
         self._live = set(requests)
         cost = self.cost
-        if self._claimed is not None and accepted is not None:  # each row committed its accepted drafts + 1
-            self.worth.observe(self._claimed, sum(max(len(tokens) - 1, 0) for tokens in accepted))
-        self._claimed = None
         if cost is not None and not self.worth.drafts(size):
             self._skip(rows, requests, start, accepted, temperatures)
             return [DraftTree.empty()] * len(rows)
@@ -346,7 +342,7 @@ class DraftScheduler:
                 the cost as it stands."""
                 return cost.step_seconds(trees, size) - (cost.step_seconds([], size) if plain is None else plain) + own
 
-            expected = self._claimed = sum(float(tree.scores.sum()) for tree in trees)
+            expected = sum(float(tree.scores.sum()) for tree in trees)
             plain = cost.step_seconds([], size)
             self.worth.weigh(size, expected, extra(plain), plain, reprice=extra)
         return trees

@@ -9,8 +9,6 @@ from collections.abc import Callable
 
 WORTH_WINDOW = 16  # recent drafting steps per batch size whose expected gain and cost are weighed
 MAX_SKIP = 16  # the most steps drafting is skipped at a batch size before it is weighed again
-CLAIMS_WINDOW = 64  # recent drafted steps whose claimed tokens are checked against the accepted ones
-MIN_CLAIMS = 8  # drafted steps checked before the claims are discounted by what they got
 
 
 class DraftingWorth:
@@ -26,12 +24,6 @@ class DraftingWorth:
     ``MAX_SKIP`` steps at that size skip drafting (no datastore call, no merge), then it is weighed
     again. An empty draft expects nothing and costs its drafting time, so a source that keeps
     finding nothing is asked less and less often.
-
-    The expected gain is what the trees' scores claim; where the recent drafted steps got fewer
-    accepted tokens than their trees claimed (``observe``), every claim is discounted by that share
-    (never raised): trees whose scores claim more than they get would otherwise keep drafting at a
-    loss (sampled at temperature 1.0 on chat in the transformers loop, REST verified 0.86 draft
-    tokens a step and got 0.09 of them accepted: 0.94x plain decoding's speed).
 
     The extra time of the recent steps is their median step's, times their number: a stall (a cold
     index's first page faults, a thread starting, a collection) says nothing of what drafting
@@ -51,21 +43,6 @@ class DraftingWorth:
         # rows -> (expected tokens, extra seconds, their pricing by the cost as it stands or None)
         self._recent: dict[int, deque[tuple[float, float, Callable[[], float] | None]]] = {}
         self._skip: dict[int, tuple[int, int]] = {}  # rows -> (steps still skipped, the next skip's length)
-        self._claims: deque[tuple[float, float]] = deque(maxlen=CLAIMS_WINDOW)  # (claimed, accepted) a step
-
-    def observe(self, claimed: float, accepted: float) -> None:
-        """A drafted step's trees claimed ``claimed`` tokens (their scores) and got ``accepted``."""
-        if claimed > 0:
-            self._claims.append((claimed, accepted))
-
-    @property
-    def honesty(self) -> float:
-        """The share of their claims the recent drafted steps got accepted, at most 1 (1 until
-        ``MIN_CLAIMS`` steps were checked)."""
-        if len(self._claims) < MIN_CLAIMS:
-            return 1.0
-        claimed = sum(claim for claim, _ in self._claims)
-        return min(1.0, sum(got for _, got in self._claims) / claimed)
 
     def drafts(self, rows: int = 1) -> bool:
         """Whether a step of ``rows`` rows drafts (counts a skipped step)."""
@@ -94,10 +71,10 @@ class DraftingWorth:
         _, length = self._skip.get(rows, (0, 1))
         self._skip[rows] = (0, 1) if pays else (length, min(2 * length, MAX_SKIP))
 
-    def _pays(self, recent: deque[tuple[float, float, Callable[[], float] | None]], rows: int, plain: float) -> bool:
-        """Whether the recent steps' extra tokens per row (their claims, discounted by ``honesty``)
-        outweigh their extra time per plain step."""
-        gained = sum(gain for gain, _, _ in recent) * self.honesty
+    @staticmethod
+    def _pays(recent: deque[tuple[float, float, Callable[[], float] | None]], rows: int, plain: float) -> bool:
+        """Whether the recent steps' extra tokens per row outweigh their extra time per plain step."""
+        gained = sum(gain for gain, _, _ in recent)
         spent = statistics.median(cost for _, cost, _ in recent) * len(recent)
         return gained / rows >= spent / plain
 
