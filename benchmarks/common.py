@@ -211,9 +211,8 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, beside_greedy: bool = 
         "sampling",
         "greedy unless --temperature is above 0. Sampled, every mode samples, prompt i of a set with seed "
         "--seed + i; the transformers loop's outputs are counted against plain decoding's (one seed, one text, "
-        "but for rounding at a draw's edge), "
-        "model.generate's and vLLM's are not (they draw otherwise); speeds are "
-        "against plain sampled decoding",
+        "but for rounding at a draw's edge), model.generate's and vLLM's are not (they draw otherwise); speeds "
+        "are against plain sampled decoding",
     )
     group.add_argument(
         "--temperature",

@@ -44,11 +44,11 @@ step, and the draw may go to the neighbour (rare at temperature 0.7 with top-p; 
 in 16 over 128 tokens at 1.0, where unlikely tokens are drawn). Their outputs are compared and
 counted (``same_as_plain``), not checked: a difference is rounding, not a loss. The oracle drafts
 the text the run will commit (drafting's ceiling, sampled too). ``model.generate`` draws
-otherwise, so the hf and pld outputs are not compared (``same_as_plain`` null). No greedy target is checked; the speed
-ratios are against plain *sampled* decoding, as greedy ones are against plain greedy decoding. The figures go under
-``sampled_sets`` (greedy ones under ``sets``). ``--beside-greedy`` runs every mode both ways on the
-same prompts, interleaved prompt by prompt (each decoding with its own adaptive drafter and store
-of outputs), and reports per set what sampling keeps of each greedy gain (``kept_gain``: (sampled
+otherwise, so the hf and pld outputs are not compared (``same_as_plain`` null). No greedy target
+is checked; the speed ratios are against plain *sampled* decoding, as greedy ones are against
+plain greedy decoding. The figures go under ``sampled_sets`` (greedy ones under ``sets``).
+``--beside-greedy`` runs every mode both ways on the same prompts, interleaved prompt by prompt
+(each decoding with its own adaptive drafter and store of outputs), and reports per set what sampling keeps of each greedy gain (``kept_gain``: (sampled
 speed-up - 1) / (greedy speed-up - 1), each against plain decoding of its own kind, per mode against
 ``plain`` and per side-by-side pair, e.g. ``adaptive_vs_hf``), checked against the target of
 ``targets.json`` (``sampled_kept_gain``)::
@@ -588,7 +588,8 @@ def targets(report: dict) -> dict:
     """The targets of benchmarks/targets.json, checked on this run's figures (left out where a
     needed mode did not run): the greedy ones on the greedy sets (``sets``), and whether every
     output there equals plain decoding (None where nothing ran greedy; sampled outputs are counted,
-    not checked: see the module's docstring); with both decodings, what sampling keeps of the adaptive mode's gain (``kept_gain``)."""
+    not checked: see the module's docstring); with both decodings, what sampling keeps of the
+    adaptive mode's gain (``kept_gain``)."""
     limits, out = load_targets("e2e"), {}
     accepted, verified = limits["accepted_vs_paper"], limits["verified_per_step_vs_paper"]
     for name, result in report["sets"].items():

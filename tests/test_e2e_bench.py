@@ -206,6 +206,8 @@ def test_sampled_beside_greedy_every_mode_samples_with_a_seed_per_prompt(smollm2
         assert greedy["modes"][mode]["same_as_plain"] == 2, mode
         same = drawn["modes"][mode]["same_as_plain"]  # model.generate draws otherwise: not compared
         assert same is None if mode in ("hf", "pld") else same in (0, 1, 2), mode
+        rows = [row["same_as_plain"] for row in drawn["per_prompt"][mode]]
+        assert all(r is None if mode in ("hf", "pld") else isinstance(r, bool) for r in rows), (mode, rows)
         assert drawn["modes"][mode]["median_tokens_per_second"] > 0 and drawn["modes"][mode]["mean_accepted"] >= 1
     assert drawn["decoding"]["decoding"] == "sampled" and drawn["decoding"]["temperature"] == 0.7
     assert drawn["modes"]["pld"]["mean_verified_per_step"] > 1  # prompt lookup still drafts while sampling

@@ -88,6 +88,7 @@ def test_sampled_rest_generate_reproduces_with_a_seed_and_differs_with_another(c
     assert compared["output_ids"] == first["output_ids"]
     plain = compared["without_drafts"]
     assert plain["same_output"] in (True, False) and plain["tokens_per_second"] > 0
+    assert 1 <= plain["new_tokens"] <= NEW_TOKENS
     [summary] = [line for line in err.splitlines() if line.startswith("REST (drafts from ")]
     assert f"the same output on {int(plain['same_output'])} of 1 prompt(s)" in summary and summary.count("tok/s") == 2
     # without a seed the two ways draw different texts: speeds only

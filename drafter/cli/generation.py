@@ -144,8 +144,8 @@ def seed_value(text: str) -> int:
     return value
 
 
-# Each step draws one token per position it verifies: where measured times size the steps, how many
-# draws each step takes varies from run to run, and so does the text a seed draws.
+# Each token is drawn at a uniform number of its own position (drafter.hf.sampling.TokenChooser), so a seed's
+# text does not depend on the drafts, or on how measured times size the steps.
 DRAFTED_SEED_NOTE = (
     ", with drafts or without (each token is drawn at a number of its own position; a draw within float rounding "
     "of the edge between two tokens may fall otherwise)"
