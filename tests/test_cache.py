@@ -24,6 +24,7 @@ from rest_spec.common.cache import (
     kernel_sources_digest,
     load_converted,
 )
+from rest_spec.drafter.core.kernels import KERNEL_GROUPS
 
 # Compiles one kernel (the trie's) in a fresh interpreter and prints numba's cache directory.
 COMPILE = """
@@ -51,11 +52,33 @@ def cached_kernels(directory) -> list[str]:
 
 
 @pytest.mark.cli
-def test_kernels_are_cached_per_numba_version(tmp_path):
-    printed = compile_in({"HOME": str(tmp_path), "REST_CACHE_DIR": str(tmp_path / "tables")}, tmp_path)
+def test_the_kernels_command_caches_every_module_per_numba_version_from_two_processes(tmp_path):
+    """``python -m rest_spec.drafter.core.kernels`` in a fresh home, its modules spread over two
+    processes: every module's kernels land in the numba version's directory, and a run in one process
+    after it finds them all there (it compiles nothing more)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(HOME=str(tmp_path), REST_CACHE_DIR=str(tmp_path / "tables"))
+
+    def run(processes: int) -> list[str]:
+        command = [sys.executable, "-m", "rest_spec.drafter.core.kernels", "--processes", str(processes)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert done.returncode == 0 and done.stdout.startswith("kernels compiled in "), done.stderr
+        return sorted(path.name for path in versioned.rglob("*") if path.suffix in (".nbi", ".nbc"))
+
     versioned = tmp_path / ".cache" / "rest-spec" / "numba" / numba.__version__ / kernel_sources_digest()
-    assert printed == str(versioned)
-    assert any(name.startswith("trie._top_c_tree") for name in cached_kernels(versioned))
+    cached = run(2)
+    for module in KERNEL_GROUPS:
+        stem = module.rsplit(".", 1)[1]
+        assert any(name.startswith(f"{stem}.") for name in cached), (module, cached)
+    assert any(name.startswith("trie._top_c_tree") for name in cached)  # compiled into index's, cached too
+    assert run(1) == cached
+
+
+def test_the_kernels_command_refuses_no_processes():
+    done = subprocess.run(
+        [sys.executable, "-m", "rest_spec.drafter.core.kernels", "--processes", "0"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "--processes must be at least 1, got 0" in done.stderr
 
 
 def test_every_kernel_module_is_in_the_digest():
