@@ -8,18 +8,19 @@
 # also lints with the newest), then runs with --full the tests that reach into transformers' internals
 # (drafter/hf/internals.py: the cache keyword, the cache layers, generate's private helpers) and the Ray
 # builds (which .venv, without Ray, skips), and the rest of the README's test command (the default tier)
-# in one process (CI runs it beside the vLLM tests). Where the floors cannot be installed (no package
-# index reachable), it says so and tests on transformers' floor alone. Extra pytest arguments are passed
-# to both runs.
+# but its five end-to-end tests, in one process (CI runs it beside the vLLM tests). Where the floors
+# cannot be installed (no package index reachable), it says so and tests on transformers' floor alone.
+# Extra pytest arguments are passed to both runs.
 #
 # Why CI runs the default run's tests here although its gate ran them already: the gate ran them on the
 # newest release of every dependency (.venv), this runs them on the oldest (.venv-lower); a range is
 # tested at both ends, so each end needs the tests that reach the dependencies (numpy, numba, protobuf,
 # grpcio, tokenizers, transformers...), and the default run is the cheapest set that reaches them all. On
 # the newest releases the default run is run once (the gate) and the tests beyond it once (CI's
-# REST_TESTS=beyond-default); here the default run, and the tiers only where the floors change what
-# they test (transformers' internals, Ray). Its cost is mostly hidden: CI runs it beside the vLLM tests,
-# whose engines leave a third of the two cores idle.
+# REST_TESTS=beyond-default); here the default run less its five end-to-end tests (122 s of one Zen 3
+# core alone, calls into the dependencies that the rest makes too), and the tiers only where the floors
+# change what they test (transformers' internals, Ray). CI runs it beside the vLLM tests, whose engines leave a third of
+# the two cores idle, and which it slows (each phase of CI is CPU-bound: benchmarks/notes/ci.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "test-lower-bounds: run scripts/setup.sh first" >&2; exit 1; }
@@ -57,4 +58,8 @@ print(", ".join(f"{n} {m.version(n)}" for n in sys.argv[1:]))' $(echo "$FLOORS" 
 FULL=(tests/test_plugin.py tests/test_generate.py tests/test_verify.py tests/test_sampling.py tests/test_batch.py
     tests/test_measure.py tests/test_ray_build.py)
 .venv-lower/bin/python -m pytest -q -p no:cacheprovider --full "${FULL[@]}" "$@"
-.venv-lower/bin/python -m pytest -q -p no:cacheprovider -n 0 "${FULL[@]/#/--ignore=}" "$@"
+# the default run's tests of no tier (tests/conftest.py's TIERS): its few end-to-end tests marked core (SmolLM2
+# through the commands, a server and a killed one) are left out, their calls into the dependencies made here by
+# FULL's files (the model, generation, sampling) and the untiered tests (real gRPC servers, numba, the index)
+UNTIERED="not (model or server or build or cli or packaging or bench or llama or vllm)"
+.venv-lower/bin/python -m pytest -q -p no:cacheprovider -n 0 -m "$UNTIERED" "${FULL[@]/#/--ignore=}" "$@"
