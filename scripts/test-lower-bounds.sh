@@ -19,8 +19,9 @@
 # the newest releases the default run is run once (the gate) and the tests beyond it once (CI's
 # REST_TESTS=beyond-default); here the default run less its five end-to-end tests (122 s of one Zen 3
 # core alone, calls into the dependencies that the rest makes too), and the tiers only where the floors
-# change what they test (transformers' internals, Ray). CI runs it beside the vLLM tests, whose engines leave a third of
-# the two cores idle, and which it slows (each phase of CI is CPU-bound: benchmarks/notes/ci.md).
+# change what they test (transformers' internals, Ray). CI runs it beside the vLLM tests, whose engines
+# leave a third of the two cores idle, and which it slows (each phase of CI is CPU-bound:
+# benchmarks/notes/ci.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || { echo "test-lower-bounds: run scripts/setup.sh first" >&2; exit 1; }
