@@ -25,7 +25,8 @@ from concurrent.futures.process import BrokenProcessPool  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from rest_spec.build_index.build import BuildConfig, BuildInputError, BuildInterrupted, build  # noqa: E402
-from rest_spec.build_index.corpora import DEFAULT_MAX_FILE_MIB, NAMED_CORPORA, TURN_CHOICES, CorpusError, CorpusSpec  # noqa: E402
+from rest_spec.build_index.corpora import NAMED_CORPORA  # noqa: E402
+from rest_spec.build_index.corpus import DEFAULT_MAX_FILE_MIB, TURN_CHOICES, CorpusError, CorpusSpec  # noqa: E402
 from rest_spec.build_index.pypi import DEFAULT_DOWNLOAD_JOBS, TOP_PACKAGES_COUNT  # noqa: E402
 from rest_spec.build_index.ray_build import RayBuildError  # noqa: E402
 from rest_spec.build_index.tokenize import DEFAULT_BATCH_SIZE, TokenizeConfig, default_workers  # noqa: E402

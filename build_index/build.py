@@ -9,48 +9,32 @@ token arrays: its records' ids are checked against the tokenizer's vocabulary in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from rest_spec.build_index.corpora import Corpus, CorpusError, CorpusSpec, Record, open_corpus
+from rest_spec.build_index.corpora import open_corpus
+from rest_spec.build_index.corpus import Corpus, CorpusError, Record
+from rest_spec.build_index.job import (
+    BuildConfig,
+    BuildInputError,
+    BuildInterrupted,
+    BuildReport,
+    RayTarget,
+    progress_bar,
+)
 from rest_spec.build_index.tokenize import BatchTokenizer, TokenizeConfig
-from rest_spec.build_index.writer import DEFAULT_SHARD_TOKENS, IndexWriter
+from rest_spec.build_index.writer import IndexWriter
 from rest_spec.common.cli import first_line
 from rest_spec.common.signals import STOP_SIGNALS
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint, tokenizer_name, vocab_size
 
-if TYPE_CHECKING:
-    from tqdm import tqdm
-
 log = logging.getLogger(__name__)
-
-
-class BuildInputError(ValueError):
-    """Bad build input outside the corpus itself: an unreadable tokenizer, nothing to index."""
-
-
-class BuildInterrupted(BaseException):
-    """A stop signal ended the build before the new index was in place. A BaseException, like
-    KeyboardInterrupt, so that no ``except Exception`` on the way swallows it; ``out`` is the
-    target, once known, which the interrupted build left as it was."""
-
-    def __init__(self, signum: int, out: Path | None = None) -> None:
-        super().__init__(signum, out)
-        self.signum, self.out = signum, out
-
-    def __str__(self) -> str:
-        unchanged = f"; {self.out} is unchanged" if self.out else ""
-        return f"interrupted ({signal.Signals(self.signum).name}); no index was written{unchanged}"
 
 
 class _StopSignals:
@@ -86,84 +70,6 @@ class _StopSignals:
             raise BuildInterrupted(signum, self.out)
 
 
-@dataclass(frozen=True)
-class BuildConfig:
-    corpus: CorpusSpec
-    out: Path | None = None  # None = indexes/<corpus>
-    tokenizer: str | None = None  # HF id, directory or .gguf; None = the packaged SmolLM2
-    tokenize: TokenizeConfig = TokenizeConfig()
-    shard_tokens: int = DEFAULT_SHARD_TOKENS
-    overwrite: bool = False
-    progress: bool = True  # a progress bar over records on stderr
-    ray: str | None = None  # build on Ray: "auto", "ray://HOST:PORT", "local" or "local:N"; None = here
-
-    def __post_init__(self) -> None:
-        if self.shard_tokens < 1:
-            raise BuildInputError(f"shard_tokens must be positive, got {self.shard_tokens}")
-        if self.ray is not None:
-            from rest_spec.build_index.ray_build import RayTarget
-
-            RayTarget.parse(self.ray)  # a ValueError naming the forms
-            if self.corpus.max_tokens is not None:  # Ray's readers cannot see the tokens written
-                raise BuildInputError("--max-tokens does not apply with --ray")
-
-    def build_args(self) -> dict:
-        """The settings for the manifest's ``build`` entry (the corpus spec goes under ``corpus``)."""
-        args = {**asdict(self), "out": None if self.out is None else str(self.out)}
-        del args["corpus"]
-        return args
-
-
-@dataclass(frozen=True)
-class BuildReport:
-    out: str
-    corpus: str
-    records: int  # records indexed
-    held_out: int  # records skipped at the end (--skip-last)
-    skipped: int  # files not indexed: binary, not UTF-8, special, too large or unreadable
-    documents: int
-    tokens: int
-    shards: int
-    bytes_on_disk: int
-    seconds: float
-    tokenize_seconds: float  # reading and tokenizing (and any full shard written on the way)
-    suffix_array_seconds: float
-    recovered_conversations: int | None = None  # ShareGPT: complete conversations read
-    truncated: bool | None = None  # ShareGPT: the file was cut off mid-conversation
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def tokenize_tokens_per_second(self) -> float:
-        return self.tokens / self.tokenize_seconds if self.tokenize_seconds else 0.0
-
-    @property
-    def bytes_per_token(self) -> float:
-        return self.bytes_on_disk / self.tokens if self.tokens else 0.0
-
-    def to_dict(self) -> dict:
-        derived = ("tokens_per_second", "tokenize_tokens_per_second", "bytes_per_token")
-        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
-
-    def format(self) -> str:
-        lines = [
-            f"index      {self.out}: {self.shards} shard(s), {self.bytes_on_disk / 1e6:,.1f} MB, "
-            f"{self.bytes_per_token:.2f} bytes/token",
-            f"records    {self.records:,} indexed, {self.held_out:,} held out, {self.skipped:,} files skipped",
-            f"documents  {self.documents:,}",
-            f"tokens     {self.tokens:,}",
-            f"time       {self.seconds:.1f} s, {self.tokens_per_second:,.0f} tokens/s overall; "
-            f"reading + tokenizing {self.tokenize_seconds:.1f} s ({self.tokenize_tokens_per_second:,.0f} tokens/s), "
-            f"suffix arrays {self.suffix_array_seconds:.1f} s",
-        ]
-        if self.recovered_conversations is not None:
-            cut = ", file cut off mid-conversation" if self.truncated else ""
-            lines.append(f"sharegpt   {self.recovered_conversations:,} complete conversations recovered{cut}")
-        return "\n".join(lines)
-
-
 def build(config: BuildConfig) -> BuildReport:
     """Read, tokenize and write one index; the target appears only if everything succeeded, and
     any failure or interruption leaves it as it was.
@@ -173,13 +79,13 @@ def build(config: BuildConfig) -> BuildReport:
     SIGTERM or SIGHUP (see ``_StopSignals``)."""
     start = time.perf_counter()
     if config.ray is not None:
-        from rest_spec.build_index.ray_build import RayTarget, build_through_client, require_ray
+        from rest_spec.build_index.ray_build import build_through_client, require_ray
 
         require_ray()  # before any work
         if RayTarget.parse(config.ray).kind == "client":
             with _StopSignals() as stop:
                 stop.out = config.out
-                return build_through_client(config)
+                return build_through_client(config, build)
     with _StopSignals() as stop:
         corpus = open_corpus(config.corpus)
         stop.out = out = config.out or Path("indexes") / corpus.slug
@@ -191,8 +97,8 @@ def build(config: BuildConfig) -> BuildReport:
             raise BuildInputError(f"cannot use {out} as the index directory: {exc.strerror or exc}") from exc
         tokenizer = _load_tokenizer(config.tokenizer)
         with (
-            _engine(config, tokenizer, corpus) as engine,
-            engine.writer(
+            _backend(config, tokenizer, corpus) as backend,
+            backend.writer(
                 out,
                 tokenizer_name=tokenizer_name(config.tokenizer),
                 tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
@@ -203,7 +109,7 @@ def build(config: BuildConfig) -> BuildReport:
         ):
             stop.writer = writer
             tokenize_start = time.perf_counter()
-            tokens = engine.index(corpus, writer, config.progress)
+            tokens = backend.index(corpus, writer, config.progress)
             tokenize_seconds = time.perf_counter() - tokenize_start
             if tokens == 0:
                 raise BuildInputError(
@@ -233,24 +139,24 @@ def build(config: BuildConfig) -> BuildReport:
     )
 
 
-def _engine(config: BuildConfig, tokenizer, corpus: Corpus):
-    """The engine that tokenizes and writes: worker processes here, or a Ray cluster (``--ray``);
+def _backend(config: BuildConfig, tokenizer, corpus: Corpus):
+    """The backend that tokenizes and writes: worker processes here, or a Ray cluster (``--ray``);
     for a pre-tokenized corpus, this process alone (nothing to encode)."""
     if corpus.tokenized:
         if config.ray is not None:
             raise BuildInputError(f"--ray does not apply to corpus {config.corpus.corpus!r}: its records are token ids")
-        return _LocalEngine(tokenizer, TokenizeConfig(workers=1), tokenizer_name(config.tokenizer))
+        return _LocalBackend(tokenizer, TokenizeConfig(workers=1), tokenizer_name(config.tokenizer))
     if config.ray is None:
-        return _LocalEngine(tokenizer, config.tokenize, tokenizer_name(config.tokenizer))
-    from rest_spec.build_index.ray_build import RayEngine
+        return _LocalBackend(tokenizer, config.tokenize, tokenizer_name(config.tokenizer))
+    from rest_spec.build_index.ray_build import RayBackend
 
-    return RayEngine(config.ray, tokenizer, config.tokenize)
+    return RayBackend(config.ray, tokenizer, config.tokenize)
 
 
-class _LocalEngine:
+class _LocalBackend:
     """Tokenizes over ``config.workers`` processes of this machine and writes every shard here.
 
-    An engine is a context manager (it owns its workers) with ``writer(out, **args)``, the
+    A backend is a context manager (it owns its workers) with ``writer(out, **args)``, the
     ``IndexWriter`` to use, and ``index(corpus, writer, progress)``, which streams the corpus's
     documents, in order, as token arrays into ``writer.add_document`` and returns the tokens."""
 
@@ -258,7 +164,7 @@ class _LocalEngine:
         self._encoder = BatchTokenizer(tokenizer, config)
         self._vocab_size, self._name = vocab_size(tokenizer), name
 
-    def __enter__(self) -> _LocalEngine:
+    def __enter__(self) -> _LocalBackend:
         self._encoder.__enter__()
         return self
 
@@ -296,18 +202,6 @@ def token_document(corpus: Corpus, record: Record, vocab_size: int, tokenizer: s
             "(name its tokenizer with --tokenizer)"
         )
     return ids
-
-
-@contextlib.contextmanager
-def progress_bar(corpus: Corpus, progress: bool, records: Iterable[Record] | None = None) -> Iterator[tqdm]:
-    """A bar counting the corpus's records on stderr (only on a terminal), iterating ``records``
-    if given (else counted with ``update``); log lines go above it, not through it."""
-    from tqdm import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    bar = tqdm(records, desc=corpus.slug, unit=" records", file=sys.stderr, disable=None if progress else True)
-    with logging_redirect_tqdm(), bar:
-        yield bar
 
 
 def _load_tokenizer(spec: str | None):

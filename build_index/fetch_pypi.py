@@ -16,7 +16,8 @@ import shlex
 import sys
 import time
 
-from rest_spec.build_index.corpora import CorpusError, CorpusSpec, open_corpus
+from rest_spec.build_index.corpora import open_corpus
+from rest_spec.build_index.corpus import CorpusError, CorpusSpec
 from rest_spec.build_index.pypi import DEFAULT_DOWNLOAD_JOBS
 
 

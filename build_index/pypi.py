@@ -69,7 +69,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
-from rest_spec.build_index.corpora import TEXT, Corpus, CorpusError, CorpusSpec, ReadStats, Record, Turn
+from rest_spec.build_index.corpus import TEXT, Corpus, CorpusError, CorpusSpec, ReadStats, Record, Turn
 from rest_spec.common.cache import cache_dir
 from rest_spec.datastore import format as fmt
 

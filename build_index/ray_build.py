@@ -25,25 +25,25 @@ import hashlib
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from rest_spec.build_index.build import (
+from rest_spec.build_index.corpora import open_corpus
+from rest_spec.build_index.corpus import Corpus, CorpusError, CorpusSpec, ReadStats
+from rest_spec.build_index.job import (
     BuildConfig,
     BuildInputError,
     BuildInterrupted,
     BuildReport,
-    build,
+    RayTarget,
     progress_bar,
 )
-from rest_spec.build_index.corpora import Corpus, CorpusError, CorpusSpec, ReadStats, open_corpus
 from rest_spec.build_index.tokenize import TokenizeConfig, backend_json, encode_texts, rebuild_tokenizer
 from rest_spec.build_index.writer import IndexWriteError, IndexWriter, build_shard
 from rest_spec.common.cli import first_line
@@ -57,8 +57,6 @@ _BLOCK_BYTES = 1 << 20  # Ray Data blocks of ~1 MiB: one block is one task's wor
 # array, two masks and the filtered array (int32 entries; int64 past 2^31 tokens doubles them).
 _SHARD_BYTES_PER_TOKEN = 20
 _SHARD_BYTES_EXTRA = 256 << 20  # the interpreter, numpy, numba
-_LOCAL = re.compile(r"local(?::(?P<cpus>\d+))?")
-_CLIENT = re.compile(r"ray://(?P<host>[^:/\s]+|\[[0-9A-Fa-f:]+\]):(?P<port>\d{1,5})")
 
 
 class RayBuildError(Exception):
@@ -71,29 +69,6 @@ def require_ray() -> None:
         import ray.data  # noqa: F401
     except ImportError as exc:
         raise BuildInputError(f"--ray needs Ray, which is not installed: {INSTALL_HINT}") from exc
-
-
-@dataclass(frozen=True)
-class RayTarget:
-    """Where ``--ray`` builds: a new local cluster (``local``, ``local:N`` CPUs), the running
-    cluster this machine belongs to (``auto``) or one reached through Ray Client (``ray://HOST:PORT``)."""
-
-    kind: str  # "local", "auto" or "client"
-    address: str  # ray.init's ("local" starts a new cluster even where one runs already)
-    num_cpus: int | None = None  # local: the CPUs to give it (None: all of this machine's)
-
-    @classmethod
-    def parse(cls, text: str) -> RayTarget:
-        if text == "auto":
-            return cls("auto", "auto")
-        if match := _LOCAL.fullmatch(text):
-            cpus = None if match["cpus"] is None else int(match["cpus"])
-            if cpus == 0:
-                raise ValueError(f"--ray {text}: a local cluster needs at least 1 CPU")
-            return cls("local", "local", cpus)
-        if (match := _CLIENT.fullmatch(text)) and 1 <= int(match["port"]) <= 65535:
-            return cls("client", text)
-        raise ValueError(f"--ray takes auto, ray://HOST:PORT or local[:N] (N CPUs), got {text!r}")
 
 
 @contextlib.contextmanager
@@ -149,8 +124,8 @@ def ray_session(target: RayTarget) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def build_through_client(config: BuildConfig) -> BuildReport:
-    """``build(config)`` through Ray Client, whose driver cannot run a Ray Data pipeline: the whole
+def build_through_client(config: BuildConfig, build: Callable[[BuildConfig], BuildReport]) -> BuildReport:
+    """``build(config)`` (``build.build``, passed in by it) through Ray Client, whose driver cannot run a Ray Data pipeline: the whole
     build runs as one task on the cluster (as ``--ray auto`` there, so paths are the cluster's)
     while this process waits. A stop signal here (``BuildInterrupted``, raised by the caller's
     ``_StopSignals``) cancels the task, which cleans up as a stopped build does, and is passed on,
@@ -180,8 +155,8 @@ def build_through_client(config: BuildConfig) -> BuildReport:
             return report
 
 
-class RayEngine:
-    """The ``--ray`` engine of ``build.build`` (see ``build._LocalEngine`` for the interface): a
+class RayBackend:
+    """The ``--ray`` backend of ``build.build`` (see ``build._LocalBackend`` for the interface): a
     Ray session for the build (``ray_session``), the Ray Data pipeline and a writer whose shards
     are Ray tasks."""
 
@@ -194,7 +169,7 @@ class RayEngine:
         self.node_memory = 0  # the largest node's schedulable memory, bytes
         self.cpus = 1  # the cluster's
 
-    def __enter__(self) -> RayEngine:
+    def __enter__(self) -> RayBackend:
         import ray
 
         with self._session as session:
@@ -210,7 +185,7 @@ class RayEngine:
         self._session.__exit__(exc_type, exc, tb)
 
     def writer(self, out: Path, **args) -> IndexWriter:
-        return _RayIndexWriter(out, engine=self, **args)
+        return _RayIndexWriter(out, backend=self, **args)
 
     def index(self, corpus: Corpus, writer: IndexWriter, progress: bool) -> int:
         """Stream the corpus through Ray Data into ``writer``, in order; sets ``corpus.stats``
@@ -354,25 +329,25 @@ class _RayIndexWriter(IndexWriter):
     """An ``IndexWriter`` whose shards are built by Ray tasks, at most one per CPU in flight (each
     holds its token array in the object store); their entries are taken in shard order."""
 
-    def __init__(self, out_dir: Path, *, engine: RayEngine, **args) -> None:
+    def __init__(self, out_dir: Path, *, backend: RayBackend, **args) -> None:
         super().__init__(out_dir, **args)
-        self._engine = engine
+        self._backend = backend
         self._in_flight: deque = deque()  # ObjectRefs of the shard tasks, in shard order
 
     def _write_shard(self, shard: int, tokens: np.ndarray) -> None:
         import ray
 
         memory = _SHARD_BYTES_PER_TOKEN * tokens.size + _SHARD_BYTES_EXTRA
-        if memory > self._engine.node_memory:
+        if memory > self._backend.node_memory:
             raise RayBuildError(
                 f"a shard of {tokens.size:,} tokens needs ~{memory / 2**30:.1f} GiB to build, and the largest "
-                f"Ray node offers {self._engine.node_memory / 2**30:.1f} GiB: lower --shard-tokens"
+                f"Ray node offers {self._backend.node_memory / 2**30:.1f} GiB: lower --shard-tokens"
             )
         # Ray retries a task whose worker or node died (a preempted node): writing a shard again
         # writes the same bytes to the same files.
         task = ray.remote(_build_shard_task).options(num_cpus=1, memory=memory)
         self._in_flight.append(task.remote(str(self._tmp), shard, tokens, self.vocab_size))
-        while len(self._in_flight) > self._engine.cpus:
+        while len(self._in_flight) > self._backend.cpus:
             self._take_oldest()
 
     def _take_oldest(self) -> None:
