@@ -16,8 +16,8 @@ A draft is three steps, each with one implementation, so a router over shard ser
 (``datastore.router``) computes exactly what one process with every shard does: each shard's
 longest match (``Datastore.match``), the global choice of what to count (``plan_draft``: the
 longest match over all shards, the hit shards in manifest order, the seeded sample above the cap),
-and the tree of the counted rows (``tree_from_rows``). ``Datastore`` and the router are both an
-``Engine``: what the datastore service (``datastore.server``) drafts from.
+and the tree of the counted rows (``tree_from_rows``). ``Datastore`` and the router are both a
+``Retriever``: what the datastore service (``datastore.server``) drafts from.
 
 Several indexes open as one ``Datastore`` (``Datastore.open([a, b])``: the stdlib's and the
 model's own outputs', say) when they share tokenizer, vocabulary, token dtype and separator: their
@@ -498,12 +498,12 @@ def union_manifest(paths: Sequence[Path], manifests: Sequence[fmt.Manifest]) -> 
     )
 
 
-class EngineUnavailable(ConnectionError):
-    """The engine cannot answer now: a shard server behind a router is down, late or answered
+class RetrieverUnavailable(ConnectionError):
+    """The retriever cannot answer now: a shard server behind a router is down, late or answered
     nonsense (UNAVAILABLE on the wire; retrying later may succeed)."""
 
 
-class Engine(Protocol):
+class Retriever(Protocol):
     """What the datastore service (``datastore.server``) drafts from: an opened ``Datastore``, or a
     ``Router`` (``datastore.router``) that fans out to shard servers and merges their answers into
     the same trees."""
@@ -521,15 +521,15 @@ class Engine(Protocol):
         self, contexts: Iterable[np.ndarray], config: DraftConfig, timeout: float | None = None
     ) -> Iterator[DraftTree]:
         """The trees of ``contexts``, in order; the caller may stop asking at any one. ``timeout``:
-        the seconds the client still waits (its deadline; None: none), which bounds what an engine
-        that calls other servers waits for them. Raises ``EngineUnavailable`` when the engine
+        the seconds the client still waits (its deadline; None: none), which bounds what a retriever
+        that calls other servers waits for them. Raises ``RetrieverUnavailable`` when the retriever
         cannot answer now."""
         ...
 
 
 class Datastore:
     """An opened index, or some of its shards, or several indexes as one: answers draft trees for
-    token contexts (over the shards it opened; an ``Engine``), their shards' matches and rows.
+    token contexts (over the shards it opened; a ``Retriever``), their shards' matches and rows.
     Thread-safe and read-only. ``paths``: its index directories (``path``, the first); ``manifest``:
     the index's, or for several their ``union_manifest``."""
 

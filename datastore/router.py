@@ -1,7 +1,7 @@
 """The router: the public ``Datastore`` service answered from shard servers, tree for tree what one
 process holding every shard of the index answers.
 
-``Router`` is a retrieval ``Engine`` like ``Datastore``, so ``rest-datastore route`` is the same
+``Router`` is a ``Retriever`` like ``Datastore``, so ``rest-datastore route`` is the same
 ``DatastoreServer`` (limits, auth, TLS, health, reflection, the output store) with the router
 behind it. A draft splits as ``datastore.index`` splits it: the shard servers (``datastore.shards``)
 match, the router makes the global choice (``plan_draft``: the longest match over every shard, the
@@ -44,7 +44,7 @@ from rest_spec.datastore.client import RECONNECT_OPTIONS, auth_metadata, open_ch
 from rest_spec.datastore.index import (
     DEFAULT_MAX_CANDIDATES,
     DraftPlan,
-    EngineUnavailable,
+    RetrieverUnavailable,
     ShardMatch,
     index_id,
     index_info,
@@ -132,7 +132,7 @@ def load_manifest(path: str | Path) -> fmt.Manifest:
 
 
 class Router:
-    """The ``Engine`` over shard servers of the index ``manifest`` (``Router.connect`` checks
+    """The ``Retriever`` over shard servers of the index ``manifest`` (``Router.connect`` checks
     them). Thread-safe: calls share the channels."""
 
     def __init__(self, manifest: fmt.Manifest, servers: list[_Server], config: RouterConfig) -> None:
@@ -372,7 +372,7 @@ class Router:
 
     def _call_all(self, method: str, requests: dict[_Server, object], deadline: float) -> dict[_Server, object]:
         """``method`` on every server of ``requests`` at once; the replies of those that answered
-        before ``deadline`` (``time.monotonic()``). A failure raises ``EngineUnavailable`` (the
+        before ``deadline`` (``time.monotonic()``). A failure raises ``RetrieverUnavailable`` (the
         other calls are cancelled) unless ``allow_partial``."""
         if not requests:
             return {}
@@ -400,7 +400,7 @@ class Router:
         rate-limited warning and an answer from the rest."""
         message = f"{server.name} failed {method}: {reason}"
         if not self._config.allow_partial:
-            raise EngineUnavailable(message)
+            raise RetrieverUnavailable(message)
         suppressed = self._loss_log.take()
         if suppressed is not None:
             log.warning(

@@ -37,7 +37,7 @@ from rest_spec.common.cli import first_line
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.datastore import wire
 from rest_spec.datastore.format import IndexCorruptError
-from rest_spec.datastore.index import EngineUnavailable
+from rest_spec.datastore.index import RetrieverUnavailable
 from rest_spec.datastore.metrics import ServerMetrics
 from rest_spec.datastore.outputs import DEFAULT_OUTPUTS_MAX_TOKENS, OutputStoreWriteError, check_outputs_options
 
@@ -140,7 +140,7 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     bad or excessive request), "server" (a corrupt index, a full or failing disk) or "bug"."""
     if isinstance(exc, CallRefused):
         return exc.code, "client"
-    if isinstance(exc, EngineUnavailable):
+    if isinstance(exc, RetrieverUnavailable):
         return grpc.StatusCode.UNAVAILABLE, "server"
     if isinstance(exc, IndexCorruptError):  # a ValueError, but not the client's
         return grpc.StatusCode.DATA_LOSS, "server"

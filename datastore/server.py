@@ -1,10 +1,10 @@
 """The gRPC datastore service (``rest.datastore.v1.Datastore``): ``DatastoreServicer``, a thin
-servicer over a retrieval ``Engine`` (``datastore.index``: an opened ``Datastore``, or a ``Router``
+servicer over a ``Retriever`` (``datastore.index``: an opened ``Datastore``, or a ``Router``
 over shard servers, ``datastore.router``) and an optional ``OutputStore`` of recent generations;
 ``DatastoreServer``, which runs it on the shared gRPC plumbing (``datastore.rpc``: limits, auth,
 TLS, health, reflection, metrics); and ``serve``.
 
-The servicer only converts (``datastore.wire``) and calls the engines; the index is opened once at
+The servicer only converts (``datastore.wire``) and calls the retriever; the index is opened once at
 start and shared by all worker threads (drafting is read-only; the output store locks itself). The
 retrieval kernels are compiled before the server reports SERVING, so the first call is as fast as
 any other.
@@ -22,7 +22,7 @@ import grpc
 from rest_spec.common.errors import NoOutputStoreError
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore import wire
-from rest_spec.datastore.index import Datastore, Engine
+from rest_spec.datastore.index import Datastore, Retriever
 from rest_spec.datastore.outputs import OutputStore, open_output_store
 from rest_spec.datastore.rpc import (
     BoundedServicer,
@@ -42,13 +42,13 @@ SERVICE_NAME = SERVICE.full_name  # "rest.datastore.v1.Datastore"
 
 
 class DatastoreServicer(BoundedServicer):
-    """Message -> engine -> message, nothing else. ``outputs`` None: the server keeps no outputs.
+    """Message -> retriever -> message, nothing else. ``outputs`` None: the server keeps no outputs.
     Each method takes a parsed request and returns a reply message; ``handlers`` wraps them into
     the bounded, authenticated, raw-bytes handlers the server registers."""
 
     log = log  # its refused and failed calls are logged as this module's
 
-    def __init__(self, store: Engine, config: ServerConfig, outputs: OutputStore | None = None) -> None:
+    def __init__(self, store: Retriever, config: ServerConfig, outputs: OutputStore | None = None) -> None:
         super().__init__(SERVICE, config)
         self._store = store
         self._outputs = outputs
@@ -122,16 +122,16 @@ class DatastoreServicer(BoundedServicer):
 
 
 class DatastoreServer(GrpcServer):
-    """A running datastore service answering from ``store`` (an ``Engine``) and ``outputs`` (which
+    """A running datastore service answering from ``store`` (a ``Retriever``) and ``outputs`` (which
     the caller keeps and closes; None: no output store, whatever ``config.outputs_max_tokens``
-    says). Readies the engine (compiles the retrieval kernels), then binds and starts, so it
+    says). Readies the retriever (compiles the retrieval kernels), then binds and starts, so it
     answers at full speed once constructed."""
 
     log = log  # its start and stop are logged as this module's
 
     def __init__(
         self,
-        store: Engine,
+        store: Retriever,
         config: ServerConfig = ServerConfig(),
         outputs: OutputStore | None = None,
         role: str = "serve",
@@ -153,7 +153,7 @@ class DatastoreServer(GrpcServer):
 
 
 def start_datastore(
-    resources: contextlib.ExitStack, store: Engine, config: ServerConfig, role: str = "serve"
+    resources: contextlib.ExitStack, store: Retriever, config: ServerConfig, role: str = "serve"
 ) -> DatastoreServer:
     """The datastore service over ``store`` with the output store ``config`` asks for, both
     entered into ``resources`` (``role`` as ``DatastoreServer``'s). Raises ``OutputStoreError``,

@@ -1,4 +1,4 @@
-"""Names the README documented before they moved: each keeps working, as an alias of where it lives now.
+"""Names the README documented before they moved or were renamed: each keeps working, as an alias of what it is now.
 
 A moved module is the same module object under its old name (``import``, ``from ... import`` and
 ``python -m`` alike), found by a finder that ``rest_spec`` installs on import; a name that moved out
@@ -77,6 +77,12 @@ MOVED_NAMES: dict[str, str | tuple[str, ...]] = {
     ),
 }
 
+# a module -> its names that were renamed in place, old name -> new name ("engine" meant three things:
+# the retrieval one became a retriever, the build's ones backends; "engine" is a generation engine)
+RENAMED_NAMES: dict[str, dict[str, str]] = {
+    "rest_spec.datastore.index": {"Engine": "Retriever", "EngineUnavailable": "RetrieverUnavailable"},
+}
+
 
 def _warn(old: str, new: str, stacklevel: int = 3) -> None:
     warnings.warn(f"{old} moved to {new}; the old name is an alias", DeprecationWarning, stacklevel=stacklevel)
@@ -133,14 +139,14 @@ def _moved_names_of(package: str):
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path``: an old module name as its new module, and a module of
-    ``MOVED_NAMES`` found by the finders after it, to be loaded by ``_AnswersMovedNames``; any other
-    name is left to them."""
+    ``MOVED_NAMES`` or ``RENAMED_NAMES`` found by the finders after it, to be loaded by
+    ``_AnswersMovedNames``; any other name is left to them."""
 
     def find_spec(self, fullname: str, path, target=None):
         moved = MOVED_MODULES.get(fullname)
         if moved is not None:
             return importlib.util.spec_from_loader(fullname, _Alias(moved))
-        if fullname not in MOVED_NAMES:
+        if fullname not in MOVED_NAMES and fullname not in RENAMED_NAMES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -162,9 +168,15 @@ def install() -> None:
 
 def moved_name(package: str, name: str):
     """``name`` of ``package`` (a module that became a package, or one split) from where it lives
-    now; for the module's ``__getattr__``."""
-    homes = MOVED_NAMES[package]
+    now, or under its new name where it was renamed in place; for the module's ``__getattr__``."""
     if name.startswith("__"):
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+    renamed = RENAMED_NAMES.get(package, {}).get(name)
+    if renamed is not None:
+        _warn(f"{package}.{name}", f"{package}.{renamed}", stacklevel=4)
+        return getattr(sys.modules[package], renamed)
+    homes = MOVED_NAMES.get(package)
+    if homes is None:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     # ``from package import submodule`` asks for the attribute before it imports the submodule:
     # a submodule's name is never an alias

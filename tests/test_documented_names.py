@@ -38,6 +38,7 @@ DOCUMENTED_BEFORE = (
     "rest_spec.common.tokenizer",
     "rest_spec.proto.v1",
     "rest_spec.drafter.hf.plugin",
+    "rest_spec.datastore.index.Engine",  # the README's "an `Engine` (`datastore/index.py`)", now a Retriever
 )
 RUN_BEFORE = ("rest_spec.drafter.vllm_model", "rest_spec.drafter.chat", "rest_spec.proto.generate")
 # The public names drafter.core.cost held before its split by concern, each with the module it lives in now
@@ -119,6 +120,19 @@ def test_a_moved_name_is_the_same_object_and_says_where_it_went():
     assert proposer is resolve("rest_spec.drafter.vllm.proposer.RestProposer")
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         resolve("rest_spec.drafter.hf.NoSuchName")
+
+
+def test_a_name_renamed_in_place_answers_under_its_old_name_and_says_the_new_one():
+    import rest_spec.datastore.index as index
+
+    with pytest.warns(DeprecationWarning, match=r"rest_spec\.datastore\.index\.Retriever\b"):
+        from rest_spec.datastore.index import Engine
+    assert Engine is index.Retriever
+    with pytest.warns(DeprecationWarning, match=r"rest_spec\.datastore\.index\.RetrieverUnavailable\b"):
+        assert index.EngineUnavailable is index.RetrieverUnavailable
+    assert not {"Engine", "EngineUnavailable"} & set(vars(index))  # one name per thing in the module itself
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        index.NoSuchName  # noqa: B018
 
 
 @pytest.mark.parametrize(("name", "home"), sorted(MOVED_FROM_COST.items()))

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rest_spec.common.types import DraftConfig
-from rest_spec.datastore.index import Datastore, EngineUnavailable
+from rest_spec.datastore.index import Datastore, RetrieverUnavailable
 from rest_spec.datastore.router import Router, RouterConfig
 from rest_spec.datastore.rpc import GrpcServer, ServerConfig
 from rest_spec.datastore.shards import SERVICE_NAME, ShardServicer, parse_shard_spec
@@ -198,7 +198,7 @@ def test_a_server_down_is_unavailable_or_left_out_when_partial_answers_are_allow
         # the server of shard 0 is gone
         with strict, partial, Datastore.open(path, shards=rest) as survivors:
             with pytest.raises(
-                EngineUnavailable, match=rf"shard server {first[0]} \(shards 0\) failed Match: UNAVAILABLE"
+                RetrieverUnavailable, match=rf"shard server {first[0]} \(shards 0\) failed Match: UNAVAILABLE"
             ):
                 list(strict.drafts(contexts, config))
             assert list(partial.drafts(contexts, config)) == survivors.draft_batch(contexts, config)
@@ -224,7 +224,7 @@ def test_a_server_answering_nonsense_is_unavailable_or_left_out(index):
         shard_servers(path, [list(range(1, num_shards))], servicer=_CorruptRows) as bad,
     ):
         with Router.connect(path / "manifest.json", RouterConfig(good + bad)) as router:
-            with pytest.raises(EngineUnavailable, match="neither a token id below 500 nor the separator"):
+            with pytest.raises(RetrieverUnavailable, match="neither a token id below 500 nor the separator"):
                 list(router.drafts(contexts, DraftConfig()))
         with (
             Router.connect(path / "manifest.json", RouterConfig(good + bad, allow_partial=True)) as router,
@@ -249,7 +249,7 @@ def test_the_callers_deadline_bounds_the_wait_for_a_late_server(index):
     with shard_servers(path, [list(range(num_shards))], servicer=_Slow) as slow:
         with Router.connect(path / "manifest.json", RouterConfig(slow, timeout=30.0)) as router:
             start = time.monotonic()
-            with pytest.raises(EngineUnavailable, match="DEADLINE_EXCEEDED"):
+            with pytest.raises(RetrieverUnavailable, match="DEADLINE_EXCEEDED"):
                 list(router.drafts(contexts, DraftConfig(), timeout=0.2))
             assert time.monotonic() - start < 0.2 + 0.7 * TIME_SCALE  # the 0.2 s deadline, not the 30 s timeout
             with Datastore.open(path) as single:  # no deadline: the late answer is waited for
