@@ -107,8 +107,8 @@ class _Regrouped:
 
 @dataclasses.dataclass
 class _Session:
-    """One request being decoded: where its context stood at the last step, the tree answered
-    then (and the merged tree it was selected from), and the matcher over its own tokens (None when
+    """One request being decoded: where its context stood at the last step (``mark``, which the
+    scheduler reads too: the one record of it), the tree answered then (and the merged tree it was selected from), and the matcher over its own tokens (None when
     the request source is off)."""
 
     matcher: RequestMatcher | None

@@ -108,11 +108,13 @@ class StepDrafter(Protocol):
         accepted: Sequence[Sequence[int]] | None = None,
         temperatures: Sequence[float] | None = None,
     ) -> list[Any]:
-        """Each row's request session, given its live context (read now, not kept: the engine
-        may change it after the call), the name of its request and, where the engine reports
-        them, ``accepted``: the tokens it committed for the row at its last step (the draft
-        tokens it accepted and its own; None: what each context gained tells), and
-        ``temperatures``: each row's sampling temperature (None: greedy)."""
+        """Each row's request session, whose ``mark`` (a ``steps.Mark``) is where the row's
+        context stands now: the one record of where each request stands, which the scheduler's
+        speculation reads too. Given its live context (read now, not kept: the engine may change
+        it after the call), the name of its request and, where the engine reports them,
+        ``accepted``: the tokens it committed for the row at its last step (the draft tokens it
+        accepted and its own; None: what each context gained tells), and ``temperatures``: each
+        row's sampling temperature (None: greedy)."""
         ...
 
     def finish(self, requests: Sequence[Hashable]) -> None:

@@ -241,7 +241,7 @@ class DraftScheduler:
         )
         self._ahead: _Ahead | None = None
         self._probe: Pending | None = None  # a probe of the datastore in flight
-        self._rows: list[tuple[Hashable, Mark]] = []  # the last ``trees`` call's rows: request, context mark
+        self._rows: list[tuple[Hashable, Mark]] = []  # the last ``trees`` call's rows: request, its session's mark
         self._warned = False
         self._late = 0  # speculative calls the background job gave up on
         self.worth = DraftingWorth()  # whether drafting pays at a batch size (weighed with a cost)
@@ -382,18 +382,18 @@ class DraftScheduler:
         start = time.perf_counter()
         self._settle_probe()
         requests = range(len(contexts)) if requests is None else requests
-        # where each context stands: what speculation drafts ahead from, and checks its outcomes by
-        rows = [(request, Mark.of(context)) for request, context in zip(requests, contexts)] if self._worker else []
         config = self.sources.candidates(self.config)
         ahead, self._ahead = self._ahead, None
         shared: list[SourceTrees | None] = [None] * len(contexts)
         remote_ok, ready = True, ahead is not None and ahead.job.done()
         fetch = time.perf_counter()
         if ahead is not None:
-            remote_ok = self._collect(ahead, contexts, rows, shared)
+            remote_ok = self._collect(ahead, contexts, requests, shared)
         self.stats.source_seconds += time.perf_counter() - fetch
-        self._rows = rows
         sessions = self.sources.advance(contexts, requests, accepted, temperatures)  # the background job is done
+        # where each context stands, as its session records it: what speculation drafts ahead from,
+        # and checks the next step's outcomes by
+        self._rows = [(request, session.mark) for request, session in zip(requests, sessions)] if self._worker else []
         missing = [i for i, trees in enumerate(shared) if trees is None]
         if missing:
             # read within this call, before the engine writes on (a probe's answer only tells the breaker)
@@ -472,7 +472,7 @@ class DraftScheduler:
         self,
         ahead: _Ahead,
         contexts: Sequence[Sequence[int]],
-        rows: list[tuple[Hashable, Mark]],
+        requests: Sequence[Hashable],
         shared: list[SourceTrees | None],
     ) -> bool:
         """Fill ``shared`` for the rows whose outcome ``ahead`` foresaw, with the hypothesis's
@@ -481,7 +481,7 @@ class DraftScheduler:
         not, those rows draft from local sources, and this step does not ask it again)."""
         outcome: dict[int, tuple[int, int]] = {}  # row -> (hypothesis index, bonus token)
         before = {request: (previous, mark) for previous, (request, mark) in enumerate(ahead.rows)}
-        for row, ((request, _), context) in enumerate(zip(rows, contexts)):
+        for row, (request, context) in enumerate(zip(requests, contexts)):
             previous, mark = before.get(request, (None, None))
             if mark is None or not mark.continued_by(context) or len(context) == mark.length:
                 continue

@@ -211,6 +211,13 @@ class Mark:
         return token_list(context, self.length)
 
 
+@dataclasses.dataclass(frozen=True)
+class PlainRow:
+    """A ``PlainSteps`` row's session: where its context stands (it keeps nothing across steps)."""
+
+    mark: Mark
+
+
 class PlainSteps:
     """A ``Drafter`` driven step by step: one source, its tree verified as it comes (cut to the
     budget), nothing local to fall back on."""
@@ -226,8 +233,8 @@ class PlainSteps:
         requests: Sequence[Hashable],
         accepted: Sequence[Sequence[int]] | None = None,
         temperatures: Sequence[float] | None = None,
-    ) -> list[None]:
-        return [None] * len(rows)
+    ) -> list[PlainRow]:
+        return [PlainRow(Mark.of(row)) for row in rows]
 
     def finish(self, requests: Sequence[Hashable]) -> None:
         pass
@@ -244,7 +251,7 @@ class PlainSteps:
         return self.source.start_sources(rows, config, timeout=timeout)
 
     def draft_rows(
-        self, sessions: Sequence[None], shared: Sequence[SourceTrees], config: DraftConfig
+        self, sessions: Sequence[PlainRow], shared: Sequence[SourceTrees], config: DraftConfig
     ) -> tuple[list[DraftTree], list[DraftTree]]:
         """Each row's index tree, cut to the budget (a tree under a bonus token comes from a wider one)."""
         trees = [
