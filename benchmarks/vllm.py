@@ -27,6 +27,9 @@ them: the run is then one group, and its speed the overall tokens/s. Modes:
   off), as before the chain calibration (2026-12-06): what that calibration changes;
 - ``rest-no-suffix``: ``rest`` without vLLM's ``suffix`` matcher among its sources
   (``suffix_cache`` off), as before 2026-12-06: what containing suffix changes;
+- ``rest-sort``: ``rest`` with its sampled drafts verified by vLLM's own CPU sampler, which sorts
+  the vocabulary at every drafted position (``fast_sampling`` off), as before 2026-12-07: what the
+  sort-free verification changes (greedy runs never sort: the same as ``rest``);
 - ``rest-grpc``: the same drafting from a ``rest-datastore serve`` process on loopback, a fresh
   server for every run (so its store of outputs also starts empty), stopped after it (its log:
   the report's path with ``.server.log``);
@@ -99,7 +102,7 @@ from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
 log = logging.getLogger("benchmarks.vllm")
 
-MODES = ("plain", "ngram", "suffix", "rest", "rest-raw", "rest-no-suffix", "rest-grpc", "oracle")
+MODES = ("plain", "ngram", "suffix", "rest", "rest-raw", "rest-no-suffix", "rest-sort", "rest-grpc", "oracle")
 DEFAULT_SETS = ("humaneval", "sharegpt")
 DEFAULT_NGRAM_SETTINGS = "4:1:3,4:2:5,8:2:5,8:3:8"
 MEASURE_T_TOKENS = 512  # new tokens of the t(n) measurement: enough steps for the proposer to cache what it learned
@@ -225,8 +228,14 @@ def engine(spec: dict) -> dict:
 
 
 # the REST modes' options beside the datastore: rest-raw's chains admitted on the merge's scores,
-# uncalibrated; rest-no-suffix drafting without vLLM's suffix matcher
-REST_VARIANTS = {"rest": {}, "rest-raw": {"calibrate_chains": False}, "rest-no-suffix": {"suffix_cache": False}}
+# uncalibrated; rest-no-suffix drafting without vLLM's suffix matcher; rest-sort's sampled drafts verified by
+# vLLM's own sampler, which sorts the vocabulary
+REST_VARIANTS = {
+    "rest": {},
+    "rest-raw": {"calibrate_chains": False},
+    "rest-no-suffix": {"suffix_cache": False},
+    "rest-sort": {"fast_sampling": False},
+}
 
 
 def mode_job(mode: str, prompts, args, concurrency: int, index: Path, references: list[list[int]]) -> dict:

@@ -1,6 +1,7 @@
 """The parts of the vLLM proposer that need no vLLM: its options, the batch-wide chain sizing, the
-output cut at a finished request's stop, and the expand-kernel fix (torch alone). The proposer
-inside a real vLLM engine is tests/test_vllm.py."""
+output cut at a finished request's stop, the expand-kernel fix and the verification's sampling
+without the sort (torch alone; that sampling also against vLLM's own functions, in the vllm tier).
+The proposer inside a real vLLM engine is tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rest_spec.drafter.core.batch_cost import BatchCost
 from rest_spec.drafter.core.cost import CostKey
 from rest_spec.drafter.core.selection import select_batch_chains, select_chain
+from rest_spec.drafter.vllm import sampling
 from rest_spec.drafter.vllm.proposer import OPTIONS, RestOptions, cached_sizes, finished_output, overlap_default
 from rest_spec.drafter.vllm.shim import check_version, expand_is_broken, expand_kernel_impl
 from tests.helpers import scored_chain
+from tests.tiers import examples
 
 KEY = CostKey("m", "r", 1, "cpu", "float32")
 
@@ -158,6 +163,133 @@ def test_the_probe_tells_the_buggy_kernel_from_the_fixed_one():
     assert expand_is_broken(buggy_expand)
     assert not expand_is_broken(expand_kernel_impl)
     assert expand_is_broken(lambda *args: (_ for _ in ()).throw(RuntimeError("no kernel")))
+
+
+# ---- verification's sampling without the sort (drafter.vllm.sampling) ------------------------------
+
+
+def sorted_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """vLLM 0.32's ``apply_top_k_top_p_pytorch``, as it reads: sort each row, mask below the k-th
+    largest, then mask where the ascending cumulative probability is at most 1 - p (the largest
+    always kept), and scatter back."""
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        kth = logits_sort.gather(1, (logits_sort.size(1) - k.to(torch.long)).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < kth, -float("inf"))
+    if p is not None:
+        mask = logits_sort.softmax(dim=-1).cumsum(dim=-1) <= 1 - p.unsqueeze(1)
+        mask[:, -1] = False
+        logits_sort.masked_fill_(mask, -float("inf"))
+    return logits.scatter_(dim=-1, index=logits_idx, src=logits_sort)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    vocab=st.sampled_from([5, 63, 64, 65, 300, 5000]),
+    spread=st.floats(0.05, 8.0),
+    top_k=st.one_of(st.none(), st.integers(1, 80)),
+    top_p=st.one_of(st.none(), st.floats(0.05, 0.999)),
+)
+def test_top_k_top_p_without_the_sort_keeps_what_vllms_keeps(seed, vocab, spread, top_k, top_p):
+    """Rows sharp and flat (the search grows to the whole vocabulary), a row whose top-k is the
+    whole vocabulary and one whose top-p is 1 (kept whole): the same logits masked, in float64 so
+    that rounding moves no token across the edge."""
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * spread
+    logits[0, : vocab // 2] += 6  # a few tokens hold most of the mass
+    k = None if top_k is None else torch.tensor([min(top_k, vocab), vocab, 1, min(top_k, vocab)])
+    p = None if top_p is None else torch.tensor([top_p, top_p, 1.0, top_p], dtype=torch.float64)
+    expected = sorted_top_k_top_p(logits.clone(), k, p)
+    got = sampling.apply_top_k_top_p(logits.clone(), k, p)
+    assert torch.equal(got.isfinite(), expected.isfinite())
+    assert torch.equal(got[got.isfinite()], logits[got.isfinite()])
+    # a step whose sampled rows drafted nothing verifies no position
+    none = torch.empty(0, vocab, dtype=torch.float64)
+    empty_k, empty_p = (None if value is None else value[:0] for value in (k, p))
+    assert sampling.apply_top_k_top_p(none, empty_k, empty_p).shape == (0, vocab)
+
+
+def test_recovered_tokens_follow_the_target_less_the_draft_token():
+    """Inverse transform of uniform draws: each position's tokens come in proportion to its target
+    probabilities with the draft token's removed (a chi-square test on 20,000 draws); a token of
+    no probability never comes; where the draft token held everything the answer is harmless."""
+    target = torch.tensor(
+        [[0.1, 0.4, 0.0, 0.3, 0.2, 0.0], [0.0, 0.0, 0.5, 0.0, 0.25, 0.25], [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]]
+    )
+    draft = torch.tensor([1, 4, 3], dtype=torch.int32)
+    draws = 20_000
+    uniforms = torch.rand(draws * 3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    chosen = sampling.recovered_tokens(target.repeat(draws, 1), draft.repeat(draws), uniforms).view(draws, 3)
+    assert chosen.dtype == torch.int32
+    for row in range(2):
+        residual = target[row].clone()
+        residual[draft[row]] = 0
+        expected = residual / residual.sum() * draws
+        counts = torch.bincount(chosen[:, row].long(), minlength=6).double()
+        assert torch.all(counts[expected == 0] == 0)
+        statistic = float((((counts - expected) ** 2)[expected > 0] / expected[expected > 0]).sum())
+        assert statistic < 25.7, (row, counts.tolist())  # chi-square, 3 degrees of freedom, 1e-5
+    assert torch.all((chosen[:, 2] >= 0) & (chosen[:, 2] < 6))
+
+
+def test_recovered_tokens_draw_from_each_requests_own_generator():
+    """A request with a seed (its generator) gets the same recovered tokens from the same seed,
+    whatever the unseeded requests beside it draw."""
+    target = torch.full((5, 40), 1 / 40)
+    draft = torch.zeros(5, dtype=torch.int64)
+
+    def recover(seed: int):
+        metadata = types.SimpleNamespace(generators={1: torch.Generator().manual_seed(seed)})
+        recover_tokens = sampling.recovered_tokens_sampler(original=None)
+        return recover_tokens(4, [2, 3, 0], None, draft, None, target, metadata, "cpu")
+
+    first, again, other = recover(3), recover(3), recover(4)
+    assert torch.equal(first[2:5], again[2:5])  # request 1's three positions
+    assert not torch.equal(first[2:5], other[2:5])
+
+
+def test_draft_probabilities_are_left_to_vllms_own_function():
+    """REST's chains carry no draft probabilities; where vLLM passes some, its own function answers."""
+    calls = []
+    recover = sampling.recovered_tokens_sampler(original=lambda *args, **kwargs: calls.append(args) or "vllm's")
+    draft_probs = torch.full((2, 8), 1 / 8)
+    args = (1, [1, 1], torch.tensor([1, 2]), torch.zeros(2, dtype=torch.int64), draft_probs, draft_probs)
+    assert recover(*args, types.SimpleNamespace(generators={}), "cpu") == "vllm's" and calls[0][4] is draft_probs
+
+
+@pytest.mark.vllm
+def test_verification_sampling_against_vllms_own_functions():
+    """In vLLM's environment: the masks of vLLM's own ``apply_top_k_top_p`` on a real vocabulary's
+    size (but where the edge lies within float32 rounding of vLLM's long sum), and the shim's
+    replacement in place once. (vLLM's recovered-token kernel runs only inside an engine: the
+    sampled engine test, tests/test_vllm.py, checks the whole verification's distribution.)"""
+    pytest.importorskip("vllm")
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from rest_spec.drafter.vllm.shim import faster_verification_sampling
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 49_152
+    logits = torch.randn(16, vocab, generator=generator) * 2.5
+    logits[:, :30] += torch.rand(16, 1, generator=generator) * 15
+    k, p = torch.randint(1, 100, (16,), generator=generator), torch.rand(16, generator=generator) * 0.9 + 0.05
+    for top_k in (None, k):
+        expected = apply_top_k_top_p_pytorch(logits.clone(), top_k, p, allow_cpu_sync=True).isfinite()
+        got = sampling.apply_top_k_top_p(logits.clone(), top_k, p).isfinite()
+        for row in (got != expected).any(dim=1).nonzero().flatten().tolist():
+            row_k = None if top_k is None else top_k[row : row + 1]
+            probs = sampling.apply_top_k_top_p(logits[row : row + 1].clone(), row_k, None)
+            probs = probs.double().softmax(dim=-1)[0]
+            for token in (got[row] != expected[row]).nonzero().flatten().tolist():
+                above = float(probs[probs > probs[token]].sum())
+                assert abs(above - float(p[row])) < 1e-4, (row, token, above, float(p[row]))
+
+    faster_verification_sampling()
+    faster_verification_sampling()  # once: the second call finds its own functions in place
+    assert rejection_sampler.apply_top_k_top_p is sampling.apply_top_k_top_p
+    replaced = rejection_sampler.sample_recovered_tokens.replaces
+    assert replaced.__module__ == rejection_sampler.__name__ and not hasattr(replaced, "replaces")
 
 
 # ---- where the datastore runs; the vLLM the runner shim knows ------------------------------------

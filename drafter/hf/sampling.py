@@ -51,34 +51,18 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from rest_spec.common.nucleus import nucleus
 from rest_spec.drafter.hf import internals as hf_internals
 from rest_spec.drafter.hf.tree_attention import TreeInputs
 
 
 class SortFreeTopP(TopPLogitsWarper):
-    """``TopPLogitsWarper``'s nucleus (the smallest set of likeliest tokens whose probability adds
-    up to ``top_p``), found without sorting the vocabulary. transformers sorts all of it at every
-    position: 2-3 ms per position for SmolLM2's 49,152 tokens on a 2-core CPU, as much as the
-    model's forward for a 16-node tree. The nucleus is among the likeliest tokens: the ``k`` most
-    likely are taken (``topk``), ``k`` growing fourfold until they hold ``top_p`` of the mass, and a
-    token is kept, as transformers keeps it, where the mass from it down (1 - the mass above it) is
-    above ``1 - top_p``, the ``min_tokens_to_keep`` likeliest always. Same set but where float
-    rounding or a tie at the edge of the nucleus falls otherwise."""
-
-    FIRST_K = 64
+    """``TopPLogitsWarper``'s nucleus found without sorting the vocabulary (``common.nucleus``):
+    transformers sorts all of it at every position, 2-3 ms per position for SmolLM2's 49,152 tokens
+    on a 2-core CPU, as much as the model's forward for a 16-node tree."""
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        probs = scores.softmax(dim=-1)
-        vocab = scores.shape[-1]
-        k = min(vocab, max(self.FIRST_K, self.min_tokens_to_keep))
-        while True:
-            top, order = probs.topk(k, dim=-1)  # descending
-            if k == vocab or bool((top.sum(dim=-1) >= self.top_p).all()):
-                break  # every token past the k-th has top_p of the mass above it: not in the nucleus
-            k = min(vocab, 4 * k)
-        keep_sorted = 1 - (top.cumsum(dim=-1) - top) > 1 - self.top_p
-        keep_sorted[..., : self.min_tokens_to_keep] = True
-        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, keep_sorted)
+        keep = nucleus(scores.softmax(dim=-1), self.top_p, self.min_tokens_to_keep)
         return scores.masked_fill(~keep, self.filter_value)
 
 

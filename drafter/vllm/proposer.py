@@ -21,7 +21,9 @@ cost and learn it afresh); ``calibrate_chains``; ``suffix_cache`` (vLLM's ``suff
 source; on by default where Arctic Inference, which vLLM's ``suffix`` needs, is installed);
 ``calibration_file``: where what the calibrations learned is kept for the next engine
 (``drafter.core.calibration_memory``; default the cache directory's file for the model and
-sources, a path the fleet's hosts share, or "none").
+sources, a path the fleet's hosts share, or "none"); ``fast_sampling`` (default true): on CPU, the
+drafted positions of sampled requests are verified with ``drafter.vllm.sampling``'s top-k/top-p and
+recovered tokens, which do not sort the vocabulary (the same distribution; false: vLLM's own).
 
 Each engine step it drafts what ``rest-generate --adaptive`` drafts: the index, the request's own
 text and the store of outputs, and with ``suffix_cache`` what vLLM's ``suffix`` would draft
@@ -97,6 +99,7 @@ class RestOptions:
     calibrate_chains: bool = True
     suffix_cache: bool | None = None  # None: where Arctic Inference is installed (``suffix_cache.available``)
     calibration_file: str | None = None  # None: the cache's, per model and sources; "none": not kept
+    fast_sampling: bool = True  # on CPU, drafted positions sampled without sorting the vocabulary (``sampling``)
 
     @classmethod
     def parse(cls, section: object, environ: Mapping[str, str] = os.environ) -> RestOptions:
@@ -337,12 +340,14 @@ class RestProposer:
     # ---- vLLM's hooks ----------------------------------------------------------------------------
 
     def load_model(self, model) -> None:
-        """Make sure sampling is exact (every rank samples) and, where this rank drafts, link to the
-        model runner that built this proposer: which request each row is, which requests ended
-        (``drafter.vllm.shim``)."""
-        from rest_spec.drafter.vllm.shim import RunnerLink, check_expand
+        """Make sure sampling is exact (every rank samples), and without the sort where
+        ``fast_sampling``; where this rank drafts, link to the model runner that built this
+        proposer: which request each row is, which requests ended (``drafter.vllm.shim``)."""
+        from rest_spec.drafter.vllm.shim import RunnerLink, check_expand, faster_verification_sampling
 
         check_expand()
+        if self.options.fast_sampling:
+            faster_verification_sampling()
         if self.drafting:
             self._link = RunnerLink.find(self, self.finished)
 
