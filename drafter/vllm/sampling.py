@@ -86,31 +86,12 @@ def recovered_tokens_sampler(original: Callable) -> Callable:
     """``sample_recovered_tokens`` with vLLM's signature: ``recovered_tokens`` where there are no
     draft probabilities, ``original`` (vLLM's) where there are."""
 
-    def sample_recovered_tokens(
-        max_spec_len,
-        num_draft_tokens,
-        cu_num_draft_tokens,
-        draft_token_ids,
-        draft_probs,
-        target_probs,
-        sampling_metadata,
-        device,
-        *args,
-        **kwargs,
-    ):
+    def sample_recovered_tokens(*args, **kwargs):
+        # vLLM's positional order: max_spec_len, num_draft_tokens, cu_num_draft_tokens,
+        # draft_token_ids, draft_probs, target_probs, sampling_metadata, device[, use_fp64_gumbel]
+        num_draft_tokens, _, draft_token_ids, draft_probs, target_probs, sampling_metadata = args[1:7]
         if draft_probs is not None:
-            return original(
-                max_spec_len,
-                num_draft_tokens,
-                cu_num_draft_tokens,
-                draft_token_ids,
-                draft_probs,
-                target_probs,
-                sampling_metadata,
-                device,
-                *args,
-                **kwargs,
-            )
+            return original(*args, **kwargs)
         uniforms = _uniforms(num_draft_tokens, sampling_metadata.generators)
         return recovered_tokens(target_probs, draft_token_ids, uniforms)
 
