@@ -34,4 +34,5 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor | float, min_keep: int = 1)
         k = min(vocab, 4 * k)
     keep_sorted = 1 - (top.cumsum(dim=-1) - top) > 1 - top_p
     keep_sorted[..., :min_keep] = True
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted) | whole
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep_sorted)
+    return keep | whole if bool(whole.any()) else keep
