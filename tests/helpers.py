@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -418,3 +419,25 @@ class DatastoreProcess:
     @property
     def output(self) -> str:
         return "\n".join(self.lines)
+
+
+def chi_square(counts: Counter, probs: dict) -> tuple[float, int]:
+    """Pearson's statistic and degrees of freedom; cells (outcomes, with impossible observed ones at
+    probability 0) are pooled in ascending order of expected count until each expects >= 5."""
+    n = sum(counts.values())
+    cells = sorted(set(probs) | set(counts), key=lambda k: probs.get(k, 0.0))
+    pooled: list[list[float]] = []  # [observed, expected]
+    for key in cells:
+        if not pooled or pooled[-1][1] >= 5:
+            pooled.append([0.0, 0.0])
+        pooled[-1][0] += counts[key]
+        pooled[-1][1] += n * probs.get(key, 0.0)
+    if len(pooled) > 1 and pooled[-1][1] < 5:
+        last = pooled.pop()
+        pooled[-1] = [pooled[-1][0] + last[0], pooled[-1][1] + last[1]]
+    return sum((o - e) ** 2 / e for o, e in pooled), len(pooled) - 1
+
+
+def chi_square_critical(df: int, z: float = 4.265) -> float:
+    """Upper 1e-5 quantile of chi-square(df) (Wilson-Hilferty; z is the normal 1e-5 quantile)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3

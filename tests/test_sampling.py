@@ -38,7 +38,7 @@ from rest_spec.drafter.hf.kv_cache import new_cache
 from rest_spec.drafter.hf.sampling import SortFreeTopP, TokenChooser, prepare_generation_config, row_logits_processors
 from rest_spec.drafter.hf.tree_attention import TreeInputs, build_tree_inputs
 from rest_spec.drafter.hf.verify import tree_logits
-from tests.helpers import ScriptedDrafter, tiny_causal_lm, tree_from_paths
+from tests.helpers import ScriptedDrafter, chi_square, chi_square_critical, tiny_causal_lm, tree_from_paths
 from tests.tiers import examples
 
 PROMPTS = ([17], [5, 17, 33, 99, 100, 7])
@@ -263,28 +263,6 @@ def first_tokens(
         for i, output in enumerate(result.output_ids):
             counts[i % len(PROMPTS)][tuple(output)] += 1
     return counts
-
-
-def chi_square(counts: Counter, probs: dict[tuple[int, ...], float]) -> tuple[float, int]:
-    """Pearson's statistic and degrees of freedom; cells (outcomes, with impossible observed ones at
-    probability 0) are pooled in ascending order of expected count until each expects >= 5."""
-    n = sum(counts.values())
-    cells = sorted(set(probs) | set(counts), key=lambda k: probs.get(k, 0.0))
-    pooled: list[list[float]] = []  # [observed, expected]
-    for key in cells:
-        if not pooled or pooled[-1][1] >= 5:
-            pooled.append([0.0, 0.0])
-        pooled[-1][0] += counts[key]
-        pooled[-1][1] += n * probs.get(key, 0.0)
-    if len(pooled) > 1 and pooled[-1][1] < 5:
-        last = pooled.pop()
-        pooled[-1] = [pooled[-1][0] + last[0], pooled[-1][1] + last[1]]
-    return sum((o - e) ** 2 / e for o, e in pooled), len(pooled) - 1
-
-
-def chi_square_critical(df: int, z: float = 4.265) -> float:
-    """Upper 1e-5 quantile of chi-square(df) (Wilson-Hilferty; z is the normal 1e-5 quantile)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 @pytest.mark.parametrize("width", [2, 4], ids=["two-branches", "whole-support"])
