@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, benchmark_parser, comma_list, humaneval_inputs, save_report, start_run
+from benchmarks.harness.report import RESULTS, benchmark_parser, comma_list, save_report, start_run
+from benchmarks.harness.sets import humaneval_inputs
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter

@@ -4,11 +4,11 @@
         --index indexes/pypi-150m --index indexes/python-stdlib
 
 For each index (``build_index --corpus pypi --max-tokens N``; the stdlib's for reference), on
-HumanEval 101-164 with the model's greedy outputs (plain vLLM, ``benchmarks.history``'s cache):
+HumanEval 101-164 with the model's greedy outputs (plain vLLM, ``benchmarks.harness.streams``' cache):
 
-- what it is worth, replayed without the engine (``benchmarks.history``): tokens per step of REST
-  (index, request, store of outputs; a fresh replica) and vLLM's ``suffix``, at most k draft tokens
-  a step, with REST's hindsight per source (tokens the index held of what followed, tokens of it
+- what it is worth, replayed without the engine (``benchmarks.harness.fleet_replay``, as
+  ``benchmarks.history``): tokens per step of REST (index, request, store of outputs; a fresh
+  replica) and vLLM's ``suffix``, at most k draft tokens a step, with REST's hindsight per source (tokens the index held of what followed, tokens of it
   accepted) -- REST's paper saw +0.14 accepted tokens per step per doubling of The Stack;
 - what it costs: open time and resident memory (``benchmarks.retrieval``), retrieval latency p50/p99
   in process (budget 64, every query a held-out context: the prompt and a prefix of its output)
@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import benchmark_parser, positive_int, save_report, start_run
-from benchmarks.history import RESULTS, greedy_outputs, run_fleet, set_streams
-from benchmarks.retrieval.engines import compare_latency, open_figures, our_engine
-from benchmarks.retrieval.service import grpc_figures
+from benchmarks.harness.fleet_replay import run_fleet
+from benchmarks.harness.report import RESULTS, benchmark_parser, positive_int, save_report, start_run
+from benchmarks.harness.retrieval_timing import compare_latency, grpc_figures, open_figures, our_engine
+from benchmarks.harness.streams import greedy_outputs, set_streams
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.datastore import format as fmt
 from rest_spec.datastore.index import Datastore
@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=RESULTS / "code_scale.json")
     args = p.parse_args(argv)
     report = start_run("code_scale", argv, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from benchmarks.vllm import ENGINE_MODEL
+    from benchmarks.harness.engines import ENGINE_MODEL
     from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
     ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")

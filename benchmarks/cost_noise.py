@@ -53,17 +53,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (
-    REPO,
-    RESULTS,
-    benchmark_parser,
-    comma_list,
-    ensure_index,
-    humaneval_inputs,
-    positive_int,
-    save_report,
-    start_run,
-)
+from benchmarks.harness.report import REPO, RESULTS, benchmark_parser, comma_list, positive_int, save_report, start_run
+from benchmarks.harness.sets import ensure_index, humaneval_inputs
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter

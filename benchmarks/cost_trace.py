@@ -3,7 +3,7 @@
     .venv-vllm/bin/python -m benchmarks.cost_trace --sets chat,code --concurrency 8 --prompts 64
 
 One engine per set (vLLM, SmolLM2 fp32, k 8) runs REST with the set's index in the worker on its
-held-out prompts (``benchmarks.history``'s sets: ShareGPT from the 41st, HumanEval from the 101st),
+held-out prompts (``benchmarks.harness.streams``' sets: ShareGPT from the 41st, HumanEval from the 101st),
 ``--concurrency`` at a time, greedy, ``--max-new-tokens`` each. Every step the proposer times goes
 to its ``drafter.core.batch_cost.BatchCost``; the engine's process records each (rows, draft tokens,
 seconds) and the price of a draft token the cost holds after it. Reports, per set:
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import benchmark_parser, positive_int, save_report, start_run
-from benchmarks.vllm_run import ROOT, engine_env
+from benchmarks.harness.engines import engine_env
+from benchmarks.harness.report import REPO, benchmark_parser, positive_int, save_report, start_run
 
 RESULTS = Path(__file__).with_name("results") / "cost_trace.json"
 CHECKPOINTS = (25, 50, 100, 200, 400)
@@ -69,7 +69,7 @@ def engine(job: dict) -> dict:
     BatchCost.observe = traced
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from benchmarks.vllm_run import drafter_stats, speculative_config
+    from benchmarks.harness.engines import drafter_stats, speculative_config
 
     llm = LLM(
         model=job["model"],
@@ -204,7 +204,7 @@ def run_engine(job: dict, job_file: Path) -> dict:
     try:
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.cost_trace", "--engine", str(job_file)],
-            cwd=ROOT, env=env, capture_output=True, text=True,
+            cwd=REPO, env=env, capture_output=True, text=True,
         )  # fmt: skip
     finally:
         job_file.unlink()
@@ -225,14 +225,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=positive_int, default=2, help="engines of each kind per set, alternating (default 2)"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"default {RESULTS.relative_to(ROOT)}")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"default {RESULTS.relative_to(REPO)}")
     parser.add_argument("--engine", type=Path, help=argparse.SUPPRESS)  # the engine's process: its job file
     args = parser.parse_args(argv)
     if args.engine is not None:
         print(json.dumps(engine(json.loads(args.engine.read_text()))))
         return 0
     report = start_run("cost_trace", argv)
-    from benchmarks.history import set_streams
+    from benchmarks.harness.streams import set_streams
     from rest_spec.common.tokenizer import load_tokenizer
     from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 

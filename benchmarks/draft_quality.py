@@ -3,7 +3,7 @@
     python -m benchmarks.draft_quality --index indexes/python-stdlib --prompts 10 --max-new-tokens 128
 
 The model's plain greedy outputs for the first N HumanEval prompts are computed once (and cached);
-then, for every drafter, the decoding loop is replayed without the model (``benchmarks.replay``):
+then, for every drafter, the decoding loop is replayed without the model (``benchmarks.harness.replay``):
 at each step the drafter is asked for a tree, the longest tree path that the greedy output
 continues with is accepted, plus one token. For our engine this equals what
 ``benchmarks.e2e``'s ``paper`` mode measures with the real verifier (the verifier loses nothing); it lets
@@ -22,8 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS, DraftRetriever, benchmark_parser, humaneval_inputs, report_header, save_report
-from benchmarks.replay import Example, greedy_outputs, replay
+from benchmarks.harness.draftretriever import DraftRetriever
+from benchmarks.harness.replay import Example, greedy_outputs, replay
+from benchmarks.harness.report import RESULTS, benchmark_parser, report_header, save_report
+from benchmarks.harness.sets import humaneval_inputs
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore

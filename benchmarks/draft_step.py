@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python -m benchmarks.draft_step --sets code,chat --rows 1,4,8,16 --warmup 2000
 
-The model's greedy outputs of the held-out sets (``benchmarks.history``'s streams and cache: HumanEval
+The model's greedy outputs of the held-out sets (``benchmarks.harness.streams``' streams and cache: HumanEval
 101-164 with the stdlib index, ShareGPT 41-80 with the sharegpt index) are replayed through the
 adaptive drafter as vLLM's proposer runs it (index, the request's own text and a store of outputs
 holding the first ``--warmup`` warm-up outputs; chains of at most ``--k`` tokens), R requests
@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import benchmark_parser, comma_list, positive_int, save_report, start_run
-from benchmarks.history import RESULTS, accepted_length, greedy_outputs, set_streams
+from benchmarks.harness.fleet_replay import accepted_length
+from benchmarks.harness.report import RESULTS, benchmark_parser, comma_list, positive_int, save_report, start_run
+from benchmarks.harness.streams import greedy_outputs, set_streams
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
@@ -109,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=RESULTS / "draft_step.json")
     args = p.parse_args(argv)
     report = start_run("draft_step", argv)
-    from benchmarks.vllm import ENGINE_MODEL
+    from benchmarks.harness.engines import ENGINE_MODEL
     from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
     ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")

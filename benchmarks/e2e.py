@@ -67,28 +67,24 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import re
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from benchmarks.common import (
+from benchmarks.harness.generation import Run, generation_config, hf_run
+from benchmarks.harness.replay import greedy_path, save_greedy_outputs
+from benchmarks.harness.report import (
     GREEDY,
-    REPO,
     RESULTS,
     Decoding,
     add_sampling_arguments,
     benchmark_parser,
-    chat_prompt,
     check,
     comma_list,
     decoding_arguments,
-    ensure_index,
-    humaneval_inputs,
     kept_gain,
     load_targets,
     mode_bars,
@@ -97,12 +93,10 @@ from benchmarks.common import (
     save_report,
     start_run,
 )
-from benchmarks.replay import greedy_path, save_greedy_outputs
-from rest_spec.build_index.corpora import CorpusSpec, held_out_records
+from benchmarks.harness.sets import DEFAULT_SETS, SETS, add_set_arguments, set_index, set_prompts
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo
-from rest_spec.datastore.format import read_manifest
-from rest_spec.drafter.cli.generation import sampling_config, seeded_generator
+from rest_spec.drafter.cli.generation import seeded_generator
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.corrected_cost import CorrectedCost
 from rest_spec.drafter.core.cost import VerifyCost
@@ -126,68 +120,6 @@ SIDE_BY_SIDE = (
     ("oracle", "plain-layout"),
 )
 PROMPT_LOOKUP_TOKENS = 10  # the pld mode's prompt_lookup_num_tokens
-SETS = ("humaneval", "humaneval-chat", "sharegpt", "codebase")
-DEFAULT_SETS = ("humaneval", "sharegpt")
-STDLIB_INDEX = (REPO / "indexes/python-stdlib", ["--corpus", "python-stdlib"])
-# each set's default index and the build command that makes it when it is missing
-INDEXES = {
-    "humaneval": STDLIB_INDEX,
-    "humaneval-chat": STDLIB_INDEX,
-    "sharegpt": (REPO / "indexes/bench/sharegpt", ["--corpus", "sharegpt", "--skip-last", "400"]),
-    "codebase": (REPO / "indexes/bench/torch", ["--corpus", "python-package:torch", "--skip-last", "200"]),
-}
-# the command-line option naming each set's index
-INDEX_OPTIONS = {
-    "humaneval": "humaneval_index",
-    "humaneval-chat": "humaneval_index",
-    "sharegpt": "sharegpt_index",
-    "codebase": "codebase_index",
-}
-
-
-def add_set_arguments(p: argparse.ArgumentParser) -> None:
-    """Where each set's prompts come from: its index (built with the model's tokenizer;
-    ``--humaneval-index``, ``--sharegpt-index``) and the longest ShareGPT prompt kept."""
-    p.add_argument(
-        "--humaneval-index",
-        type=Path,
-        default=INDEXES["humaneval"][0],
-        help="the index of both humaneval sets (default: %(default)s)",
-    )
-    p.add_argument(
-        "--sharegpt-index",
-        type=Path,
-        default=INDEXES["sharegpt"][0],
-        help="a sharegpt index built with --skip-last; its held-out conversations give the prompts "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--codebase-index",
-        type=Path,
-        default=INDEXES["codebase"][0],
-        help="an index of a codebase built from python-package:NAME with --skip-last; its held-out "
-        "files give the prompts (default: %(default)s)",
-    )
-    p.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=1024,
-        help="skip ShareGPT prompts longer than this once rendered; codebase prompts keep their "
-        "last this many tokens (default: %(default)s)",
-    )
-    p.add_argument(
-        "--skip-prompts",
-        type=int,
-        default=0,
-        metavar="N",
-        help="start each set after its first N prompts: --skip-prompts 100 gives HumanEval 101-164, "
-        "--skip-prompts 40 ShareGPT past the first 40 (the sets choices were tuned on) (default: 0)",
-    )
-
-
-def set_index(name: str, args: argparse.Namespace) -> Path:
-    """Set ``name``'s index as ``args`` (``add_set_arguments``) name it, built first if it is missing."""
-    return ensure_index(getattr(args, INDEX_OPTIONS[name]), INDEXES[name][1])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -214,54 +146,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.plot = args.plot or args.out.with_suffix(".png")
     args.modes = [m for m in MODES if m in args.modes or m == "plain"]  # plain is the reference
     return args
-
-
-# ---- prompts and indexes ----------------------------------------------------------------------
-
-
-def set_prompts(
-    name: str, tokenizer, index: Path, count: int, max_prompt_tokens: int, skip: int = 0
-) -> list[list[int]]:
-    """``count`` prompts of set ``name`` (see the module docstring) after its first ``skip``,
-    ``index`` being its index."""
-    if name == "humaneval" or name == "humaneval-chat":
-        prompts = humaneval_inputs(tokenizer, skip + count, chat=name == "humaneval-chat")[skip:]
-        if len(prompts) < count:
-            raise SystemExit(f"HumanEval has {len(prompts)} prompts after the first {skip}; {count} wanted")
-        return prompts
-    cut = sharegpt_prompt if name == "sharegpt" else codebase_prompt
-    prompts = []
-    for record in _held_out(index):
-        ids = cut(tokenizer, record, max_prompt_tokens)
-        if ids:
-            prompts.append(ids)
-            if len(prompts) == skip + count:
-                return prompts[skip:]
-    raise SystemExit(f"{index}: only {len(prompts)} held-out records give a {name} prompt; {skip + count} wanted")
-
-
-def _held_out(index: Path) -> list:
-    spec = CorpusSpec.from_dict(read_manifest(index).corpus["spec"])
-    if spec.skip_last == 0:
-        raise SystemExit(f"{index} holds every record: build it with --skip-last N to hold prompts out")
-    return held_out_records(spec)
-
-
-def sharegpt_prompt(tokenizer, record, max_tokens: int) -> list[int]:
-    """A held-out conversation's first user turn, rendered; none (``[]``) past ``max_tokens``."""
-    text = next((turn.text for turn in record.turns if turn.role == "user" and turn.text.strip()), None)
-    ids = chat_prompt(tokenizer, text) if text is not None else []
-    return ids if len(ids) <= max_tokens else []
-
-
-def codebase_prompt(tokenizer, record, max_tokens: int) -> list[int]:
-    """A held-out file cut after the first ``def`` line in its second half (the model writes that
-    function's body, as an editor completion would), its last ``max_tokens`` tokens; none (``[]``)
-    for a file without one."""
-    text = record.turns[0].text
-    start = text.find("\n", len(text) // 2) + 1
-    header = re.search(r"^[ \t]*(?:async[ \t]+)?def [^\n]*:[ \t]*\n", text[start:], re.MULTILINE) if start else None
-    return tokenizer(text[: start + header.end()]).input_ids[-max_tokens:] if header else []
 
 
 # ---- modes ------------------------------------------------------------------------------------
@@ -318,32 +202,6 @@ class Oracle:
         pass
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """One mode on one prompt."""
-
-    output_ids: list[int]
-    seconds: float
-    steps: int
-    verified_tokens: int  # tokens fed to the verifier over all steps (tree nodes + 1 per step)
-    draft_seconds: float
-
-    def row(self, reference: Run, compared: bool = True) -> dict:
-        """Its figures against plain decoding's ``reference`` run; ``same_as_plain`` None where the
-        outputs are not ``compared`` (model.generate's, sampled)."""
-        new = len(self.output_ids)
-        return {
-            "new_tokens": new,
-            "steps": self.steps,
-            "mean_accepted": new / self.steps,
-            "verified_per_step": self.verified_tokens / self.steps,
-            "tokens_per_second": new / self.seconds,
-            "speed_vs_plain": (new / self.seconds) / (len(reference.output_ids) / reference.seconds),
-            "draft_ms_per_step": 1e3 * self.draft_seconds / self.steps,
-            "same_as_plain": self.output_ids == reference.output_ids if compared else None,
-        }
-
-
 def loop_run(
     model,
     ids: list[int],
@@ -372,54 +230,6 @@ def loop_run(
     )
     nodes = sum(recorder.sizes) if recorder is not None else 0
     return Run(result.output_ids, result.seconds, result.steps, result.steps + nodes, result.draft_seconds)
-
-
-def generation_config(model, decoding: Decoding):
-    """The ``GenerationConfig`` every mode decodes with: None greedy (the model's own, greedy for
-    the packaged SmolLM2), else the model's sampling at ``decoding``'s temperature and top-p, no top-k
-    cut (``rest-generate``'s ``sampling_config``)."""
-    if not decoding.sampled:
-        return None
-    return sampling_config(model, argparse.Namespace(temperature=decoding.temperature, top_p=decoding.top_p))
-
-
-def hf_run(
-    model,
-    ids: list[int],
-    max_new_tokens: int,
-    prompt_lookup_num_tokens: int | None = None,
-    decoding: Decoding = GREEDY,
-    seed: int | None = None,
-) -> Run:
-    """``model.generate``, greedy or sampled (``decoding``; torch's generator seeded with ``seed``
-    first: ``model.generate`` draws from it); with ``prompt_lookup_num_tokens``, transformers' prompt
-    lookup decoding. Every forward of the model is one verification step: its steps and verified
-    tokens are counted from the tokens each forward is fed (the first one also gets the prompt)."""
-    sampling = {"generation_config": generation_config(model, decoding)} if decoding.sampled else {"do_sample": False}
-    fed: list[int] = []
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: fed.append(kwargs["input_ids"].shape[1]), with_kwargs=True
-    )
-    input_ids = torch.tensor([ids], device=model.device)
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    try:
-        if decoding.sampled:
-            torch.manual_seed(seed)
-        sync()
-        start = time.perf_counter()
-        output = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            **sampling,
-            max_new_tokens=max_new_tokens,
-            prompt_lookup_num_tokens=prompt_lookup_num_tokens,
-        )
-        sync()
-        seconds = time.perf_counter() - start
-    finally:
-        hook.remove()
-    new = output[0, len(ids) :].tolist()
-    return Run(new, seconds, len(fed), sum(fed) - len(ids) + 1, 0.0)
 
 
 class SetRun:
@@ -554,7 +364,7 @@ def kept_gains(greedy: dict, sampled: dict) -> dict:
     """What sampling keeps of each greedy gain on one set (two ``run_set`` results of the same
     prompts): per mode its median speed against plain decoding of its own kind (``MODE_vs_plain``),
     and per side-by-side pair (``SIDE_BY_SIDE``, e.g. ``adaptive_vs_hf``: against ``model.generate``
-    of its own kind), the greedy and sampled speed-ups and ``kept`` (``benchmarks.common.kept_gain``)."""
+    of its own kind), the greedy and sampled speed-ups and ``kept`` (``benchmarks.harness.report.kept_gain``)."""
     pairs = {
         f"{mode}_vs_plain": (greedy["modes"][mode]["median_speed_vs_plain"], figures["median_speed_vs_plain"])
         for mode, figures in sampled["modes"].items()

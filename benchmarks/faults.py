@@ -43,20 +43,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.common import (
+from benchmarks.harness.report import (
     REPO,
     RESULTS,
     benchmark_parser,
     check,
     comma_list,
-    ensure_index,
-    humaneval_prompts,
     load_targets,
     save_report,
     start_run,
 )
-from benchmarks.e2e import STDLIB_INDEX
-from benchmarks.load import start_server
+from benchmarks.harness.servers import start_server
+from benchmarks.harness.sets import STDLIB_INDEX, ensure_index, humaneval_prompts
 
 log = logging.getLogger("benchmarks.faults")
 

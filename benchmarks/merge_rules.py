@@ -4,7 +4,7 @@
 
 The prompt sets, indexes and cached greedy outputs of ``benchmarks.tradeoff``; every drafter gets
 the same ``--budget`` nodes a step (no cost-based size) and is replayed against the greedy outputs
-(``benchmarks.replay``: accepted lengths equal a real run's). Every merge sees the same sources,
+(``benchmarks.harness.replay``: accepted lengths equal a real run's). Every merge sees the same sources,
 drafted as ``AdaptiveDrafter`` drafts them -- the index's longest match, the request's own text,
 the store of past outputs (each drafter its own store, fed with each output after its prompt):
 
@@ -24,7 +24,7 @@ the store of past outputs (each drafter its own store, fed with each output afte
   on this hardware (``drafter.core.selection.select_tree`` with the measured cost, as the tradeoff
   benchmark's ``adaptive`` row);
 - ``paper``: the index alone (REST's semantics in our engine);
-- ``rest``: REST's own engine (``benchmarks.common.DraftRetriever``, ``--budget`` paths).
+- ``rest``: REST's own engine (``benchmarks.harness.draftretriever.DraftRetriever``, ``--budget`` paths).
 
 Prints a table (mean accepted length, its ratio to ``rest``, verified tokens per step, the speed
 modeled from the measured cost as in ``benchmarks.tradeoff``, median draft ms) and saves JSON under
@@ -41,10 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import RESULTS, DraftRetriever, benchmark_parser, save_report, start_run
-from benchmarks.e2e import DEFAULT_SETS, SETS
-from benchmarks.replay import Drafts, Example, replay
-from benchmarks.tradeoff import set_examples
+from benchmarks.harness.draftretriever import DraftRetriever
+from benchmarks.harness.replay import Drafts, Example, replay, set_examples
+from benchmarks.harness.report import RESULTS, benchmark_parser, save_report, start_run
+from benchmarks.harness.sets import DEFAULT_SETS, SETS
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig, DraftTree, SourceTrees
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter

@@ -3,9 +3,9 @@ overlap on and off, side by side; then a server killed halfway through a run.
 
     python -m benchmarks.overlap --prompts 40 --max-new-tokens 128 --rtts 0,1,2,5
 
-The sets of ``benchmarks.e2e`` (HumanEval with the python-stdlib index, held-out ShareGPT first
-turns with the sharegpt index), greedy, the adaptive drafter. Per set, one ``rest-datastore
-serve`` process, and per added round trip one ``benchmarks.latency_proxy`` process in front of
+The e2e sets (``benchmarks.harness.sets``: HumanEval with the python-stdlib index, held-out ShareGPT
+first turns with the sharegpt index), greedy, the adaptive drafter. Per set, one ``rest-datastore
+serve`` process, and per added round trip one ``benchmarks.harness.latency_proxy`` process in front of
 it (every byte delayed by half the round trip each way). For every prompt the modes run back to
 back (interleaved): ``plain`` (no drafts, the reference output and speed), ``local`` (the index in
 process) and ``remote@R`` (through the proxy adding R ms), each with overlap ``on`` and ``off``.
@@ -30,10 +30,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
-import statistics
 import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,25 +38,24 @@ from pathlib import Path
 import torch
 from transformers import StoppingCriteria
 
-from benchmarks.common import (
-    REPO,
+from benchmarks.harness.generation import record, summarize
+from benchmarks.harness.report import (
     RESULTS,
     benchmark_parser,
     comma_list,
-    ensure_index,
     pyplot,
     save_figure,
     save_report,
     start_run,
 )
-from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
-from benchmarks.load import start_server
+from benchmarks.harness.servers import start_proxy, start_server, stop
+from benchmarks.harness.sets import DEFAULT_SETS, INDEXES, SETS, ensure_index, set_prompts
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.remote import RemoteDrafter
-from rest_spec.drafter.hf.generate import GenerationResult, generate
+from rest_spec.drafter.hf.generate import generate
 from rest_spec.drafter.hf.measure import load_or_measure
 from rest_spec.drafter.hf.model import load_model
 
@@ -80,68 +76,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if min(args.rtts) < 0:
         p.error("--rtts must be non-negative")
     return args
-
-
-def start_proxy(target: str, rtt_ms: float) -> tuple[subprocess.Popen, str]:
-    """A ``benchmarks.latency_proxy`` process adding ``rtt_ms`` in front of ``target``."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.latency_proxy", "--target", target, "--rtt-ms", str(rtt_ms)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    if not line.startswith("listening on "):
-        proc.kill()
-        raise RuntimeError(f"latency proxy for {target} did not start")
-    return proc, line.split()[-1]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def record(result: GenerationResult, reference: GenerationResult | None) -> dict:
-    """One mode's figures on one prompt."""
-    return {
-        "identical": reference is None or result.output_ids == reference.output_ids,
-        "tokens": len(result.output_ids),
-        "seconds": result.seconds,
-        "steps": result.steps,
-        "mean_accepted": result.mean_accepted,
-        "draft_ms_per_step": 1e3 * result.draft_seconds / max(result.steps, 1),
-        "verify_ms_per_step": 1e3 * result.verify_seconds / max(result.steps, 1),
-        "drafting": result.drafting.summary(),
-    }
-
-
-def summarize(rows: list[dict], plain: list[dict], local: list[dict] | None) -> dict:
-    """A mode over the prompts: medians of per-prompt ratios, means of per-step figures."""
-    speed = [p["seconds"] / r["seconds"] for r, p in zip(rows, plain)]
-    out = {
-        "speed_vs_plain": statistics.median(speed),
-        "mean_accepted": sum(r["tokens"] for r in rows) / max(sum(r["steps"] for r in rows), 1),
-        "draft_ms_per_step": statistics.mean(r["draft_ms_per_step"] for r in rows),
-        "verify_ms_per_step": statistics.mean(r["verify_ms_per_step"] for r in rows),
-        "identical": sum(r["identical"] for r in rows),
-        "prompts": len(rows),
-        "ready_share": statistics.mean(r["drafting"]["ready_share"] for r in rows),
-        "predicted_share": statistics.mean(r["drafting"]["predicted_share"] for r in rows),
-        "wait_ms_median": statistics.median(r["drafting"]["wait_ms_median"] for r in rows),
-        "wait_ms_p99": statistics.median(r["drafting"]["wait_ms_p99"] for r in rows),
-        "launch_ms_median": statistics.median(r["drafting"]["launch_ms_median"] for r in rows),
-        "fallbacks": sum(r["drafting"]["fallbacks"] for r in rows),
-        "cancelled": sum(r["drafting"]["cancelled"] for r in rows),
-    }
-    if local is not None:
-        out["speed_vs_local"] = statistics.median(r_l["seconds"] / r["seconds"] for r, r_l in zip(rows, local))
-    return out
 
 
 class KillAt(StoppingCriteria):

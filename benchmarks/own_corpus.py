@@ -27,9 +27,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import REPO, benchmark_parser, positive_int, report_header, save_report
-from benchmarks.history import RESULTS, greedy_outputs, set_streams
-from benchmarks.vllm_run import engine_env
+from benchmarks.harness.engines import engine_env
+from benchmarks.harness.report import REPO, RESULTS, benchmark_parser, positive_int, report_header, save_report
+from benchmarks.harness.streams import greedy_outputs, set_streams
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.datastore.outputs import OutputStore, read_outputs
 
@@ -53,7 +53,7 @@ def timed(argv: list[str], env: dict | None = None) -> float:
 
 
 def complete_from_cache(store: Path, warm: list[list[int]], filled: int, args: argparse.Namespace) -> int:
-    """Add the greedy outputs of ``warm[filled:]`` (``benchmarks.history.greedy_outputs``' cache)
+    """Add the greedy outputs of ``warm[filled:]`` (``benchmarks.harness.streams.greedy_outputs``' cache)
     to ``store``, after checking the command's ``filled`` outputs equal the cache's; returns how
     many it added."""
     outputs = greedy_outputs(warm, args)
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="requests vLLM decodes at once (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS / "own_corpus.json")
     args = p.parse_args(argv)
-    from benchmarks.vllm import ENGINE_MODEL
+    from benchmarks.harness.engines import ENGINE_MODEL
     from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
     ENGINE_MODEL.update(model=str(hf_checkpoint(None, dtype="float32")), dtype="float32")  # the cache's key

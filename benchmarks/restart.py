@@ -3,8 +3,8 @@ it stored on disk against vLLM's suffix decoding, whose cache of outputs lives i
 
     .venv-vllm/bin/python -m benchmarks.restart --prompts 20 --k 8
 
-The same prompts (the first N of a ``benchmarks.e2e`` set: HumanEval with the python-stdlib index
-by default) are decoded greedily at concurrency 1 by fresh vLLM engines (``benchmarks.vllm_run``):
+The same prompts (the first N of an e2e set, ``benchmarks.harness.sets``: HumanEval with the python-stdlib index
+by default) are decoded greedily at concurrency 1 by fresh vLLM engines (``benchmarks.harness.engines``):
 
 - ``plain``: once, the reference speed and outputs;
 - ``rest`` and ``suffix``, day 1: one engine decodes the prompts twice, first as new tasks, then
@@ -30,7 +30,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import (
+from benchmarks.harness.engine_figures import summarize
+from benchmarks.harness.engines import ENGINE_MODEL, ENGINE_TIMEOUT, VLLM_ENV, job, run_job
+from benchmarks.harness.report import (
     RESULTS,
     benchmark_parser,
     comma_list,
@@ -39,9 +41,7 @@ from benchmarks.common import (
     save_report,
     start_run,
 )
-from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
-from benchmarks.vllm import ENGINE_MODEL, ENGINE_TIMEOUT, job, summarize
-from benchmarks.vllm_run import VLLM_ENV, run_job
+from benchmarks.harness.sets import SETS, add_set_arguments, set_index, set_prompts
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 

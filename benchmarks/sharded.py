@@ -17,7 +17,7 @@ up for the whole run.
    router's second round).
 2. Draft latency: single ``Draft`` calls (one client, ``--budget``) of the same contexts, every
    topology in turn for several rounds after a warm-up (the retrieval benchmark's rounds): p50, p99.
-3. Throughput: ``--clients`` client processes (benchmarks.load's) sending ``Draft`` calls to each
+3. Throughput: ``--clients`` client processes (``benchmarks.harness.servers.drive``) sending ``Draft`` calls to each
    server for ``--seconds`` after ``--warmup``: requests/s, latency, errors, resident memory of
    every process of the topology.
 4. Generation: the first ``--prompts`` held-out ShareGPT prompts (benchmarks.e2e's), greedy,
@@ -47,21 +47,12 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (
-    RESULTS,
-    benchmark_parser,
-    check,
-    comma_list,
-    ensure_index,
-    load_targets,
-    save_report,
-    start_run,
-)
-from benchmarks.e2e import INDEXES, set_prompts
-from benchmarks.load import draft_requests, drive, start_datastore
-from benchmarks.overlap import record, stop, summarize
-from benchmarks.replay import greedy_path, save_greedy_outputs
-from benchmarks.retrieval.engines import compare_latency, sample_queries
+from benchmarks.harness.generation import record, summarize
+from benchmarks.harness.replay import greedy_path, save_greedy_outputs
+from benchmarks.harness.report import RESULTS, benchmark_parser, check, comma_list, load_targets, save_report, start_run
+from benchmarks.harness.retrieval_timing import compare_latency, sample_queries
+from benchmarks.harness.servers import draft_requests, drive, start_datastore, stop
+from benchmarks.harness.sets import INDEXES, ensure_index, set_prompts
 from rest_spec.build_index.corpora import CorpusSpec
 from rest_spec.common.tokenizer import load_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig, DraftTree
@@ -189,7 +180,7 @@ def throughput(
     seconds: float,
     warmup: float,
 ) -> dict:
-    """Per topology and number of client processes (one client each), ``benchmarks.load.drive``'s
+    """Per topology and number of client processes (one client each), ``benchmarks.harness.servers.drive``'s
     figures; every topology in turn at each number of clients."""
     requests = draft_requests(list(contexts), config)
     out: dict[str, dict] = {topology.name: {} for topology in topologies}

@@ -2,8 +2,9 @@
 
     .venv-vllm/bin/python -m benchmarks.step_shape --sets code --prompts 63 --concurrency 1,4
 
-The oracle proposer (``benchmarks.vllm_run.OracleProposer``) drafts the next d tokens of each held-out
-prompt's greedy output (``benchmarks.fleet``'s streams and cached outputs), d fixed per prompt
+The oracle proposer (``benchmarks.harness.engines.OracleProposer``) drafts the next d tokens of each
+held-out prompt's greedy output (``benchmarks.harness.streams``: ``benchmarks.fleet``'s streams and
+cached outputs), d fixed per prompt
 (prompt i: ``--depths``[i mod their count]), so every draft is accepted and each step verifies
 exactly the draft tokens it was given; it times each step by the batch's draft tokens
 (``StepShape``), a step being the time from one call of the proposer to the next. One engine (k the
@@ -29,15 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (
-    RESULTS,
-    benchmark_parser,
-    comma_list,
-    ensure_index,
-    positive_int,
-    save_report,
-    start_run,
-)
+from benchmarks.harness.report import RESULTS, benchmark_parser, comma_list, positive_int, save_report, start_run
+from benchmarks.harness.sets import ensure_index
 
 log = logging.getLogger("benchmarks.step_shape")
 SHAPES = {
@@ -100,10 +94,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     report = start_run("step_shape", argv)
-    from benchmarks.e2e import INDEXES, set_prompts
-    from benchmarks.fleet import STREAMS, warmup_outputs
-    from benchmarks.vllm import ENGINE_MODEL, ENGINE_TIMEOUT, job
-    from benchmarks.vllm_run import run_job
+    from benchmarks.harness.engines import ENGINE_MODEL, ENGINE_TIMEOUT, job, run_job
+    from benchmarks.harness.sets import INDEXES, set_prompts
+    from benchmarks.harness.streams import STREAMS, warmup_outputs
     from rest_spec.common.tokenizer import load_tokenizer
     from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 

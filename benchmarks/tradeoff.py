@@ -2,15 +2,15 @@
 
     python -m benchmarks.tradeoff --prompts 40 --max-new-tokens 128
 
-The prompt sets and indexes of ``benchmarks.e2e``. The model's plain greedy outputs are computed
-once (and cached under ``$REST_CACHE_DIR/greedy``); then every drafter is replayed against them
-without the model (``benchmarks.replay``: accepted lengths equal a real run's). A step's time is
+The prompt sets and indexes of ``benchmarks.harness.sets`` (``benchmarks.e2e``'s). The model's plain
+greedy outputs are computed once (and cached under ``$REST_CACHE_DIR/greedy``); then every drafter is replayed against them
+without the model (``benchmarks.harness.replay``: accepted lengths equal a real run's). A step's time is
 modeled as t(1 + tree nodes) from the measured verification cost (``rest_spec.drafter.hf.measure``),
 so speed is relative to plain decoding, sum of t(1) per token over sum of step times; drafting
 time is left out (``median_draft_ms`` reports it).
 
 Drafters: ``rest`` (REST's own engine, ``draftretriever`` over the same index's documents, queried
-as REST does for ``--budget`` paths: ``benchmarks.common.DraftRetriever``), ``paper`` (the index
+as REST does for ``--budget`` paths: ``benchmarks.harness.draftretriever.DraftRetriever``), ``paper`` (the index
 only, ``--budget`` nodes), ``adaptive`` (as in e2e: every source, sized each step by t(n)), and
 ``adaptive@k`` for each k in ``--sizes`` (every source, the k best-scored nodes each step, no
 cost-based size). Each adaptive drafter has its own output store, fed with each greedy output
@@ -28,19 +28,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import (
-    RESULTS,
-    DraftRetriever,
-    benchmark_parser,
-    check,
-    comma_list,
-    ensure_index,
-    load_targets,
-    save_report,
-    start_run,
-)
-from benchmarks.e2e import DEFAULT_SETS, INDEXES, SETS, set_prompts
-from benchmarks.replay import Example, greedy_outputs, replay
+from benchmarks.harness.draftretriever import DraftRetriever
+from benchmarks.harness.replay import Example, replay, set_examples
+from benchmarks.harness.report import RESULTS, benchmark_parser, check, comma_list, load_targets, save_report, start_run
+from benchmarks.harness.sets import DEFAULT_SETS, SETS
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
@@ -71,14 +62,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if min(args.sizes) < 1 or max(args.sizes) > args.budget:
         p.error("--sizes must be in [1, --budget]")
     return args
-
-
-def set_examples(name: str, model, tokenizer, args: argparse.Namespace) -> tuple[Path, list[Example]]:
-    """The index of set ``name`` (built when missing) and its prompts with the model's greedy
-    outputs, as ``args`` (prompts, max_new_tokens, max_prompt_tokens) ask."""
-    index = ensure_index(*INDEXES[name])
-    prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
-    return index, greedy_outputs(model, name, prompts, args.max_new_tokens)
 
 
 def run_set(examples: list[Example], index: Path, cost: VerifyCost, args: argparse.Namespace) -> dict:

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import RESULTS, comma_list, report_header, save_report
+from benchmarks.harness.report import RESULTS, comma_list, report_header, save_report
 from rest_spec.drafter.core.cost import VerifyCost
 from rest_spec.drafter.hf.measure import DEFAULT_CONTEXT_LENGTH, cost_key, measured_tree, verify_timer
 from rest_spec.drafter.hf.model import load_model

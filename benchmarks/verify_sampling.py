@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, comma_list, positive_int, save_report, start_run
+from benchmarks.harness.report import RESULTS, comma_list, positive_int, save_report, start_run
 
 VOCAB = 49_152
 

@@ -4,10 +4,10 @@
         --concurrency 1,8 --modes plain,ngram,suffix,rest,rest-grpc,oracle
 
 vLLM's CPU build (``.venv-vllm``, scripts/setup-vllm.sh) serving the packaged SmolLM2-135M-Instruct
-(fp32 safetensors, ``hf_checkpoint``), greedy (or sampled: below), on the e2e sets (``benchmarks.e2e.set_prompts``): the
+(fp32 safetensors, ``hf_checkpoint``), greedy (or sampled: below), on the e2e sets (``benchmarks.harness.sets.set_prompts``): the
 first N HumanEval prompts with the python-stdlib index, the first user turns of N held-out ShareGPT
 conversations with the sharegpt index. Every mode is one fresh engine in its own process
-(``benchmarks.vllm_run``), so nothing (caches, output stores) leaks from one mode to the next.
+(``benchmarks.harness.engines``), so nothing (caches, output stores) leaks from one mode to the next.
 For concurrency c the prompts are submitted c at a time (one ``LLM.generate`` per group, which ends
 with its slowest request), or with ``--schedule continuous`` all at once to an engine that runs at
 most c (vLLM's ``max_num_seqs``), a request starting as soon as another ends, as a server runs
@@ -73,16 +73,24 @@ import argparse
 import logging
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks.common import (
+from benchmarks.harness.engine_figures import (
+    equal_cell,
+    first_difference,
+    group_rates,
+    sampling_lines,
+    summarize,
+    time_table,
+    time_table_lines,
+)
+from benchmarks.harness.engines import ENGINE_MODEL, SAMPLING, SCHEDULE, VLLM_ENV, engine, job, measure_t, rest_options
+from benchmarks.harness.report import (
     GREEDY,
     RESULTS,
     VLLM_OWN_METHODS,
     VLLM_SAMPLING_NOTE,
-    Decoding,
     add_sampling_arguments,
     benchmark_parser,
     comma_list,
@@ -91,22 +99,15 @@ from benchmarks.common import (
     save_report,
     start_run,
 )
-from benchmarks.e2e import SETS, add_set_arguments, set_index, set_prompts
-from benchmarks.load import start_server
-from benchmarks.overlap import stop
-from benchmarks.vllm_run import VLLM_ENV, engine_env, run_job
-from rest_spec.common.cache import cache_dir
+from benchmarks.harness.servers import start_server, stop
+from benchmarks.harness.sets import DEFAULT_SETS, SETS, add_set_arguments, set_index, set_prompts
 from rest_spec.common.tokenizer import load_tokenizer
-from rest_spec.drafter.core.cost import VerifyCost
 from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
 log = logging.getLogger("benchmarks.vllm")
 
 MODES = ("plain", "ngram", "suffix", "rest", "rest-raw", "rest-no-suffix", "rest-sort", "rest-grpc", "oracle")
-DEFAULT_SETS = ("humaneval", "sharegpt")
 DEFAULT_NGRAM_SETTINGS = "4:1:3,4:2:5,8:2:5,8:3:8"
-MEASURE_T_TOKENS = 512  # new tokens of the t(n) measurement: enough steps for the proposer to cache what it learned
-ENGINE_TIMEOUT = 3600  # seconds one engine may take, startup and every run
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -186,47 +187,6 @@ def setting_name(setting: Sequence[int]) -> str:
 # ---- jobs -------------------------------------------------------------------------------------
 
 
-# the checkpoint and dtype every engine of this run loads (main sets them from --model and --dtype)
-ENGINE_MODEL = {"model": "", "dtype": "float32"}
-
-
-# how requests reach each engine: "groups" of --concurrency, or "continuous" (main sets it from --schedule)
-SCHEDULE = {"schedule": "groups"}
-# how every engine of the run decodes: greedy, or sampled (main sets it from --temperature, --top-p, --seed)
-SAMPLING: dict[str, Decoding] = {"decoding": GREEDY}
-
-
-def job(
-    method: str,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    concurrency: int,
-    *,
-    decoding: Decoding | None = None,
-    **fields,
-) -> dict:
-    """A ``benchmarks.vllm_run`` job: one engine of ``method`` running ``prompts``, at most
-    ``concurrency`` at once (in groups, or continuously: ``SCHEDULE``), decoded as ``decoding``
-    (default: the run's, ``SAMPLING``) says: greedily, or sampled with prompt i's seed + i."""
-    decoding = SAMPLING["decoding"] if decoding is None else decoding
-    run = {
-        "prompts": prompts,
-        **decoding.vllm_run_fields(max_new_tokens),
-        "concurrency": concurrency,
-        **SCHEDULE,
-    }
-    engine_fields = {"max_num_seqs": concurrency} if SCHEDULE["schedule"] == "continuous" else {}
-    return {**ENGINE_MODEL, "method": method, "runs": [run], **engine_fields, **fields}
-
-
-def engine(spec: dict) -> dict:
-    """One engine's run of ``spec`` (a one-run job): its outputs, group seconds, spec counters and
-    startup seconds."""
-    result = run_job(spec, timeout=ENGINE_TIMEOUT)
-    concurrency = spec["runs"][0]["concurrency"]
-    return {**result["runs"][0], "concurrency": concurrency, "startup_seconds": result["startup_seconds"]}
-
-
 # the REST modes' options beside the datastore: rest-raw's chains admitted on the merge's scores,
 # uncalibrated; rest-no-suffix drafting without vLLM's suffix matcher; rest-sort's sampled drafts verified by
 # vLLM's own sampler, which sorts the vocabulary
@@ -258,12 +218,6 @@ def mode_job(mode: str, prompts, args, concurrency: int, index: Path, references
     raise ValueError(f"no job for mode {mode!r}")
 
 
-def rest_options(datastore: str, args: argparse.Namespace) -> dict:
-    """The REST proposer's options for a run: ``datastore``, ``remeasure`` with ``--remeasure``, and
-    no calibration file: each run starts calibrating afresh, none recalls another's."""
-    return {"datastore": datastore, "calibration_file": "none", **({"remeasure": True} if args.remeasure else {})}
-
-
 def run_mode(mode: str, prompts, args, concurrency: int, index: Path, references, server_log) -> dict:
     """One mode's engine run; ``rest-grpc`` with a fresh ``rest-datastore serve`` of ``index`` that
     lives only as long as the engine (its store of outputs starts empty, as ``rest``'s does)."""
@@ -278,208 +232,7 @@ def run_mode(mode: str, prompts, args, concurrency: int, index: Path, references
         stop(server)
 
 
-# ---- figures ----------------------------------------------------------------------------------
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The index of the first token where ``a`` and ``b`` differ (the shorter one's length when
-    one is a prefix of the other); None when they are equal."""
-    if list(a) == list(b):
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def group_rates(run: dict) -> list[float]:
-    """Tokens/s of each group of a run: its new tokens over its seconds (one group: a continuous run;
-    ``groups``, where the run names them, the outputs in each, in order)."""
-    concurrency = run["concurrency"] if len(run["seconds"]) > 1 else len(run["outputs"])
-    sizes = run.get("groups") or [concurrency] * len(run["seconds"])
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    tokens = [sum(len(o) for o in run["outputs"][start : start + size]) for start, size in zip(starts, sizes)]
-    return [t / s for t, s in zip(tokens, run["seconds"])]
-
-
-def spec_metrics(counters: dict) -> dict:
-    """vLLM's spec-decode counters and what they give: mean acceptance length (tokens per drafted
-    step: 1 + accepted / drafts), acceptance rate, and each draft position's acceptance rate."""
-    drafts, drafted = counters["spec_decode_num_drafts"], counters["spec_decode_num_draft_tokens"]
-    accepted = counters["spec_decode_num_accepted_tokens"]
-    return {
-        "drafts": drafts,
-        "draft_tokens": drafted,
-        "accepted": accepted,
-        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-        "acceptance_rate": accepted / drafted if drafted else None,
-        "acceptance_rate_per_position": [n / drafts for n in counters["accepted_per_position"]] if drafts else [],
-    }
-
-
-def tokens_per_step(tokens: int, counters: dict) -> float | None:
-    """New tokens over the engine steps that made them (every step yields one token beyond those it
-    accepted): the clock-free figure, comparable across engines whose step times differ."""
-    steps = tokens - counters["spec_decode_num_accepted_tokens"]
-    return tokens / steps if steps > 0 else None
-
-
-def step_split(run: dict) -> dict | None:
-    """The REST proposer's counters over a run (None for the other modes) and where an engine step's
-    time goes: ``ms_per_step`` (the run's seconds over its steps, the proposer's calls) and
-    ``ms_drafting_per_step`` (the proposer's own time in each call; the rest is vLLM's step)."""
-    stats = run.get("proposer")
-    if not stats or not stats["calls"]:
-        return stats
-    return {
-        **stats,
-        "ms_per_step": 1e3 * sum(run["seconds"]) / stats["calls"],
-        "ms_drafting_per_step": stats["ms_per_call"],
-    }
-
-
-def step_costs(figures: dict) -> dict:
-    """Where a mode's steps go (``summarize``'s figures): per row-step (each yields one token beyond
-    those it accepted) its tokens, its draft tokens, its milliseconds, and of those the proposer's
-    own (``drafting``) and its time getting the sources (``sources``: a datastore's reply, or the
-    index searched in process), and what its chains' scores claimed over the tokens accepted; None
-    where the mode has no proposer of this project's."""
-    steps = figures["new_tokens"] - (figures["accepted"] or 0)
-    proposer = figures.get("proposer") or {}
-
-    def per_step(value: float | None) -> float | None:
-        return 1e3 * value / steps if steps and value is not None else None
-
-    return {
-        "tokens_per_step": figures["tokens_per_step"],
-        "draft_tokens_per_step": (figures["draft_tokens"] or 0) / steps if steps else None,
-        "ms_per_step": per_step(figures["seconds"]),
-        "drafting_ms_per_step": per_step(proposer.get("seconds")),
-        "sources_ms_per_step": per_step(proposer.get("source_seconds")),
-        # the admitted chains' scores over the tokens vLLM accepted: 1 where they are priced as sure as they are
-        "claimed_over_accepted": proposer["expected"] / figures["accepted"]
-        if proposer.get("expected") is not None and figures["accepted"]
-        else None,
-    }
-
-
-def time_table(modes: dict[str, dict]) -> dict[str, dict]:
-    """Every mode's ``step_costs``, with what a draft token cost vLLM's step (``verify_ms_per_draft_token``:
-    its step less plain's and less its own drafting, over its draft tokens), and for each mode that
-    drafted against ``suffix`` (where both ran) the speed ratio, the tokens-a-step ratio, and their quotient,
-    ``efficiency``: how much of a lead in tokens a step became speed (1: all of it)."""
-    table = {mode: step_costs(figures) for mode, figures in modes.items()}
-    plain = table.get("plain", {}).get("ms_per_step")
-    for mode, row in table.items():
-        drafts, ms = row["draft_tokens_per_step"], row["ms_per_step"]
-        if plain is not None and drafts and ms is not None:
-            row["verify_ms_per_draft_token"] = (ms - (row["drafting_ms_per_step"] or 0.0) - plain) / drafts
-        if "suffix" in modes and mode != "suffix" and drafts and table["suffix"]["tokens_per_step"]:
-            speed = modes[mode]["tokens_per_second"] / modes["suffix"]["tokens_per_second"]
-            steps = row["tokens_per_step"] / table["suffix"]["tokens_per_step"]
-            row["vs_suffix"] = {"speed": speed, "tokens_per_step": steps, "efficiency": speed / steps}
-    return table
-
-
-def time_table_lines(table: dict[str, dict]) -> list[str]:
-    """``time_table`` as lines of text (a blank cell: not measured for that mode)."""
-    lines = [
-        f"  {'where the time goes':<20} {'tok/step':>8} {'drafts/step':>11} {'ms/step':>8} {'drafting':>8} "
-        f"{'sources':>8} {'ms/draft tok':>12} {'claimed':>7} {'x suffix: speed, tok/step, efficiency':>38}"
-    ]
-    for mode, row in table.items():
-        versus = row.get("vs_suffix")
-        lines.append(
-            f"  {mode:<20} {_f(row['tokens_per_step']):>8} {_f(row['draft_tokens_per_step']):>11} "
-            f"{_f(row['ms_per_step'], '.1f'):>8} {_f(row['drafting_ms_per_step']):>8} {_f(row['sources_ms_per_step']):>8} "
-            f"{_f(row.get('verify_ms_per_draft_token')):>12} {_f(row['claimed_over_accepted']):>7} "
-            + (
-                f"{versus['speed']:>14.3f} {versus['tokens_per_step']:>9.3f} {versus['efficiency']:>12.3f}"
-                if versus
-                else ""
-            )
-        )
-    return lines
-
-
-def _f(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def summarize(run: dict, reference: dict | None, compared: bool | None = None) -> dict:
-    """One mode's figures, against ``reference`` (the first plain run of its set and concurrency;
-    None for that run itself); its outputs compared with the reference's unless not ``compared``
-    (default: where the run decodes greedily, ``SAMPLING``): sampled, ``equal_to_plain`` is None and
-    ``first_difference`` empty (not applicable: sampled outputs differ by design)."""
-    compared = not SAMPLING["decoding"].sampled if compared is None else compared
-    reference = reference or run
-    rates, plain_rates = group_rates(run), group_rates(reference)
-    tokens = sum(len(o) for o in run["outputs"])
-    overall = tokens / sum(run["seconds"])
-    plain_overall = sum(len(o) for o in reference["outputs"]) / sum(reference["seconds"])
-    differ = {i: first_difference(o, r) for i, (o, r) in enumerate(zip(run["outputs"], reference["outputs"]))}
-    differ = {i: d for i, d in differ.items() if d is not None and compared}
-    return {
-        "new_tokens": tokens,
-        "seconds": sum(run["seconds"]),
-        "tokens_per_second": overall,
-        "median_group_tokens_per_second": statistics.median(rates),
-        "median_speed_vs_plain": statistics.median(a / b for a, b in zip(rates, plain_rates)),
-        "overall_speed_vs_plain": overall / plain_overall,
-        "equal_to_plain": len(run["outputs"]) - len(differ) if compared else None,
-        "outputs": len(run["outputs"]),
-        "tokens_per_step": tokens_per_step(tokens, run["spec"]),
-        "first_difference": {str(i): d for i, d in differ.items()},  # prompt -> first differing token
-        **spec_metrics(run["spec"]),
-        "proposer": step_split(run),
-        "attribution": run.get("attribution"),  # the REST modes: per source and match length, and hindsight
-        "startup_seconds": run["startup_seconds"],
-        "group_tokens_per_second": rates,
-    }
-
-
-def engine_tables(since: float) -> list[tuple[Path, VerifyCost]]:
-    """The vLLM step-cost tables cached since ``since`` (a ``time.time()``) for this benchmark's
-    engines: its checkpoint, and its thread binding, which the cache key names (an engine with
-    other settings, e.g. a test's, may write its own table meanwhile)."""
-    binding = engine_env()["VLLM_CPU_OMP_THREADS_BIND"]
-    tables = []
-    for path in (cache_dir() / "verify-cost").glob("*vllm-*.json"):
-        if path.stat().st_mtime >= since:
-            cost = VerifyCost.from_json(path.read_text())
-            if cost.key.model == ENGINE_MODEL["model"] and f"-bind-{binding}-" in cost.key.device:
-                tables.append((path, cost))
-    return tables
-
-
 # ---- steps ------------------------------------------------------------------------------------
-
-
-def measure_t(prompt: list[int], index: Path, k: int) -> dict | None:
-    """vLLM's step cost t(n), learned afresh by a ``rest`` engine (``remeasure``) drafting on
-    ``prompt`` and cached by the proposer; the newest table written meanwhile (sizes, ms), or None with a
-    warning when the engine wrote none."""
-    started = time.time()
-    spec = job(
-        "rest",
-        [prompt],
-        MEASURE_T_TOKENS,
-        1,
-        decoding=GREEDY,
-        k=k,
-        rest={"datastore": str(index), "remeasure": True, "calibration_file": "none"},
-    )
-    spec["runs"][0]["sampling"]["ignore_eos"] = True
-    engine(spec)
-    written = sorted(engine_tables(started), key=lambda pair: pair[0].stat().st_mtime)
-    if not written:
-        log.warning("the t(n) measurement wrote no table: the REST modes use the cached one, if any")
-        return None
-    path, cost = written[-1]
-    log.info("t(n), ms: %s", ", ".join(f"{n}: {1e3 * s:.1f}" for n, s in zip(cost.sizes, cost.seconds)))
-    return {
-        "file": str(path),
-        "device": cost.key.device,
-        "sizes": list(cost.sizes),
-        "ms": [1e3 * s for s in cost.seconds],
-    }
 
 
 def tune_ngram(prompts: list[list[int]], args: argparse.Namespace) -> dict:
@@ -623,28 +376,6 @@ def failures(report: dict) -> list[str]:
     return lines
 
 
-def equal_cell(figures: dict) -> str:
-    """A mode's outputs equal to plain's, of its outputs ("n/a" sampled: not compared)."""
-    if figures["equal_to_plain"] is None:
-        return "n/a"
-    return f"{figures['equal_to_plain']}/{figures['outputs']}"
-
-
-def sampling_lines(decoding: Decoding, methods: Sequence[str]) -> list[str]:
-    """What a summary says of a sampled run: the setting, that outputs are not compared, and where
-    ``methods`` include vLLM's own (``suffix``, ``ngram``), their broken kernel on vllm-cpu 0.32."""
-    if not decoding.sampled:
-        return []
-    lines = [
-        f"sampled: temperature {decoding.temperature}, top-p {decoding.top_p}, seed {decoding.seed} + the prompt's "
-        "index; outputs not compared with plain's (n/a: sampled outputs differ by design), speeds against plain "
-        "sampled decoding"
-    ]
-    if any(method in VLLM_OWN_METHODS for method in methods):
-        lines.append(f"note: {VLLM_SAMPLING_NOTE}")
-    return lines
-
-
 def summary(report: dict) -> str:
     """A table per set and concurrency: tokens/s, speed vs plain, mean acceptance length, equal outputs
     (sampled: n/a, and the note of ``sampling_lines``)."""
@@ -714,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": args.model or "SmolLM2-135M-Instruct (packaged GGUF as an fp32 checkpoint)",
             "checkpoint": str(checkpoint),
             "dtype": args.dtype,
-            "engine": "vllm-cpu, enforce_eager, one fresh engine per mode (benchmarks.vllm_run)",
+            "engine": "vllm-cpu, enforce_eager, one fresh engine per mode (benchmarks.harness.engines)",
             "engine_env": VLLM_ENV,
             "greedy": not args.decoding.sampled,
             "decoding": args.decoding.describe(),

@@ -27,7 +27,7 @@ grep -q "^listening on" "$SERVER_LOG" || { echo "quickstart: the datastore serve
 
 python - "$PROMPTS" <<'PY'
 import json, sys
-from benchmarks.common import humaneval_prompts
+from benchmarks.harness.sets import humaneval_prompts
 with open(sys.argv[1], "w") as f:
     f.writelines(json.dumps({"prompt": prompt}) + "\n" for prompt in humaneval_prompts(4))
 PY

@@ -304,10 +304,10 @@ def smollm2_cost_dir(smollm2, tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def vllm_engine_hosts():
-    """The vLLM engines the tests run through ``benchmarks.vllm_run.run_job`` start in engine hosts:
+    """The vLLM engines the tests run through ``benchmarks.harness.engines.run_job`` start in engine hosts:
     vLLM imported once per environment, not once per engine (17 s of a Zen 3 core each; a fleet
     benchmark's run starts eleven). Nothing starts until a test runs a job."""
-    from benchmarks.vllm_run import engine_hosts
+    from benchmarks.harness.engines import engine_hosts
 
     with engine_hosts():
         yield

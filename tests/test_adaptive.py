@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.common import humaneval_inputs
+from benchmarks.harness.sets import humaneval_inputs
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig

@@ -1,4 +1,4 @@
-"""Every benchmark takes the options they share from one parser (``benchmarks.common.benchmark_parser``):
+"""Every benchmark takes the options they share from one parser (``benchmarks.harness.report.benchmark_parser``):
 spelled alike, checked alike, before any work starts."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks.common import humaneval_inputs
+from benchmarks.harness.sets import humaneval_inputs
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter
 from rest_spec.drafter.core.corrected_cost import (

@@ -1,4 +1,4 @@
-"""benchmarks.e2e (and benchmarks.replay, benchmarks.tradeoff) on a tiny setting: every mode and drafter on real
+"""benchmarks.e2e (and benchmarks.harness.replay, benchmarks.tradeoff) on a tiny setting: every mode and drafter on real
 parts (SmolLM2, the stdlib index, REST's draftretriever), outputs checked against plain decoding, the adaptive mode's
 output store fed; the figures themselves are not checked (timings on a shared test machine mean nothing)."""
 
@@ -11,23 +11,21 @@ import pytest
 import torch
 
 from benchmarks import tradeoff
-from benchmarks.common import GREEDY, Decoding, chat_prompt, humaneval_inputs, humaneval_prompts, kept_gain
 from benchmarks.e2e import (
     MODES,
     SIDE_BY_SIDE,
-    codebase_prompt,
-    generation_config,
-    hf_run,
     kept_gain_lines,
     kept_gains,
     loop_run,
     parse_args,
     run_decodings,
     run_set,
-    set_prompts,
     targets,
 )
-from benchmarks.replay import greedy_path, replay
+from benchmarks.harness.generation import generation_config, hf_run
+from benchmarks.harness.replay import greedy_path, replay
+from benchmarks.harness.report import GREEDY, Decoding, kept_gain
+from benchmarks.harness.sets import chat_prompt, codebase_prompt, humaneval_inputs, humaneval_prompts, set_prompts
 from rest_spec.build_index.build import BuildConfig, build
 from rest_spec.build_index.corpora import CorpusSpec, Record, Turn, held_out_records
 from rest_spec.common.tokenizer import load_tokenizer

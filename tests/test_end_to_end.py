@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.common import humaneval_prompts
+from benchmarks.harness.sets import humaneval_prompts
 from rest_spec.common.tokenizer import check_tokenizer, tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore

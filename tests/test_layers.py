@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+from collections.abc import Container
 
 from tests.conftest import ROOT
 
@@ -39,22 +40,24 @@ def modules() -> dict[str, ast.Module]:
     return found
 
 
+def imported(tree: ast.Module, known: Container[str]) -> set[str]:
+    """The modules of ``known`` that ``tree`` imports (``from package import submodule`` names the submodule)."""
+    targets = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                targets.add(submodule if submodule in known else node.module)
+        elif isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+    return {target for target in targets if target in known}
+
+
 @functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """Each module -> the product's modules it imports (``from package import submodule`` names the submodule)."""
+    """Each module -> the product's modules it imports."""
     trees = modules()
-    graph = {}
-    for name, tree in trees.items():
-        targets = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:
-                    submodule = f"{node.module}.{alias.name}"
-                    targets.add(submodule if submodule in trees else node.module)
-            elif isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-        graph[name] = {target for target in targets if target in trees and target != name}
-    return graph
+    return {name: imported(tree, trees) - {name} for name, tree in trees.items()}
 
 
 def layer(module: str) -> str:

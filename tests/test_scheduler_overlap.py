@@ -25,8 +25,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from benchmarks.common import humaneval_inputs
-from benchmarks.latency_proxy import LatencyProxy
+from benchmarks.harness.latency_proxy import LatencyProxy
+from benchmarks.harness.sets import humaneval_inputs
 from rest_spec.common.types import DraftConfig, DraftTree, IndexInfo, SourceTrees
 from rest_spec.datastore.index import Datastore
 from rest_spec.datastore.server import DatastoreServer, ServerConfig

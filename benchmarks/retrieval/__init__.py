@@ -23,18 +23,5 @@ markdown table to stdout and saves every figure, the targets and pass/fail to
 benchmarks/results/retrieval.json. Timings are only meaningful on an otherwise idle machine.
 """
 
-from benchmarks.common import REST_N_MAX
-
-QUERY_TOKENS = REST_N_MAX  # the longest suffix either engine looks at
-BUDGETS = (16, 64)
-NODES_BUDGET = 64
-GRPC_BUDGET = 64
-GROWTH_BUDGET = 64
-WARMUP_QUERIES = 200
-ROUNDS = 3
-OPEN_REPEATS = 10
-REFERENCE_OPEN_REPEATS = 3  # draftretriever builds its suffix array at every load: seconds each
-CLIENTS = (1, 2, 4)
-CLIENT_SETUP_SECONDS = 300  # a client process's start, imports and warm-up, at most
 GROWTH_SEED = 1234
 BUILD_RECORD_VERSION = 1  # of the NAME.build.json files; older ones are not reused

@@ -8,28 +8,27 @@ from dataclasses import asdict
 from pathlib import Path
 
 import benchmarks.retrieval as retrieval
-from benchmarks.common import REPO, REST_SEARCH, RESULTS, open_draftretriever, save_report, start_run
-from benchmarks.retrieval import (
+from benchmarks.harness.draftretriever import REST_SEARCH, open_draftretriever
+from benchmarks.harness.report import REPO, RESULTS, save_report, start_run
+from benchmarks.harness.retrieval_timing import (
     BUDGETS,
     GROWTH_BUDGET,
-    GROWTH_SEED,
     OPEN_REPEATS,
     QUERY_TOKENS,
     REFERENCE_OPEN_REPEATS,
     ROUNDS,
     WARMUP_QUERIES,
-)
-from benchmarks.retrieval.builds import IndexSpec, check_disk_space, prepare_growth_index, prepare_index
-from benchmarks.retrieval.engines import (
     compare_latency,
+    grpc_figures,
     node_counts,
     open_figures,
     our_engine,
     reference_engine,
     sample_queries,
 )
+from benchmarks.retrieval import GROWTH_SEED
+from benchmarks.retrieval.builds import IndexSpec, check_disk_space, prepare_growth_index, prepare_index
 from benchmarks.retrieval.report import evaluate_targets, format_table
-from benchmarks.retrieval.service import grpc_figures
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.datastore.index import Datastore
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, open_draftretriever, write_draftretriever
+from benchmarks.harness.draftretriever import open_draftretriever, write_draftretriever
+from benchmarks.harness.report import REPO
 from benchmarks.retrieval import BUILD_RECORD_VERSION, GROWTH_SEED
 from rest_spec.build_index.corpora import CorpusSpec, iter_records
 from rest_spec.build_index.writer import IndexWriter

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from benchmarks.common import check, load_targets
-from benchmarks.retrieval import BUDGETS, CLIENTS, GRPC_BUDGET, NODES_BUDGET
+from benchmarks.harness.report import check, load_targets
+from benchmarks.harness.retrieval_timing import BUDGETS, CLIENTS, GRPC_BUDGET, NODES_BUDGET
 
 
 def evaluate_targets(report: dict) -> list[dict]:

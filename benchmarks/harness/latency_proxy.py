@@ -96,7 +96,7 @@ class LatencyProxy:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.latency_proxy --target HOST:PORT --rtt-ms 2``: prints ``listening on
+    """``python -m benchmarks.harness.latency_proxy --target HOST:PORT --rtt-ms 2``: prints ``listening on
     ADDRESS`` and forwards until killed (a proxy in its own process, off the client's GIL)."""
     import argparse
     import signal

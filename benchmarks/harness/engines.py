@@ -1,7 +1,10 @@
-"""One vLLM engine, in its own process, running a job given as JSON: the engine the tests and
-``benchmarks/vllm.py`` start, so that each mode gets a fresh engine and nothing leaks between them.
+"""One vLLM engine, in its own process, running a job given as JSON: the engine the tests and the vLLM
+benchmarks (``benchmarks.vllm``, ``restart``, ``fleet``, ``step_shape``...) start, so that each mode
+gets a fresh engine and nothing leaks between them; and the jobs they build (``job``: the run's
+checkpoint, ``ENGINE_MODEL``, schedule and decoding), run (``run_job``, ``engine``) and measure the
+step cost with (``measure_t``).
 
-    python -m benchmarks.vllm_run JOB.json   # prints one JSON line: the results
+    python -m benchmarks.harness.engines JOB.json   # prints one JSON line: the results
 
 A job::
 
@@ -31,16 +34,18 @@ size then and at its end, ``history``): a replica that has served traffic, witho
 
 Inside ``engine_hosts()`` (the tests), ``run_job`` runs each job on a fresh engine in an engine host
 instead: a process of the same environment that imported vLLM once and starts engines in turn
-(``python -m benchmarks.vllm_run --host``; ``drafter.vllm.shim.engines_in_turn``). An import of vLLM
+(``python -m benchmarks.harness.engines --host``; ``drafter.vllm.shim.engines_in_turn``). An import of vLLM
 costs 17 s of a Zen 3 core and the engine after it 12 s; the benchmarks keep a process per engine, so
 that nothing of one mode's engine is left in the process of the next.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import queue
 import subprocess
@@ -52,7 +57,11 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness.report import GREEDY, REPO, Decoding
+from rest_spec.common.cache import cache_dir
+from rest_spec.drafter.core.cost import VerifyCost
+
+log = logging.getLogger(__name__)
 
 # The settings that make vLLM fastest on this 2-core machine, plain and speculative alike
 # (benchmarks/README.md): OpenMP on both cores, Intel's OpenMP preloaded (vLLM asks for it with spec
@@ -87,7 +96,9 @@ def speculative_config(job: dict) -> dict | None:
         return None
     if method in ("rest", "oracle"):
         model = (
-            "rest_spec.drafter.vllm.proposer.RestProposer" if method == "rest" else "benchmarks.vllm_run.OracleProposer"
+            "rest_spec.drafter.vllm.proposer.RestProposer"
+            if method == "rest"
+            else "benchmarks.harness.engines.OracleProposer"
         )
         return {"method": "custom_class", "model": model, "num_speculative_tokens": k}
     if method == "ngram":
@@ -349,8 +360,8 @@ def write_job(job: dict) -> str:
 def start_job(job: dict, *, env: dict | None = None) -> subprocess.Popen:
     """The engine process for ``job`` (``engine_env``), its output captured; see ``job_result``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.vllm_run", write_job(job)],
-        cwd=ROOT,
+        [sys.executable, "-m", "benchmarks.harness.engines", write_job(job)],
+        cwd=REPO,
         env=engine_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -378,8 +389,8 @@ class EngineHost:
 
     def __init__(self, env: dict) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.vllm_run", "--host"],
-            cwd=ROOT,
+            [sys.executable, "-m", "benchmarks.harness.engines", "--host"],
+            cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -455,6 +466,106 @@ def run_job(job: dict, *, env: dict | None = None, timeout: float = 1200) -> dic
     except EngineFailed:
         _HOSTS.pop(key, None)
         raise
+
+
+# ---- jobs, as the benchmarks build them ---------------------------------------------------------------
+
+
+MEASURE_T_TOKENS = 512  # new tokens of the t(n) measurement: enough steps for the proposer to cache what it learned
+ENGINE_TIMEOUT = 3600  # seconds one engine may take, startup and every run
+
+# the checkpoint and dtype every engine of this run loads (a benchmark's main sets them from --model and
+# --dtype)
+ENGINE_MODEL = {"model": "", "dtype": "float32"}
+
+# how requests reach each engine: "groups" of --concurrency, or "continuous" (benchmarks.vllm sets it
+# from --schedule)
+SCHEDULE = {"schedule": "groups"}
+
+# how every engine of the run decodes: greedy, or sampled (a benchmark's main sets it from --temperature,
+# --top-p, --seed)
+SAMPLING: dict[str, Decoding] = {"decoding": GREEDY}
+
+
+def job(
+    method: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    concurrency: int,
+    *,
+    decoding: Decoding | None = None,
+    **fields,
+) -> dict:
+    """A job: one engine of ``method`` running ``prompts``, at most
+    ``concurrency`` at once (in groups, or continuously: ``SCHEDULE``), decoded as ``decoding``
+    (default: the run's, ``SAMPLING``) says: greedily, or sampled with prompt i's seed + i."""
+    decoding = SAMPLING["decoding"] if decoding is None else decoding
+    run = {
+        "prompts": prompts,
+        **decoding.engine_run_fields(max_new_tokens),
+        "concurrency": concurrency,
+        **SCHEDULE,
+    }
+    engine_fields = {"max_num_seqs": concurrency} if SCHEDULE["schedule"] == "continuous" else {}
+    return {**ENGINE_MODEL, "method": method, "runs": [run], **engine_fields, **fields}
+
+
+def engine(spec: dict) -> dict:
+    """One engine's run of ``spec`` (a one-run job): its outputs, group seconds, spec counters and
+    startup seconds."""
+    result = run_job(spec, timeout=ENGINE_TIMEOUT)
+    concurrency = spec["runs"][0]["concurrency"]
+    return {**result["runs"][0], "concurrency": concurrency, "startup_seconds": result["startup_seconds"]}
+
+
+def rest_options(datastore: str, args: argparse.Namespace) -> dict:
+    """The REST proposer's options for a run: ``datastore``, ``remeasure`` with ``--remeasure``, and
+    no calibration file: each run starts calibrating afresh, none recalls another's."""
+    return {"datastore": datastore, "calibration_file": "none", **({"remeasure": True} if args.remeasure else {})}
+
+
+def engine_tables(since: float) -> list[tuple[Path, VerifyCost]]:
+    """The vLLM step-cost tables cached since ``since`` (a ``time.time()``) for this benchmark's
+    engines: its checkpoint, and its thread binding, which the cache key names (an engine with
+    other settings, e.g. a test's, may write its own table meanwhile)."""
+    binding = engine_env()["VLLM_CPU_OMP_THREADS_BIND"]
+    tables = []
+    for path in (cache_dir() / "verify-cost").glob("*vllm-*.json"):
+        if path.stat().st_mtime >= since:
+            cost = VerifyCost.from_json(path.read_text())
+            if cost.key.model == ENGINE_MODEL["model"] and f"-bind-{binding}-" in cost.key.device:
+                tables.append((path, cost))
+    return tables
+
+
+def measure_t(prompt: list[int], index: Path, k: int) -> dict | None:
+    """vLLM's step cost t(n), learned afresh by a ``rest`` engine (``remeasure``) drafting on
+    ``prompt`` and cached by the proposer; the newest table written meanwhile (sizes, ms), or None with a
+    warning when the engine wrote none."""
+    started = time.time()
+    spec = job(
+        "rest",
+        [prompt],
+        MEASURE_T_TOKENS,
+        1,
+        decoding=GREEDY,
+        k=k,
+        rest={"datastore": str(index), "remeasure": True, "calibration_file": "none"},
+    )
+    spec["runs"][0]["sampling"]["ignore_eos"] = True
+    engine(spec)
+    written = sorted(engine_tables(started), key=lambda pair: pair[0].stat().st_mtime)
+    if not written:
+        log.warning("the t(n) measurement wrote no table: the REST modes use the cached one, if any")
+        return None
+    path, cost = written[-1]
+    log.info("t(n), ms: %s", ", ".join(f"{n}: {1e3 * s:.1f}" for n, s in zip(cost.sizes, cost.seconds)))
+    return {
+        "file": str(path),
+        "device": cost.key.device,
+        "sizes": list(cost.sizes),
+        "ms": [1e3 * s for s in cost.seconds],
+    }
 
 
 def host_main() -> None:

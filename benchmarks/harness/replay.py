@@ -4,11 +4,14 @@ At each step the drafter drafts from the context so far, and the longest tree pa
 output follows is accepted, plus one token -- exactly what the lossless verifier accepts, so the
 accepted lengths equal a real decoding loop's (a test checks it). Drafters are compared on
 identical contexts in seconds instead of a model run each (``benchmarks.draft_quality``,
-``benchmarks.tradeoff``).
+``benchmarks.tradeoff``, ``benchmarks.merge_rules``; ``set_examples``: a set's prompts with their
+greedy outputs). ``benchmarks.e2e`` and ``benchmarks.sharded`` fill the cache of greedy outputs
+(``greedy_path``) as they decode.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -18,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from benchmarks.harness.sets import INDEXES, ensure_index, set_prompts
 from rest_spec.common.cache import cache_dir
 from rest_spec.common.types import DraftConfig, DraftTree
 from rest_spec.drafter.core.cost import VerifyCost
@@ -102,3 +106,11 @@ def replay(
     if cost is not None:
         result["modeled_speed_vs_plain"] = tokens * float(cost(1)) / seconds
     return result
+
+
+def set_examples(name: str, model, tokenizer, args: argparse.Namespace) -> tuple[Path, list[Example]]:
+    """The index of set ``name`` (built when missing) and its prompts with the model's greedy
+    outputs, as ``args`` (prompts, max_new_tokens, max_prompt_tokens) ask."""
+    index = ensure_index(*INDEXES[name])
+    prompts = set_prompts(name, tokenizer, index, args.prompts, args.max_prompt_tokens)
+    return index, greedy_outputs(model, name, prompts, args.max_new_tokens)

@@ -1,9 +1,17 @@
-"""Both engines in process: the query windows, draft latency, draft nodes, open time and the
-resident memory opening adds."""
+"""A retrieval engine timed: ours (a ``Datastore``) and REST's ``draftretriever`` in process -- the
+query windows (``sample_queries``), draft latency in alternating rounds (``compare_latency``), draft
+nodes, open time and the resident memory opening adds (``open_figures``) -- and ours behind
+``rest-datastore serve`` (draftretriever has no server): the gRPC round trip with one client and the
+throughput of 1, 2 and 4 client processes (``grpc_figures``). ``benchmarks.retrieval`` runs them all;
+``benchmarks.code_scale`` and ``benchmarks.sharded`` some."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import queue
+import signal
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -11,20 +19,25 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import open_draftretriever, rest_nodes, rest_paths, rest_search
-from benchmarks.retrieval import (
-    BUDGETS,
-    GROWTH_BUDGET,
-    NODES_BUDGET,
-    OPEN_REPEATS,
-    QUERY_TOKENS,
-    REFERENCE_OPEN_REPEATS,
-    ROUNDS,
-    WARMUP_QUERIES,
-)
+from benchmarks.harness.draftretriever import REST_N_MAX, open_draftretriever, rest_nodes, rest_paths, rest_search
+from benchmarks.harness.servers import start_datastore
 from rest_spec.build_index.corpora import CorpusSpec, held_out_records
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
+
+log = logging.getLogger(__name__)
+
+QUERY_TOKENS = REST_N_MAX  # the longest suffix either engine looks at
+BUDGETS = (16, 64)
+NODES_BUDGET = 64
+GRPC_BUDGET = 64
+GROWTH_BUDGET = 64
+WARMUP_QUERIES = 200
+ROUNDS = 3
+OPEN_REPEATS = 10
+REFERENCE_OPEN_REPEATS = 3  # draftretriever builds its suffix array at every load: seconds each
+CLIENTS = (1, 2, 4)
+CLIENT_SETUP_SECONDS = 300  # a client process's start, imports and warm-up, at most
 
 DraftFn = Callable[[list[int], int], object]  # (context, budget) -> a draft, result unused
 
@@ -157,4 +170,67 @@ def open_figures(index: Path, index_bytes: int, reference: Path | None = None) -
         }
     for engine in figures.values():
         engine["rss_added_percent_of_index"] = 100 * engine["rss_added_bytes"] / engine["index_bytes"]
+    return figures
+
+
+def grpc_client(address: str, queries: list[list[int]], offset: int, seconds: float, barrier, results) -> None:
+    """One client process: warm up, wait for the others, then draft round-robin from ``offset``
+    for ``seconds``; puts (calls, elapsed seconds, per-call seconds) on ``results``."""
+    from rest_spec.datastore.client import DatastoreClient
+
+    config = DraftConfig(budget=GRPC_BUDGET)
+    with DatastoreClient(address) as client:
+        for query in queries[:WARMUP_QUERIES]:
+            client.draft(query, config)
+        barrier.wait()
+        latencies, i = [], offset
+        start = time.perf_counter()
+        deadline = start + seconds
+        while (now := time.perf_counter()) < deadline:
+            client.draft(queries[i % len(queries)], config)
+            latencies.append(time.perf_counter() - now)
+            i += 1
+        elapsed = time.perf_counter() - start
+    results.put((len(latencies), elapsed, latencies))
+
+
+def grpc_figures(index: Path, queries: list[list[int]], seconds: float) -> dict:
+    """Round trip and throughput with 1, 2 and 4 concurrent client processes (budget 64)."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryFile("w+") as server_log:
+        proc, address = start_datastore(["serve", "--index", index, "--port", 0], server_log)
+    figures = {"budget": GRPC_BUDGET, "seconds_per_run": seconds, "clients": {}}
+    try:
+        for clients in CLIENTS:
+            barrier, results = ctx.Barrier(clients), ctx.Queue()
+            workers = [
+                ctx.Process(
+                    target=grpc_client, args=(address, queries, k * len(queries) // clients, seconds, barrier, results)
+                )
+                for k in range(clients)
+            ]
+            for worker in workers:
+                worker.start()
+            try:  # a client that fails prints its traceback and never reports
+                outcomes = [results.get(timeout=seconds + CLIENT_SETUP_SECONDS) for _ in workers]
+            except queue.Empty:
+                for worker in workers:
+                    worker.terminate()
+                raise RuntimeError(f"a gRPC client of {address} did not report (its traceback is above)") from None
+            for worker in workers:
+                worker.join()
+            latencies = np.concatenate([np.asarray(lat) for _, _, lat in outcomes])
+            figures["clients"][str(clients)] = {
+                "requests_per_second": sum(calls / elapsed for calls, elapsed, _ in outcomes),
+                "round_trip": latency_ms(latencies),
+            }
+            log.info(
+                "gRPC %d client(s): %.0f requests/s", clients, figures["clients"][str(clients)]["requests_per_second"]
+            )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    single = figures["clients"]["1"]["requests_per_second"]
+    for entry in figures["clients"].values():
+        entry["throughput_vs_1_client"] = entry["requests_per_second"] / single
     return figures
