@@ -51,6 +51,7 @@ def test_a_suffix_history_is_what_the_proposer_drafts_from(monkeypatch):
 
 def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_path, monkeypatch):
     from benchmarks import fleet
+    from benchmarks.harness import streams
     from rest_spec.common.tokenizer import load_tokenizer
     from rest_spec.datastore.format import read_manifest
     from tests.helpers import write_index
@@ -64,7 +65,7 @@ def test_fleet_benchmark_warms_both_methods_and_matches_plain(stdlib_index, tmp_
     )  # the model's own corpus, as benchmarks.own_corpus builds it, of this model's tokenizer
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a third of an engine's start-up (test_vllm)
     cache = tmp_path / "warmup.json"
-    monkeypatch.setattr(fleet, "warmup_cache", lambda max_new_tokens: cache)  # decoded here, not read
+    monkeypatch.setattr(streams, "warmup_cache", lambda max_new_tokens: cache)  # decoded here, not read
     out = tmp_path / "fleet.json"
     argv = ["--sets", "code", "--replicas", "2", "--warmup", "2", "--prompts", "2", "--max-new-tokens", "8"]
     argv += ["--concurrency", "1", "--k", "4", "--no-measure-t", "--humaneval-index", str(stdlib_index)]
