@@ -37,6 +37,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: bash scripts/set
 import torch  # noqa: E402
 
 from benchmarks.harness.engines import EngineFailed, engine_env, job_result, run_job, start_job  # noqa: E402
+from benchmarks.harness.fleet_replay import hindsight_per_source  # noqa: E402
 from benchmarks.harness.sets import chat_prompt, humaneval_inputs  # noqa: E402
 from rest_spec.common.tokenizer import load_tokenizer  # noqa: E402
 from rest_spec.drafter.vllm.checkpoint import hf_checkpoint  # noqa: E402
@@ -318,7 +319,7 @@ def grpc_engine(checkpoint, prompts, stdlib_index, tmp_path_factory):
 
 def accepted_from(run: dict, source: str) -> int:
     """Draft tokens of ``run`` accepted from chains the proposer credits to ``source``."""
-    return sum(cell["accepted"] for cell in run["attribution"]["cells"] if cell["source"] == source)
+    return hindsight_per_source(run["attribution"]["cells"]).get(source, {}).get("accepted", 0)
 
 
 def test_greedy_over_grpc_and_one_store_of_outputs_for_a_fleet(checkpoint, prompts, plain, grpc_engine, server):
