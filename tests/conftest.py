@@ -327,11 +327,23 @@ def stdlib_server(stdlib_index):
     assert process.stop() == 0  # SIGTERM: a clean exit
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
+def set_one_torch_thread() -> None:
     """Tiny models and tensors: on a busy 2-core machine torch's intra-op threads cost far more
     than they save (SmolLM2 greedy, 16 tokens: 29 s with 2 threads, 2.2 s with 1). Only where torch
     is imported: a test that needs none does not pay for importing it."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """One torch thread from the start where the test modules imported torch: the module and
+    session fixtures (a module's reference outputs, the model) run before any test's autouse
+    fixture, and at torch's default threads they cost 1.7-2x the CPU seconds under pytest-xdist."""
+    set_one_torch_thread()
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """``set_one_torch_thread`` before each test: for a torch imported since collection."""
+    set_one_torch_thread()

@@ -49,6 +49,7 @@ K = 4
 NEW_TOKENS = 48
 GREEDY = {"temperature": 0.0, "max_tokens": NEW_TOKENS}
 IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+TP_TOKENS = 24  # the tensor-parallel engine's new tokens a request
 SAMPLES = 240
 SAMPLING_CONCURRENCY = 8
 SAMPLED_TOKENS = 6
@@ -379,10 +380,13 @@ def test_tensor_parallel_ranks_start_on_one_store_and_store_each_output_once(
     outputs = tmp_path / "outputs"
     rest = {"datastore": str(stdlib_index), "outputs_dir": str(outputs)}
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0"}
-    runs = [greedy_runs(prompts)[1], {"prompts": prompts[:1], "sampling": {**GREEDY, "max_tokens": 2}}]
+    # the prompts 4 at once for TP_TOKENS (each step across 3 processes on 2 cores): greedy, so the first
+    # TP_TOKENS of plain's outputs 4 at once
+    four = {**greedy_runs(prompts)[1], "sampling": {**GREEDY, "max_tokens": TP_TOKENS}}
+    runs = [four, {"prompts": prompts[:1], "sampling": {**GREEDY, "max_tokens": 2}}]
     result = run_job(job(checkpoint, runs=runs, rest=rest, tensor_parallel_size=3), env=env)
-    run = result["runs"][0]  # the prompts 4 at once: a quarter of the steps, each across 3 processes
-    assert run["outputs"] == plain["runs"][1]["outputs"]
+    run = result["runs"][0]
+    assert run["outputs"] == [output[:TP_TOKENS] for output in plain["runs"][1]["outputs"]]
     assert run["spec"]["spec_decode_num_accepted_tokens"] > 0, run["spec"]
     store = OutputStore(10**6, outputs)
     try:
