@@ -1,50 +1,49 @@
-"""The chat command lines on the real SmolLM2 and the real stdlib index: ``rest-chat`` streams each
-reply exactly as plain greedy ``model.generate`` produces it for the same conversation, keeps the
-history across turns, reports each turn; ``rest-generate --chat`` renders prompts as a user turn;
-Ctrl-C mid-reply and end of input are handled (``ChatSession`` and ``chat`` in process)."""
+"""The chat command lines on the real SmolLM2 and the real stdlib index, each command's ``main`` in
+process: ``rest-chat`` streams each reply exactly as plain greedy ``model.generate`` produces it for
+the same conversation, keeps the history across turns, reports each turn; ``rest-generate --chat``
+renders prompts as a user turn; Ctrl-C mid-reply and end of input are handled (``ChatSession`` and
+``chat``)."""
 
 from __future__ import annotations
 
 import io
 import json
-import os
+import logging
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers.generation import BaseStreamer
 
 from rest_spec.common.types import DraftConfig
+from rest_spec.drafter.cli import chat as chat_cli
+from rest_spec.drafter.cli import rest_generate
 from rest_spec.drafter.cli.chat import chat
 from rest_spec.drafter.cli.prompts import chat_ids
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.hf.session import ChatSession
-from tests.helpers import ONE_THREAD
 
-pytestmark = [pytest.mark.model, pytest.mark.cli]
+pytestmark = pytest.mark.model
 NEW_TOKENS = 24
 TURNS = ["Write a Python function that adds two numbers.", "Now make it multiply them instead."]
-ENV = {**os.environ, **ONE_THREAD}
 STATUS = re.compile(
     r"\[turn (\d+)\] (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\), (\d+) steps, mean accepted ([\d.]+), "
     r"context (\d+) tokens"
 )
 
 
-def greedy_reply(model, tokenizer, messages: list[dict]) -> tuple[str, int, int]:
-    """(reply text, new tokens, prompt tokens) of plain greedy ``model.generate``."""
+def greedy_reply(model, tokenizer, messages: list[dict]) -> tuple[str, int, int, list[int]]:
+    """(reply text, new tokens, prompt tokens, reply ids) of plain greedy ``model.generate``."""
     ids = torch.tensor([chat_ids(tokenizer, messages)])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
     new = out[0, ids.shape[1] :]
-    return tokenizer.decode(new, skip_special_tokens=True), len(new), ids.shape[1]
+    return tokenizer.decode(new, skip_special_tokens=True), len(new), ids.shape[1], new.tolist()
 
 
 @pytest.fixture(scope="module")
 def conversation(smollm2):
-    """The greedy replies to ``TURNS`` with the history kept: [(text, new tokens, prompt tokens)]."""
+    """The greedy replies to ``TURNS`` with the history kept: [(text, new tokens, prompt tokens, ids)]."""
     model, tokenizer = smollm2
     messages, replies = [], []
     for user in TURNS:
@@ -54,29 +53,35 @@ def conversation(smollm2):
     return replies
 
 
-def test_chat_streams_replies_keeps_history_and_reports(stdlib_index, conversation):
+@pytest.fixture
+def command(capsys, monkeypatch):
+    """``command(main, argv, stdin="")``: a command's ``main`` run in this process (torch and
+    transformers already imported, one torch thread) on ``stdin``; its exit status, stdout and
+    stderr. The command sets the level of the project's loggers; it is put back after the test."""
+    project = logging.getLogger("rest_spec")
+    level = project.level
+
+    def run(main, argv: list[str], stdin: str = "") -> tuple[int, str, str]:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        capsys.readouterr()
+        status = main(argv)
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    yield run
+    project.setLevel(level)
+
+
+def test_chat_streams_replies_keeps_history_and_reports(stdlib_index, conversation, command):
     """Two turns, /reset, the first turn again, /exit (later lines ignored)."""
     stdin = "\n".join([TURNS[0], TURNS[1], "/reset", TURNS[0], "/exit", TURNS[1]]) + "\n"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rest_spec.drafter.cli.chat",
-            "--datastore",
-            str(stdlib_index),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-        ],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=600,
+    status, out, err = command(
+        chat_cli.main, ["--datastore", str(stdlib_index), "--max-new-tokens", str(NEW_TOKENS)], stdin
     )
-    assert run.returncode == 0, run.stderr
+    assert status == 0, err
     first, second = conversation
-    assert run.stdout == f"{first[0]}\n{second[0]}\n{first[0]}\n"
-    statuses = [STATUS.search(line) for line in run.stderr.splitlines()]
+    assert out == f"{first[0]}\n{second[0]}\n{first[0]}\n"
+    statuses = [STATUS.search(line) for line in err.splitlines()]
     statuses = [m.groups() for m in statuses if m]
     assert [(int(t), int(n), int(c)) for t, n, _, _, c in statuses] == [
         (1, first[1], first[2]),
@@ -84,40 +89,17 @@ def test_chat_streams_replies_keeps_history_and_reports(stdlib_index, conversati
         (3, first[1], first[2]),
     ]
     assert second[2] > first[2] + first[1]  # the second prompt holds the whole first exchange
-    assert "[conversation cleared]" in run.stderr
+    assert "[conversation cleared]" in err
     for _, tokens, steps, accepted, _ in statuses:
         assert float(accepted) == pytest.approx(int(tokens) / int(steps), abs=0.005)
 
 
-def test_rest_generate_chat_flag(smollm2, stdlib_index):
-    model, tokenizer = smollm2
-    messages = [{"role": "user", "content": TURNS[0]}]
-    ids = torch.tensor([chat_ids(tokenizer, messages)])
-    with torch.inference_mode():
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)[
-            0, ids.shape[1] :
-        ].tolist()
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rest_spec.drafter",
-            "--datastore",
-            str(stdlib_index),
-            "--prompt",
-            TURNS[0],
-            "--chat",
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr
-    assert json.loads(run.stdout)["output_ids"] == expected
+def test_rest_generate_chat_flag(stdlib_index, conversation, command):
+    """``rest-generate --chat``: the prompt as the first user turn, the reply plain greedy decoding's."""
+    argv = ["--datastore", str(stdlib_index), "--prompt", TURNS[0], "--chat", "--max-new-tokens", str(NEW_TOKENS)]
+    status, out, err = command(rest_generate.main, [*argv, "--json"])
+    assert status == 0, err
+    assert json.loads(out)["output_ids"] == conversation[0][3]
 
 
 @pytest.fixture(scope="module")

@@ -371,8 +371,8 @@ def test_adaptive_generation_from_the_issues_noisy_table_is_lossless_and_correct
     with LocalDrafter.open(stdlib_index) as local:
         drafter = AdaptiveDrafter(local, cost=ISSUE_NOISY, config=config)
         for ids in humaneval_inputs(tokenizer, 2):
-            plain = generate(model, ids, None, max_new_tokens=48)
-            assert generate(model, ids, drafter, max_new_tokens=48, config=config).output_ids == plain.output_ids
+            plain = generate(model, ids, None, max_new_tokens=32)
+            assert generate(model, ids, drafter, max_new_tokens=32, config=config).output_ids == plain.output_ids
     cost = drafter.cost
     assert cost.table == ISSUE_NOISY and cost.current != ISSUE_NOISY and cost.observed()
     cost.refresh()

@@ -4,6 +4,7 @@ the real SmolLM2 model drafting from it, local and remote, identical to `model.g
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -14,24 +15,50 @@ import pytest
 import torch
 
 from benchmarks.harness.sets import humaneval_prompts
-from rest_spec.common.tokenizer import check_tokenizer, tokenizer_fingerprint
+from rest_spec.build_index.build import BuildConfig, build
+from rest_spec.build_index.corpora import CorpusSpec
+from rest_spec.common.tokenizer import check_tokenizer, tokenizer_fingerprint, vocab_size
 from rest_spec.common.types import DraftConfig
 from rest_spec.datastore.index import Datastore
+from rest_spec.drafter.cli.rest_generate import main as rest_generate_main
 from rest_spec.drafter.core.corrected_cost import HEALED_BELOW
 from rest_spec.drafter.core.cost import VerifyCost
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.remote import RemoteDrafter
 from rest_spec.drafter.hf.generate import generate
+from rest_spec.drafter.hf.measure import DEFAULT_SIZES
 from tests.helpers import ONE_THREAD, brute_draft
 
 pytestmark = [pytest.mark.model, pytest.mark.server]
 NEW_TOKENS = 32  # on one thread of a Zen 3 core, a 64-token tree verifies in about 0.3 s
+CLI_TOKENS = 16  # rest-generate's own tests (what it prints and sends): the first half of the reference
 
 
 @pytest.fixture(scope="module")
 def server_address(stdlib_server):
     """The session's real `rest-datastore serve` of the stdlib index (conftest.py)."""
     return stdlib_server.address
+
+
+@pytest.fixture
+def rest_generate(capsys, monkeypatch):
+    """``rest-generate``'s ``main`` in this process (torch and transformers already imported, one
+    torch thread as a command run with ``ONE_THREAD`` has): ``rest_generate(*argv, cache=DIR)`` is its
+    exit status, stdout and stderr, with ``$REST_CACHE_DIR`` set to ``cache`` where given. The
+    command sets the level of the project's loggers; it is put back after the test."""
+    project = logging.getLogger("rest_spec")
+    level = project.level
+
+    def run(*argv: str, cache=None) -> tuple[int, str, str]:
+        if cache is not None:
+            monkeypatch.setenv("REST_CACHE_DIR", str(cache))
+        capsys.readouterr()
+        status = rest_generate_main([str(arg) for arg in argv])
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    yield run
+    project.setLevel(level)
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +99,13 @@ def test_local_and_remote_drafters_return_identical_trees(stdlib_index, server_a
 
 
 def test_empty_index_answers_change_nothing(smollm2, tmp_path, reference):
-    """An index that never matches (a corpus of one unrelated document) leaves decoding plain."""
+    """An index that never matches (a corpus of one unrelated document, built in process as
+    ``build_index --corpus FILE`` builds it) leaves decoding plain."""
     model, tokenizer = smollm2
     doc = tmp_path / "doc.txt"
     doc.write_text("zebra quokka")
     out = tmp_path / "tiny"
-    subprocess.run(
-        [sys.executable, "-m", "rest_spec.build_index", "--corpus", str(doc), "--out", str(out), "--quiet"], check=True
-    )
+    build(BuildConfig(CorpusSpec(str(doc)), out, progress=False))
     prompt_ids, expected = next(iter(reference.values()))
     with LocalDrafter.open(out) as drafter:
         result = generate(model, prompt_ids, drafter, max_new_tokens=NEW_TOKENS)
@@ -87,33 +113,18 @@ def test_empty_index_answers_change_nothing(smollm2, tmp_path, reference):
 
 
 @pytest.mark.parametrize("where", ["local", "remote"])
-def test_rest_generate_cli_json(stdlib_index, server_address, reference, tmp_path, where):
-    prompt_ids, expected = next(iter(reference.values()))
+def test_rest_generate_cli_json(stdlib_index, server_address, reference, tmp_path, rest_generate, where):
+    """``rest-generate --json`` (its ``main``, in process) from an index directory or a server."""
+    expected = next(iter(reference.values()))[1][:CLI_TOKENS]
     prompt = next(iter(reference))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": prompt}) + "\n")
     datastore = str(stdlib_index) if where == "local" else server_address
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rest_spec.drafter",
-            "--datastore",
-            datastore,
-            "--prompts",
-            str(prompts),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            "--budget",
-            "64",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **ONE_THREAD},
+    status, out, err = rest_generate(
+        "--datastore", datastore, "--prompts", prompts, "--max-new-tokens", CLI_TOKENS, "--budget", "64", "--json"
     )
-    assert run.returncode == 0, run.stderr
-    record = json.loads(run.stdout.strip().splitlines()[-1])
+    assert status == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
     assert record["output_ids"] == expected
     assert record["new_tokens"] == len(expected) and record["steps"] < len(expected)
     assert record["mean_accepted"] == pytest.approx(record["new_tokens"] / record["steps"], abs=1e-4)
@@ -192,60 +203,82 @@ def check_healed_only(before: dict[str, str], after: dict[str, str]) -> None:
             assert now == was or (now < HEALED_BELOW * was and n not in new.unconfirmed), (n, was, now)
 
 
-@pytest.mark.cli
-def test_rest_generate_drafts_from_a_copy_of_a_fleets_store(stdlib_index, reference, smollm2_cost_dir, tmp_path):
-    """``--outputs-from``: the index in process, the store of outputs copied from a fleet's server
-    that already holds the answer (another replica served it): fewer steps than with a fresh store of
-    its own, the same output, and the output sent to the server."""
+def test_rest_generate_drafts_from_a_copy_of_a_fleets_store(
+    stdlib_index, reference, smollm2_cost_dir, tmp_path, rest_generate
+):
+    """``--outputs-from`` (``rest-generate``'s ``main``, in process): the index in process, the store
+    of outputs copied from a fleet's server that already holds the answer (another replica served
+    it): fewer steps than with a fresh store of its own, the same output, and the output sent to the
+    server."""
     from rest_spec.datastore.outputs import OutputStore
     from rest_spec.datastore.server import DatastoreServer, ServerConfig
 
-    prompt_ids, expected = next(iter(reference.values()))
+    answer = next(iter(reference.values()))[1]
+    expected = answer[:CLI_TOKENS]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": next(iter(reference))}) + "\n")
     cache = shutil.copytree(smollm2_cost_dir, tmp_path / "cache")
-    command = [sys.executable, "-m", "rest_spec.drafter", "--datastore", str(stdlib_index), "--prompts", str(prompts),
-               "--max-new-tokens", str(NEW_TOKENS), "--adaptive", "--json"]  # fmt: skip
-    env = {**os.environ, **ONE_THREAD, "REST_CACHE_DIR": str(cache)}
+    command = ["--datastore", stdlib_index, "--prompts", prompts, "--max-new-tokens", CLI_TOKENS, "--adaptive",
+               "--json"]  # fmt: skip
     with (
         Datastore.open(stdlib_index) as index,
         OutputStore(100_000, vocab_size=index.vocab_size) as outputs,
         DatastoreServer(index, ServerConfig(port=0, workers=2), outputs) as server,
     ):
-        outputs.add(expected)
-        runs = [
-            subprocess.run(command + extra, capture_output=True, text=True, env=env)
-            for extra in ([], ["--outputs-from", server.address])
-        ]
-        for run in runs:
-            assert run.returncode == 0, run.stderr
-        fresh, copied = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
+        outputs.add(answer)
+        runs = [rest_generate(*command, *extra, cache=cache) for extra in ([], ["--outputs-from", server.address])]
+        for status, _, err in runs:
+            assert status == 0, err
+        fresh, copied = (json.loads(out.strip().splitlines()[-1]) for _, out, _ in runs)
         assert fresh["output_ids"] == copied["output_ids"] == expected
         assert copied["steps"] < fresh["steps"], (copied["steps"], fresh["steps"])
-        assert [d.tolist() for d in outputs.documents()] == [expected, expected]  # sent by the copying run only
+        assert [d.tolist() for d in outputs.documents()] == [answer, expected]  # sent by the copying run only
 
 
-@pytest.mark.cli
-def test_rest_generate_adaptive_measures_the_cost_on_first_use(stdlib_index, reference, tmp_path):
-    """With nothing cached, --adaptive measures the verify cost (about a minute) into
-    $REST_CACHE_DIR before it generates; --no-draft measures nothing, and without a table it runs
-    in PyTorch's layout (no "no drafts: steps of" line)."""
+def test_rest_generate_adaptive_measures_the_cost_on_first_use(
+    smollm2, stdlib_index, reference, tmp_path, rest_generate, caplog
+):
+    """With nothing cached, --adaptive measures the verify cost of the model it runs (every size of
+    a full measurement) into $REST_CACHE_DIR before it generates; --no-draft measures nothing, and
+    without a table it runs in PyTorch's layout (no "no drafts: steps of" line). ``rest-generate``'s
+    ``main``, in process. The model measured is a model directory, as a user names one with
+    --model: a randomly initialised one-layer Llama holding SmolLM2's tokenizer (so that the stdlib
+    index serves it), whose table the same code measures in seconds (SmolLM2's takes two minutes
+    at one thread); greedy, it decodes as its own ``model.generate``. --no-draft runs the packaged
+    SmolLM2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tokenizer = smollm2
     prompt_ids, expected = next(iter(reference.values()))
     prompt = next(iter(reference))
-    env = {**os.environ, **ONE_THREAD, "REST_CACHE_DIR": str(tmp_path / "cache")}
-    adaptive = subprocess.run(
-        [sys.executable, "-m", "rest_spec.drafter", "--datastore", str(stdlib_index), "--prompt", prompt,
-         "--max-new-tokens", "8", "--adaptive", "--json"],
-        capture_output=True, text=True, env=env,
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
-    assert adaptive.returncode == 0, adaptive.stderr
-    assert json.loads(adaptive.stdout.strip().splitlines()[-1])["output_ids"] == expected[:8]
-    assert list((tmp_path / "cache" / "verify-cost").glob("*.json"))
-    plain = subprocess.run(
-        [sys.executable, "-m", "rest_spec.drafter", "--no-draft", "--prompt", prompt, "--max-new-tokens", "8",
-         "--json", "-v"],
-        capture_output=True, text=True, env={**env, "REST_CACHE_DIR": str(tmp_path / "empty")},
+    tiny = LlamaForCausalLM(config).eval()
+    model_dir = tmp_path / "tiny-model"
+    tiny.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        tiny_expected = tiny.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+    status, out, err = rest_generate(
+        "--datastore", stdlib_index, "--model", model_dir, "--prompt", prompt, "--max-new-tokens", "8", "--adaptive",
+        "--json", cache=tmp_path / "cache",
     )  # fmt: skip
-    assert plain.returncode == 0, plain.stderr
-    assert json.loads(plain.stdout.strip().splitlines()[-1])["output_ids"] == expected[:8]
-    assert "no drafts: steps of" not in plain.stderr and not (tmp_path / "empty").exists()
+    assert status == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["output_ids"] == tiny_expected[0, ids.shape[1] :].tolist()
+    [table] = (tmp_path / "cache" / "verify-cost").glob("*.json")
+    measured = VerifyCost.from_json(table.read_text())
+    assert measured.sizes == DEFAULT_SIZES and measured.key.parameters == tiny.num_parameters()
+
+    caplog.clear()
+    status, out, err = rest_generate(
+        "--no-draft", "--prompt", prompt, "--max-new-tokens", "8", "--json", "-v", cache=tmp_path / "empty"
+    )
+    assert status == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["output_ids"] == expected[:8]
+    # -v: the project's records at INFO and above reach the test's log capture (not stderr: pytest's handlers hold it)
+    assert "loaded " in caplog.text and "no drafts: steps of" not in caplog.text
+    assert not (tmp_path / "empty").exists()

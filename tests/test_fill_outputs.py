@@ -247,14 +247,23 @@ def test_refusals_are_one_line(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def expected(smollm2):
-    """Each prompt's tokens and its reply by unbatched greedy ``model.generate`` (the oracle)."""
+    """Each prompt's tokens and its reply by unbatched greedy ``model.generate`` (the oracle), each
+    prompt's reply decoded once for the module (tests share prompts)."""
     from rest_spec.drafter.cli.prompts import encode_prompt, read_prompts
     from tests.helpers import reference_tokens
 
+    model, tokenizer = smollm2
+    decoded: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def reply(ids: list[int], new_tokens: int) -> list[int]:
+        key = (tuple(ids), new_tokens)
+        if key not in decoded:
+            decoded[key] = reference_tokens(model, ids, new_tokens)
+        return list(decoded[key])
+
     def replies(path: Path, new_tokens: int = NEW_TOKENS):
-        model, tokenizer = smollm2
         encoded = [encode_prompt(tokenizer, prompt) for prompt in read_prompts(path)]
-        return encoded, [reference_tokens(model, ids, new_tokens) for ids in encoded]
+        return encoded, [reply(ids, new_tokens) for ids in encoded]
 
     return replies
 
@@ -301,8 +310,8 @@ def test_fills_the_store_with_greedy_replies_and_a_rerun_adds_nothing(expected, 
 @pytest.mark.cli
 def test_a_real_sigint_resumes_to_the_full_set(expected, tmp_path, capsys):
     # replies that run to the token limit, one at a time: the run lasts seconds after its first output is
-    # stored, so the signal lands mid-run even on a loaded machine
-    records = [{"prompt": f"Once upon a time, in a town called Number {i}, there lived"} for i in range(6)]
+    # stored (three more replies of 24 tokens), so the signal lands mid-run even on a loaded machine
+    records = [{"prompt": f"Once upon a time, in a town called Number {i}, there lived"} for i in range(4)]
     prompts, outs = write_prompts(tmp_path / "p.jsonl", records), tmp_path / "outs"
     _, replies = expected(prompts, 24)
     assert min(map(len, replies)) == 24

@@ -157,26 +157,32 @@ def test_stop_strings(smollm2, local, prompts, reference):
 
 
 class RecordingStreamer(BaseStreamer):
-    """Keeps every ``put`` and counts ``end`` calls."""
+    """Keeps every ``put`` and counts ``end`` calls, passing each on to ``then`` where given."""
 
-    def __init__(self) -> None:
+    def __init__(self, then: BaseStreamer | None = None) -> None:
         self.puts: list[list[int]] = []
         self.ends = 0
+        self.then = then
 
     def put(self, value: torch.Tensor) -> None:
         self.puts.append(value.reshape(-1).tolist())
+        if self.then is not None:
+            self.then.put(value)
 
     def end(self) -> None:
         self.ends += 1
+        if self.then is not None:
+            self.then.end()
 
 
 def test_directory_form_streams(smollm2, local, prompts, reference, capsys):
     """``custom_generate=REST_GENERATE_DIR`` returns plain generate's sequences; its streamer gets the
-    prompt, then every new token once, in order, then ``end``; a TextStreamer prints the same text as
-    with plain generate."""
+    prompt, then every new token once, in order, then ``end``; a TextStreamer given the same calls
+    prints the same text as with plain generate."""
     model, tokenizer = smollm2
     ids, expected = prompts[0], reference[0]
-    recorder = RecordingStreamer()
+    recorder = RecordingStreamer(then=TextStreamer(tokenizer, skip_prompt=True))
+    capsys.readouterr()
     out = plain(
         model,
         ids,
@@ -187,25 +193,14 @@ def test_directory_form_streams(smollm2, local, prompts, reference, capsys):
         max_new_tokens=NEW_TOKENS,
         streamer=recorder,
     )
+    printed = capsys.readouterr().out
     assert torch.equal(out, expected)
     assert recorder.puts[0] == ids[0].tolist() and recorder.ends == 1
     assert [t for put in recorder.puts[1:] for t in put] == expected[0, ids.shape[1] :].tolist()
     assert len(recorder.puts) - 1 < NEW_TOKENS  # several tokens per put when drafts are accepted
 
-    capsys.readouterr()
     plain(model, ids, do_sample=False, max_new_tokens=NEW_TOKENS, streamer=TextStreamer(tokenizer, skip_prompt=True))
-    printed_plain = capsys.readouterr().out
-    plain(
-        model,
-        ids,
-        custom_generate=REST_GENERATE_DIR,
-        trust_remote_code=True,
-        drafter=local,
-        do_sample=False,
-        max_new_tokens=NEW_TOKENS,
-        streamer=TextStreamer(tokenizer, skip_prompt=True),
-    )
-    assert capsys.readouterr().out == printed_plain != ""
+    assert printed == capsys.readouterr().out != ""
 
 
 def test_max_new_tokens_and_max_length(smollm2, local, prompts, reference):
