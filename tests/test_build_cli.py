@@ -1,4 +1,8 @@
-"""The build_index CLI end to end, as a subprocess on small real corpora and real tokenizers.
+"""The build_index CLI end to end on small real corpora and real tokenizers: the builds, and the
+target directory's refusals, through its ``main`` in this process (``run_main``: what is tested is
+what the command writes, not a new interpreter importing torch and transformers, 5 s a build);
+its exit statuses for bad input as a process of its own (``run_cli``), whose whole stderr must be
+one line.
 
 The oracle for an index: every document, tokenized on its own by the tokenizer through
 ``transformers`` and followed by the separator, in corpus order, across all shards.
@@ -6,6 +10,8 @@ The oracle for an index: every document, tokenized on its own by the tokenizer t
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -15,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rest_spec.build_index.__main__ import main
 from rest_spec.common.tokenizer import tokenizer_fingerprint
 from rest_spec.datastore import format as fmt
 from tests.helpers import tiny_bpe_tokenizer
 
-pytestmark = [pytest.mark.build, pytest.mark.cli]
+pytestmark = pytest.mark.build
 
 CONVERSATIONS = [
     {"id": f"c{i}", "conversations": [
@@ -78,11 +85,23 @@ def run_cli(*args, cwd: Path, timeout: float = 300, quiet: bool = True, **popen)
     )
 
 
+def run_main(*args, cwd: Path) -> tuple[int, str, str]:
+    """``build_index --quiet ARGS`` through its ``main`` in this process, in ``cwd``: (exit status,
+    stdout, stderr)."""
+    with (
+        contextlib.chdir(cwd),
+        contextlib.redirect_stdout(io.StringIO()) as out,
+        contextlib.redirect_stderr(io.StringIO()) as err,
+    ):
+        status = main(["--quiet", *map(str, args)])
+    return status, out.getvalue(), err.getvalue()
+
+
 def built(*args, cwd: Path) -> dict:
-    """Run a build that must succeed; its --json summary."""
-    out = run_cli(*args, "--json", cwd=cwd)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    """Run a build that must succeed (``run_main``); its --json summary."""
+    status, out, err = run_main(*args, "--json", cwd=cwd)
+    assert status == 0, err
+    return json.loads(out)
 
 
 def index_tokens(out: Path) -> tuple[fmt.Manifest, np.ndarray]:
@@ -191,10 +210,12 @@ def test_overwrite_and_failed_builds_leave_the_target_untouched(tmp_path, tiny_t
     built("--corpus", first, "--tokenizer", tiny_tokenizer, "--out", out, cwd=tmp_path)
     before = (out / fmt.MANIFEST).read_bytes()
 
-    refused = run_cli("--corpus", second, "--tokenizer", tiny_tokenizer, "--out", out, cwd=tmp_path)
-    assert refused.returncode == 1 and "already exists; pass --overwrite" in refused.stderr
-    failed = run_cli("--corpus", rows, "--tokenizer", tiny_tokenizer, "--out", out, "--overwrite", cwd=tmp_path)
-    assert failed.returncode == 1 and "no field 'text'" in failed.stderr
+    status, _, err = run_main("--corpus", second, "--tokenizer", tiny_tokenizer, "--out", out, cwd=tmp_path)
+    assert status == 1 and "already exists; pass --overwrite" in err
+    status, _, err = run_main(
+        "--corpus", rows, "--tokenizer", tiny_tokenizer, "--out", out, "--overwrite", cwd=tmp_path
+    )
+    assert status == 1 and "no field 'text'" in err
     assert (out / fmt.MANIFEST).read_bytes() == before
     assert leftovers(out.parent) == []
 
@@ -212,6 +233,7 @@ def test_default_out_is_indexes_slash_corpus(tmp_path, tiny_tokenizer):
 # --------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -236,6 +258,7 @@ def test_bad_input_is_one_error_line_with_status_1(tmp_path, tiny_tokenizer, arg
     assert not (tmp_path / "idx").exists() and leftovers(tmp_path) == []
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "args, message",
     [

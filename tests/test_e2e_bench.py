@@ -181,14 +181,14 @@ def test_every_mode_runs_and_matches_plain_decoding(smollm2, stdlib_index, monke
 
 @pytest.mark.model
 def test_sampled_beside_greedy_every_mode_samples_with_a_seed_per_prompt(smollm2, stdlib_index, monkeypatch, tmp_path):
-    """2 prompts, 16 new tokens, temperature 0.7 beside greedy: every mode runs both ways, the greedy
+    """2 prompts, 8 new tokens, temperature 0.7 beside greedy: every mode runs both ways, the greedy
     ones equal plain's, the loop's sampled ones are counted against plain's (one seed draws one text
     there, drafts or not, but for float rounding at the edge of a draw), model.generate's sampled ones
     (hf, pld) are not compared; prompt i draws with seed + i, so a sampled run is reproduced by
     ``generate`` (the loop) or ``model.generate`` (hf) given that seed."""
     monkeypatch.setenv("REST_CACHE_DIR", str(tmp_path))
     model, tokenizer = smollm2
-    args = parse_args(["--prompts", "2", "--max-new-tokens", "16", "--temperature", "0.7", "--seed", "5"])
+    args = parse_args(["--prompts", "2", "--max-new-tokens", "8", "--temperature", "0.7", "--seed", "5"])
     args.modes = ["plain", "hf", "pld", "adaptive", "oracle"]  # the loop's other modes decode as plain's do
     args.beside_greedy, sampled = True, args.decodings[0]
     prompts = humaneval_inputs(tokenizer, 2)
@@ -213,11 +213,11 @@ def test_sampled_beside_greedy_every_mode_samples_with_a_seed_per_prompt(smollm2
     assert config.do_sample and config.temperature == 0.7 and config.top_p == 1.0 and config.top_k == 0
     for i, ids in enumerate(prompts):  # the loop's modes: generate's generator, seeded with seed + i
         seeded = torch.Generator().manual_seed(5 + i)
-        again = generate(model, ids, None, max_new_tokens=16, generation_config=config, generator=seeded)
-        assert loop_run(model, ids, None, 16, DraftConfig(), decoding=sampled, seed=sampled.seed_of(i)).output_ids == (
+        again = generate(model, ids, None, max_new_tokens=8, generation_config=config, generator=seeded)
+        assert loop_run(model, ids, None, 8, DraftConfig(), decoding=sampled, seed=sampled.seed_of(i)).output_ids == (
             again.output_ids
         )
-    hf = [hf_run(model, ids, 16, decoding=sampled, seed=5) for ids in (prompts[0], prompts[0])]
+    hf = [hf_run(model, ids, 8, decoding=sampled, seed=5) for ids in (prompts[0], prompts[0])]
     assert hf[0].output_ids == hf[1].output_ids  # model.generate reproduced by its seed
     gains = kept_gains(greedy, drawn)
     assert {"adaptive_vs_plain", "adaptive_vs_hf", "oracle_vs_plain"} <= set(gains)

@@ -302,21 +302,37 @@ HOSTILE_VALUES = [
 ]
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize("name, role, value, at_draft, at_check", HOSTILE_VALUES, ids=[h[0] for h in HOSTILE_VALUES])
-def test_crafted_hostile_values(clean_indexes, tmp_path, name, role, value, at_draft, at_check):
-    """One crafted value in a resealed index (open-time checks pass): the draft that reads it
-    answers ``IndexCorruptError`` naming the file (or, for a value in range, a well-formed tree),
-    and ``check=True`` / ``verify=True`` refuse the index at open."""
-    clean = clean_indexes["u2"]
+def crafted(clean: CleanIndex, into: Path, role: str, value) -> tuple[Path, list[list[int]]]:
+    """A copy of ``clean`` with ``value`` (given the token-array length and the vocabulary) at the
+    middle rank of shard 1's suffix array, or in the token that rank's match reads next, resealed;
+    and the contexts whose drafts read it."""
     tokens, sa = clean.shards[1]
     rank = sa.shape[0] // 2
     position = tokens.shape[0] - int(sa[rank])  # the token after the match at ``rank``
-    path = copy_index(clean, tmp_path / name)
+    path = copy_index(clean, into)
     set_entry(path, role, 1, rank if role == "sa" else position, value(tokens.shape[0], clean.vocab_size))
     reseal(path)
-    contexts = contexts_at_ranks(clean, 1, [rank])
-    [result] = run_drafts([{"path": str(path), "contexts": contexts}], tmp_path)
+    return path, contexts_at_ranks(clean, 1, [rank])
+
+
+@pytest.fixture(scope="module")
+def crafted_drafts(clean_indexes, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Every ``HOSTILE_VALUES`` case's index and ``draft_each``'s result for it, the cases drafted
+    in one subprocess (as the random corruption's six copies are: a fresh interpreter each cost 2 s)."""
+    tmp = tmp_path_factory.mktemp("crafted")
+    cases = {name: crafted(clean_indexes["u2"], tmp / name, role, value) for name, role, value, *_ in HOSTILE_VALUES}
+    results = run_drafts([{"path": str(path), "contexts": contexts} for path, contexts in cases.values()], tmp)
+    return {name: (path, result) for (name, (path, _)), result in zip(cases.items(), results, strict=True)}
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("name, role, value, at_draft, at_check", HOSTILE_VALUES, ids=[h[0] for h in HOSTILE_VALUES])
+def test_crafted_hostile_values(clean_indexes, crafted_drafts, name, role, value, at_draft, at_check):
+    """One crafted value in a resealed index (open-time checks pass): the draft that reads it
+    answers ``IndexCorruptError`` naming the file (or, for a value in range, a well-formed tree),
+    and ``check=True`` / ``verify=True`` refuse the index at open (``crafted``, ``crafted_drafts``)."""
+    clean = clean_indexes["u2"]
+    path, result = crafted_drafts[name]
     assert_safe_outcome(result, {"path": str(path)}, clean.vocab_size)
     assert result["open_error"] is None
     if at_draft:
@@ -328,22 +344,19 @@ def test_crafted_hostile_values(clean_indexes, tmp_path, name, role, value, at_d
             Datastore.open(path, **flags)
 
 
-@pytest.mark.cli
-@pytest.mark.parametrize(
-    "damage, message",
-    [
-        ("swap", "out of order"),
-        ("duplicate", "repeats an earlier entry"),
-        ("separator-lost", "separators, expected"),
-        ("first-not-separator", "token 0 = 5 is not the separator"),
-    ],
-)
-def test_structural_check_finds_in_range_damage(clean_indexes, tmp_path, damage, message):
-    """Damage made of valid-looking values: drafting stays safe (well-formed trees or a clear
-    error), and the structural check at open names it."""
-    clean = clean_indexes["u2"]
+IN_RANGE_DAMAGE = [
+    ("swap", "out of order"),
+    ("duplicate", "repeats an earlier entry"),
+    ("separator-lost", "separators, expected"),
+    ("first-not-separator", "token 0 = 5 is not the separator"),
+]
+
+
+def damaged_in_range(clean: CleanIndex, into: Path, damage: str) -> tuple[Path, list[list[int]]]:
+    """A copy of ``clean`` with ``damage`` made of valid-looking values in shard 0, resealed; and
+    contexts that read it, with others."""
     tokens, sa = clean.shards[0]
-    path = copy_index(clean, tmp_path / damage)
+    path = copy_index(clean, into)
     ranks = [int(np.searchsorted(tokens[tokens.shape[0] - 1 - sa], t)) for t in (3, 700)]  # far apart in order
     if damage == "swap":
         set_entry(path, "sa", 0, ranks[0], int(sa[ranks[1]]))
@@ -355,9 +368,26 @@ def test_structural_check_finds_in_range_damage(clean_indexes, tmp_path, damage,
     else:
         set_entry(path, "tokens", 0, 0, 5)
     reseal(path)
-    contexts = contexts_at_ranks(clean, 0, ranks) + clean.docs[:20]
-    [result] = run_drafts([{"path": str(path), "contexts": contexts}], tmp_path)
-    assert_safe_outcome(result, {"path": str(path)}, clean.vocab_size)
+    return path, contexts_at_ranks(clean, 0, ranks) + clean.docs[:20]
+
+
+@pytest.fixture(scope="module")
+def in_range_drafts(clean_indexes, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Every ``IN_RANGE_DAMAGE`` case's index and ``draft_each``'s result for it, drafted in one
+    subprocess."""
+    tmp = tmp_path_factory.mktemp("in-range")
+    cases = {damage: damaged_in_range(clean_indexes["u2"], tmp / damage, damage) for damage, _ in IN_RANGE_DAMAGE}
+    results = run_drafts([{"path": str(path), "contexts": contexts} for path, contexts in cases.values()], tmp)
+    return {damage: (path, result) for (damage, (path, _)), result in zip(cases.items(), results, strict=True)}
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("damage, message", IN_RANGE_DAMAGE)
+def test_structural_check_finds_in_range_damage(clean_indexes, in_range_drafts, damage, message):
+    """Damage made of valid-looking values: drafting stays safe (well-formed trees or a clear
+    error), and the structural check at open names it (``damaged_in_range``, ``in_range_drafts``)."""
+    path, result = in_range_drafts[damage]
+    assert_safe_outcome(result, {"path": str(path)}, clean_indexes["u2"].vocab_size)
     with pytest.raises(fmt.IndexCorruptError, match=message):
         Datastore.open(path, check=True)
 

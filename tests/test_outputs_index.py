@@ -1,7 +1,9 @@
 """The model's own corpus as an index, and several indexes answering as one.
 
-``build_index --corpus outputs:DIR`` runs as a subprocess on a real durable output store (written
-through ``OutputStore.add``) and a real tokenizer; its oracle is the store's records, in order.
+``build_index --corpus outputs:DIR`` runs on a real durable output store (written through
+``OutputStore.add``) and a real tokenizer: where it fails or warns, as a process of its own, whose
+stderr is checked; a build that must succeed through its ``main`` in this process. Its oracle is
+the store's records, in order.
 The union's oracle is one index built from the documents of all its parts.
 """
 
@@ -27,7 +29,7 @@ from rest_spec.datastore.outputs import OutputStore, OutputStoreError, open_outp
 from rest_spec.drafter.core.local import LocalDrafter
 from rest_spec.drafter.core.sources import open_datastore
 from tests.helpers import write_index
-from tests.test_build_cli import leftovers, run_cli
+from tests.test_build_cli import built, leftovers, run_cli
 from tests.tiers import examples
 
 VOCAB = 64  # the word-level tokenizer's ids: "[UNK]" = 0, "t1" .. "t63"
@@ -104,7 +106,6 @@ def test_read_outputs_is_the_records_in_order_without_a_lock_or_a_write(tmp_path
 
 
 @pytest.mark.build
-@pytest.mark.cli
 def test_outputs_index_holds_the_records_in_order_and_drafts_their_continuation(tmp_path, word_tokenizer):
     from transformers import AutoTokenizer
 
@@ -112,10 +113,8 @@ def test_outputs_index_holds_the_records_in_order_and_drafts_their_continuation(
     fill_store(directory, OUTPUTS)
     before = files_of(directory)
     with OutputStore(10**6, directory):  # a server still holds the store: the build reads beside it
-        out = run_cli("--corpus", f"outputs:{directory}", "--tokenizer", word_tokenizer, "--skip-last", 2,
-                      "--out", tmp_path / "idx", "--json", cwd=tmp_path)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
+        summary = built("--corpus", f"outputs:{directory}", "--tokenizer", word_tokenizer, "--skip-last", 2,
+                        "--out", tmp_path / "idx", cwd=tmp_path)  # fmt: skip
     assert files_of(directory) == before
 
     assert documents(tmp_path / "idx") == OUTPUTS[:-2]
@@ -134,9 +133,8 @@ def test_outputs_index_holds_the_records_in_order_and_drafts_their_continuation(
         tree = store.draft([20, 21, 5, 6], DraftConfig(budget=16, max_depth=4, n_min=2))
     assert tree.match_len == 4 and path_in_tree(tree, [22, 23, 24, 25])
 
-    out = run_cli("--corpus", f"outputs:{directory}", "--tokenizer", word_tokenizer, "--max-docs", 2,
-                  "--out", tmp_path / "first", cwd=tmp_path)  # fmt: skip
-    assert out.returncode == 0, out.stderr
+    built("--corpus", f"outputs:{directory}", "--tokenizer", word_tokenizer, "--max-docs", 2,
+          "--out", tmp_path / "first", cwd=tmp_path)  # fmt: skip
     assert documents(tmp_path / "first") == OUTPUTS[:2]
 
 

