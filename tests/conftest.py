@@ -19,7 +19,9 @@ other environments after them.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -341,6 +343,27 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session fixtures (a module's reference outputs, the model) run before any test's autouse
     fixture, and at torch's default threads they cost 1.7-2x the CPU seconds under pytest-xdist."""
     set_one_torch_thread()
+
+
+@pytest.fixture
+def command(capsys, monkeypatch):
+    """``command(main, argv, stdin="")``: a command's ``main`` run in this process (torch and
+    transformers already imported, one torch thread), where what is tested is the command and not a
+    new interpreter; ``argv``'s items as strings, ``stdin`` its standard input. Its exit status,
+    stdout and stderr. The command sets the level of the project's loggers; it is put back after
+    the test."""
+    project = logging.getLogger("rest_spec")
+    level = project.level
+
+    def run(main, argv, stdin: str = "") -> tuple[int, str, str]:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        capsys.readouterr()
+        status = main([str(arg) for arg in argv])
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    yield run
+    project.setLevel(level)
 
 
 @pytest.fixture(autouse=True)

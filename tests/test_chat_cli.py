@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import re
 
 import pytest
@@ -51,25 +50,6 @@ def conversation(smollm2):
         replies.append(greedy_reply(model, tokenizer, messages))
         messages.append({"role": "assistant", "content": replies[-1][0]})
     return replies
-
-
-@pytest.fixture
-def command(capsys, monkeypatch):
-    """``command(main, argv, stdin="")``: a command's ``main`` run in this process (torch and
-    transformers already imported, one torch thread) on ``stdin``; its exit status, stdout and
-    stderr. The command sets the level of the project's loggers; it is put back after the test."""
-    project = logging.getLogger("rest_spec")
-    level = project.level
-
-    def run(main, argv: list[str], stdin: str = "") -> tuple[int, str, str]:
-        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-        capsys.readouterr()
-        status = main(argv)
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    yield run
-    project.setLevel(level)
 
 
 def test_chat_streams_replies_keeps_history_and_reports(stdlib_index, conversation, command):

@@ -4,7 +4,6 @@ the real SmolLM2 model drafting from it, local and remote, identical to `model.g
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -41,24 +40,16 @@ def server_address(stdlib_server):
 
 
 @pytest.fixture
-def rest_generate(capsys, monkeypatch):
-    """``rest-generate``'s ``main`` in this process (torch and transformers already imported, one
-    torch thread as a command run with ``ONE_THREAD`` has): ``rest_generate(*argv, cache=DIR)`` is its
-    exit status, stdout and stderr, with ``$REST_CACHE_DIR`` set to ``cache`` where given. The
-    command sets the level of the project's loggers; it is put back after the test."""
-    project = logging.getLogger("rest_spec")
-    level = project.level
+def rest_generate(command, monkeypatch):
+    """``rest_generate(*argv, cache=DIR)``: ``rest-generate``'s ``main`` in this process (conftest's
+    ``command``), with ``$REST_CACHE_DIR`` set to ``cache`` where given."""
 
-    def run(*argv: str, cache=None) -> tuple[int, str, str]:
+    def run(*argv, cache=None) -> tuple[int, str, str]:
         if cache is not None:
             monkeypatch.setenv("REST_CACHE_DIR", str(cache))
-        capsys.readouterr()
-        status = rest_generate_main([str(arg) for arg in argv])
-        out, err = capsys.readouterr()
-        return status, out, err
+        return command(rest_generate_main, argv)
 
-    yield run
-    project.setLevel(level)
+    return run
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the refusals. Skipped where llama-cpp-python is not installed (the ``llama`` ext
 from __future__ import annotations
 
 import json
-import logging
 import signal
 
 import numpy as np
@@ -264,22 +263,12 @@ def test_rest_llama_checks_and_attaches(index, prompts, references, cost, tmp_pa
 
 
 @pytest.fixture
-def rest_generate(capsys):
-    """``rest-generate ARGS`` (``python -m rest_spec.drafter``): its ``main`` in this process, what
-    is tested being the command, not a new interpreter importing torch; (status, stdout, stderr).
-    The level it sets on the project's loggers is put back."""
+def rest_generate(command):
+    """``rest-generate ARGS`` (``python -m rest_spec.drafter``): its ``main`` in this process
+    (conftest's ``command``); (status, stdout, stderr)."""
     from rest_spec.drafter.cli.rest_generate import main
 
-    project = logging.getLogger("rest_spec")
-    level = project.level
-
-    def run(*args: str) -> tuple[int, str, str]:
-        status = main(list(args))
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    yield run
-    project.setLevel(level)
+    return lambda *args: command(main, args)
 
 
 def test_the_cli_runs_llama_cpp_with_and_without_drafts(index, rest_generate):
