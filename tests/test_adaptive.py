@@ -4,6 +4,11 @@ output identical to plain greedy decoding (tiny random models, and SmolLM2 on th
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +31,7 @@ KEY = CostKey("synthetic", "", 0, "test", "float32")
 CPU_COST = VerifyCost(KEY, 512, (1, 2, 4, 8, 16, 32, 64), (1.0, 1.15, 1.4, 1.9, 2.0, 2.5, 4.0))
 PROHIBITIVE = VerifyCost(KEY, 512, (1, 2), (1.0, 100.0))  # one extra token costs 100 steps: nothing pays
 CONFIG = DraftConfig(budget=64, max_depth=10)
+REPO = Path(__file__).resolve().parents[1]
 
 # index documents (token ids < MODEL_VOCAB): after (1, 2) come 3 4 5 / 3 4 6 / 7 8
 DOCS = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [9, 1, 2, 7, 8], list(range(20, 60))]
@@ -367,3 +373,65 @@ def test_sampled_rows_learn_source_weights_of_their_own_and_greedy_ones_keep_the
     generate(model, prompt, drafter, max_new_tokens=24)
     assert drafter.calibration.predicted.sum() > 0
     np.testing.assert_array_equal(drafter.calibrations[setting_class(0.7)].predicted, learned)
+
+
+WARM_UP_SCRIPT = """
+import importlib, json, sys
+from rest_spec.common.types import DraftConfig
+from rest_spec.drafter.core.adaptive import AdaptiveDrafter
+from rest_spec.drafter.core.batch_cost import BatchCost
+from rest_spec.drafter.core.local import LocalDrafter
+from rest_spec.drafter.core.scheduler import NO_OVERLAP, DraftScheduler
+from rest_spec.drafter.core.suffix_cache import available
+
+MODULES = ("datastore.index", "datastore.bigram", "datastore.trie", "drafter.core.batch_step",
+           "drafter.core.merge", "drafter.core.request_matcher", "drafter.core.selection")
+
+def loaded():
+    kernels = {}
+    for name in MODULES:
+        module = importlib.import_module("rest_spec." + name)
+        for attr, value in vars(module).items():
+            if hasattr(value, "signatures") and hasattr(value, "py_func"):  # a numba dispatcher
+                kernels[f"{name}.{attr}"] = len(value.signatures)
+    return kernels
+
+config = DraftConfig(max_depth=8)
+base = LocalDrafter.open(sys.argv[1])
+sources = ("index", "request", "outputs", "suffix") if available() else ("index", "request", "outputs")
+drafter = AdaptiveDrafter(base, cost=BatchCost(), config=config, sources=sources, chains=True)
+before = loaded()
+drafter.warm_up()
+warm = loaded()
+base.add_output([1, 2, 3, 4, 5, 1, 2, 3])
+scheduler = DraftScheduler(drafter, config, NO_OVERLAP)
+context = [9, 1, 2]
+for step in range(80):  # past the counting's batch of verified trees (COUNT_EVERY)
+    [tree] = scheduler.step([context], ["r"], step_seconds=None if step == 0 else 0.05)
+    context += [int(tree.tokens[0]) if len(tree) else 3, step % 7 + 1]
+print(json.dumps([before, warm, loaded()]))
+"""
+
+
+@pytest.mark.cli
+def test_warm_up_loads_every_kernel_a_step_runs(index):
+    """In a fresh process (a vLLM engine's), ``warm_up`` loads every compiled kernel that drafting
+    steps then run -- the sources', the request's match, the merge, its counting, the batch step --
+    so none is loaded during a request (~70 ms each on a 2-core CPU: ~0.5 s in an engine's first
+    steps before ``RestProposer.load_model`` called it)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", WARM_UP_SCRIPT, str(index)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, warm, after = json.loads(proc.stdout)
+    assert not any(before.values())  # a fresh process: nothing loaded yet
+    assert after == warm  # the steps loaded nothing more
+    used = {name for name, count in after.items() if count}
+    # the steps ran the index's, the store's and the request's matches, the merge and its counting
+    assert {
+        "datastore.index._draft_rows",
+        "datastore.bigram._draft_rows",
+        "drafter.core.request_matcher._request_rows",
+        "drafter.core.batch_step._merge_rows",
+        "drafter.core.merge._calibrate",
+    } <= used

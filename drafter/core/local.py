@@ -113,6 +113,12 @@ class LocalDrafter(DraftSource):
         """``OutputStore.read`` of the store of outputs (of the fleet's copy, with a mirror)."""
         return None if self.outputs is None else self.outputs.read(from_seq, max_tokens)
 
+    def warm_up(self) -> float:
+        """The index's kernels for its dtypes (``Datastore.warm_up``) and the store of outputs'."""
+        from rest_spec.datastore import bigram
+
+        return self.datastore.warm_up() + (0.0 if self.outputs is None else bigram.compile_kernels())
+
     def info(self) -> IndexInfo:
         return self.datastore.info()
 

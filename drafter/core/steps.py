@@ -123,6 +123,12 @@ class DraftSource:
         Default: none."""
         return None
 
+    def warm_up(self) -> float:
+        """Load the compiled kernels this source's drafts run in this process (numba loads each
+        from its on-disk cache at its first call), so that its first draft costs what any other
+        does; the seconds it took. Default: none to load."""
+        return 0.0
+
 
 class PlainSource(DraftSource):
     """A ``Drafter`` that declares no capabilities, given the defaults."""

@@ -96,6 +96,7 @@ def load_parts(
         drafter = AdaptiveDrafter(
             drafter, cost=load_or_measure(loaded), config=config, cache_healed=True, memory=memory
         )
+        drafter.warm_up()  # its kernels loaded with the model, not in the first request
     return tokenizer, loaded, drafter
 
 

@@ -234,6 +234,7 @@ class RestDraftModel(LlamaDraftModel):
             self.adaptive = AdaptiveDrafter(
                 self.drafter, cost=corrected, chains=True, cache_healed=cached, **self._options
             )
+            self.adaptive.warm_up()  # its kernels loaded with the model, not in the first request
             # no overlap: llama.cpp's threads take every core while it evaluates
             self.scheduler = DraftScheduler(self.adaptive, self.config, OverlapConfig(enabled=False), cost.seconds[0])
         else:
