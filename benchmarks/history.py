@@ -23,6 +23,9 @@ order, then each held-out request's output once it finished):
   ``drafter.core.suffix_cache``, its cache of responses fed from the fleet's store of outputs);
 - ``rest-no-index``: the same without the index (the request and the store only: suffix's sources);
 - ``rest-outputs``: the store of outputs alone;
+- ``rest-index-suffix``, ``rest-no-request``, ``rest-no-outputs``: ``rest`` with the index and suffix's
+  matcher only, without the request's own text, without the store of outputs: what suffix's matcher
+  leaves each of REST's own sources to add (2026-12-08: each still adds, ``notes/versus-suffix.md``);
 - ``rest-raw``: ``rest`` with its chains scored by the merge alone (no ``ChainCalibration``), as
   before 2026-12-06: what the calibration of the chains changes;
 - ``rest-own``: ``rest`` with the model's own corpus (``--own-index``, built by
@@ -84,7 +87,18 @@ from rest_spec.common.tokenizer import load_tokenizer
 
 log = logging.getLogger("benchmarks.history")
 SETS = ("code", "chat")  # benchmarks.fleet's streams
-DRAFTERS = ("suffix", "rest", "rest-no-suffix", "rest-no-index", "rest-outputs", "rest-own", "rest-raw")
+DRAFTERS = (
+    "suffix",
+    "rest",
+    "rest-no-suffix",
+    "rest-no-index",
+    "rest-outputs",
+    "rest-index-suffix",
+    "rest-no-request",
+    "rest-no-outputs",
+    "rest-own",
+    "rest-raw",
+)
 
 
 def tuning_split(warm: list[list[int]], tune: int) -> tuple[list[list[int]], list[list[int]]]:

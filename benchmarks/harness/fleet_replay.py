@@ -29,6 +29,9 @@ from rest_spec.drafter.core.steps import draft_step
 REST_SOURCES = {
     "rest": ("index", "request", "outputs", "suffix"),
     "rest-no-suffix": ("index", "request", "outputs"),
+    "rest-index-suffix": ("index", "suffix"),
+    "rest-no-request": ("index", "outputs", "suffix"),
+    "rest-no-outputs": ("index", "request", "suffix"),
     "rest-raw": ("index", "request", "outputs", "suffix"),
     "rest-own": ("index", "request", "outputs", "suffix"),
     "rest-no-index": ("request", "outputs"),
