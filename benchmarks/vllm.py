@@ -124,7 +124,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--modes",
         type=comma_list(MODES),
         default=",".join(MODES),
-        help="comma-separated, of %(default)s (plain always runs, first and last)",
+        help="comma-separated, of %(default)s, run in the order given (plain always runs, first and last): a second "
+        "run in the reverse order brackets the machine's drift",
     )
     p.add_argument("--k", type=int, default=8, help="REST's and suffix's num_speculative_tokens (default: %(default)s)")
     p.add_argument(
@@ -164,7 +165,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_sampling_arguments(p, beside_greedy=False)
     args = p.parse_args(argv)
     (args.decoding,) = decoding_arguments(p, args)
-    args.modes = [m for m in MODES if m in args.modes or m == "plain"]  # plain is the reference
+    args.modes = ["plain", *[m for m in dict.fromkeys(args.modes) if m != "plain"]]  # plain is the reference
     if min(args.concurrency) < 1 or args.k < 1:
         p.error("--k and every --concurrency must be positive")
     if args.tune_prompts < 0:

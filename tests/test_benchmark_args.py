@@ -53,6 +53,8 @@ def test_the_shared_options_read_as_each_benchmark_declares_them():
     args = e2e.parse_args(["--prompts", "3", "--max-new-tokens", "16", "--sets", "sharegpt"])
     assert (args.prompts, args.max_new_tokens, args.sets) == (3, 16, ["sharegpt"])
     assert vllm.parse_args([]).sets == list(vllm.DEFAULT_SETS) and vllm.parse_args([]).max_new_tokens == 128
+    assert vllm.parse_args([]).modes == list(vllm.MODES)
+    assert vllm.parse_args(["--modes", "rest,suffix,rest"]).modes == ["plain", "rest", "suffix"]  # as given
     assert fleet.parse_args([]).sets == ["code", "chat"]
     replay = history.parse_args(["--sets", "chat", "--warmup", "500,0", "--replicas", "4,1", "--drafters", "rest"])
     assert (replay.sets, replay.warmup, replay.replicas, replay.drafters) == (["chat"], [0, 500], [1, 4], ["rest"])
