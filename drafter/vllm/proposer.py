@@ -345,7 +345,7 @@ class RestProposer:
         proposer: which request each row is, which requests ended (``drafter.vllm.shim``), and
         load drafting's compiled kernels now, with the model (``AdaptiveDrafter.warm_up``): left
         to the first steps, they cost the first request ~0.5 s on a 2-core CPU, where a 128-token
-        reply takes 2-4 s."""
+        reply takes 5-9 s."""
         from rest_spec.drafter.vllm.shim import RunnerLink, check_expand, faster_verification_sampling
 
         check_expand()
@@ -353,7 +353,8 @@ class RestProposer:
             faster_verification_sampling()
         if self.drafting:
             self._link = RunnerLink.find(self, self.finished)
-            log.info("REST proposer: drafting's kernels loaded in %.2f s", self.adaptive.warm_up())
+            seconds = self.adaptive.warm_up()
+            log.info("REST proposer: drafting's kernels loaded in %.2f s", seconds)
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, *args, **kwargs) -> list[list[int]]:
         """One chain per batch row (``[]``: no draft), at most k tokens each."""
